@@ -1,0 +1,1 @@
+"""Host-side serving: requests, the runner bridge, and (later) the scheduler."""

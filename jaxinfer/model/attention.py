@@ -1,0 +1,96 @@
+"""Attention metadata, the paged KV cache pytree, and the attention block.
+
+The KV cache is a list with one array per layer, each [P, K, 2G, H] with K and
+V interleaved on the combined-head axis (K at even, V at odd), the layout of
+JAX's `ref_ragged_paged_attention`. Page 0 is the trash page that padding
+tokens write into. Imports jax, jaxinfer.config, jaxinfer.pallas, layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import layers
+from jaxinfer.pallas import reference
+
+KVCache = list[jax.Array]  # L x [P, K, 2G, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens sit: ragged requests over the paged KV cache."""
+
+    positions: jax.Array  # i32[T]: position of each token in its request
+    slot_mapping: jax.Array  # i32[T]: page * K + offset to write K/V; padding -> page 0
+    page_indices: jax.Array  # i32[S, pages_per_seq]: page table
+    kv_lens: jax.Array  # i32[S]: KV length of each request including this step
+    cu_q_lens: jax.Array  # i32[S + 1]: prefix sums of tokens per request
+    num_seqs: jax.Array  # i32[1]: requests in use; the rest of S is padding
+    logits_indices: jax.Array  # i32[R]: token rows whose logits are returned
+
+
+def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
+                  dtype: jnp.dtype = jnp.float32) -> KVCache:
+    """Zeroed cache: L arrays of [P, K, 2G, H]."""
+    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+    return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
+
+
+def attention_block(
+    layer: dict[str, jax.Array],
+    x: jax.Array,  # f32[T, D], already normed
+    kv_pages: jax.Array,  # [P, K, 2G, H]
+    md: AttentionMetadata,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
+    tokens = x.shape[0]
+    q = layers.linear(x, layer["wq"], layer.get("bq"))
+    k = layers.linear(x, layer["wk"], layer.get("bk"))
+    v = layers.linear(x, layer["wv"], layer.get("bv"))
+    q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    inv_freq = layers.rope_inv_freq(cfg)
+    q = layers.apply_rope(q, md.positions, inv_freq)
+    k = layers.apply_rope(k, md.positions, inv_freq)
+    kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
+    out = reference.ragged_paged_attention(
+        q.astype(kv_pages.dtype), kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
+        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
+    return layers.linear(out, layer["wo"]), kv_pages
+
+
+def dense_causal_attention(
+    layer: dict[str, jax.Array],
+    x: jax.Array,  # f32[B, T, D], already normed
+    cfg: ModelConfig,
+) -> jax.Array:
+    """Full causal self-attention without a cache (training, reference checks)."""
+    batch, tokens, _ = x.shape
+    q = layers.linear(x, layer["wq"], layer.get("bq")).reshape(
+        batch, tokens, cfg.num_heads, cfg.head_dim)
+    k = layers.linear(x, layer["wk"], layer.get("bk")).reshape(
+        batch, tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = layers.linear(x, layer["wv"], layer.get("bv")).reshape(
+        batch, tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    inv_freq = layers.rope_inv_freq(cfg)
+    positions = jnp.arange(tokens, dtype=jnp.int32)
+    rope = jax.vmap(lambda t: layers.apply_rope(t, positions, inv_freq))
+    dtype = layer["wq"].dtype
+    out = jax.nn.dot_product_attention(
+        rope(q).astype(dtype), rope(k).astype(dtype), v.astype(dtype), is_causal=True,
+        local_window_size=None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0))
+    return layers.linear(out.reshape(batch, tokens, -1), layer["wo"])

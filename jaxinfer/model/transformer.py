@@ -1,0 +1,98 @@
+"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions.
+
+Params are a dict pytree whose structure is fixed by the `ModelConfig`:
+  embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
+  layers: L dicts of attn_norm [D], wq [D, N*H], wk/wv [D, G*H], wo [N*H, D],
+  bq/bk/bv (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
+  w_gate/w_up [D, F], w_down [F, D].
+Linear weights are stored [in, out]. Imports jax, config, and model modules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import layers
+from jaxinfer.model.attention import (
+    AttentionMetadata,
+    KVCache,
+    attention_block,
+    dense_causal_attention,
+)
+
+Params = dict
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The shape of every parameter, in the params pytree structure."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
+    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+             "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if cfg.qkv_bias:
+        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    if cfg.qk_norm:
+        layer |= {"q_norm": (h,), "k_norm": (h,)}
+    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
+              "layers": [dict(layer) for _ in range(cfg.num_layers)]}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
+                std: float = 0.02) -> Params:
+    """Random init: normal(std) matrices, ones for norms, zeros for biases."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys, strict=True):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        elif len(shape) == 1:
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def forward(
+    params: Params,
+    kv_cache: KVCache,
+    token_ids: jax.Array,  # i32[T]
+    md: AttentionMetadata,
+    *,
+    cfg: ModelConfig,
+) -> tuple[KVCache, jax.Array]:
+    """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V])."""
+    x = layers.embed(params["embed"], token_ids)  # f32[T, D]
+    new_cache = []
+    for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
+        h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg)
+        x = x + attn
+        x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        new_cache.append(kv_pages)
+    return new_cache, compute_logits(params, x[md.logits_indices], cfg)
+
+
+def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V]."""
+    x = layers.embed(params["embed"], token_ids)
+    for layer in params["layers"]:
+        h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        x = x + dense_causal_attention(layer, h, cfg)
+        x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+    return compute_logits(params, x, cfg)
+
+
+def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and LM head (tied to the embedding when configured) -> f32[..., V]."""
+    x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return layers.linear(x, head)
