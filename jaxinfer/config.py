@@ -121,12 +121,14 @@ class ModelConfig:
 
 def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     archs = hf.get("architectures") or []
-    known = [a for a in archs if a in ARCHITECTURES]
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    if not archs and hf.get("model_type") in ARCHITECTURES.values():
+        known = [hf["model_type"]]
     if not known:
         raise ValueError(
             f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
             f"supported: {sorted(ARCHITECTURES)}")
-    arch = ARCHITECTURES[known[0]]
+    arch = known[0]
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
@@ -188,7 +190,7 @@ def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
 def load_preset(name_or_path: str) -> ModelConfig:
     """A `ModelConfig` from a TOML preset: a name in configs/ or a file path."""
     path = pathlib.Path(name_or_path)
-    if not path.suffix:
+    if path.suffix != ".toml":
         path = PRESET_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))

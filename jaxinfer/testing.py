@@ -12,9 +12,10 @@ import os
 import pathlib
 from typing import Any
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 256, 257, 258 after the bytes
+TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+            max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=256, eos_token_id=257)
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -50,4 +51,36 @@ def make_hf_model(path: str | os.PathLike, family: str, *, seed: int = 0,
             param.add_(0.05 * torch.randn_like(param))
     model.eval()
     model.save_pretrained(pathlib.Path(path))
+    write_byte_tokenizer(path)
     return model
+
+
+def write_byte_tokenizer(path: str | os.PathLike) -> None:
+    """A byte-level tokenizer without merges: ids 0-255 are bytes, then SPECIAL_TOKENS."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    root = pathlib.Path(path)
+    tok.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
+              "eos_token": SPECIAL_TOKENS[1], "pad_token": SPECIAL_TOKENS[2],
+              "clean_up_tokenization_spaces": False}
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _byte_of(char: str) -> int:
+    """The byte that GPT-2's byte-to-unicode table maps to `char`."""
+    code = ord(char)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    if code in printable:
+        return code
+    missing = [b for b in range(256) if b not in printable]
+    return missing[code - 256]

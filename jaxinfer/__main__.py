@@ -1,0 +1,5 @@
+"""`python -m jaxinfer ...` runs the CLI."""
+
+from jaxinfer.cli import run
+
+run()

@@ -1,0 +1,398 @@
+"""Text <-> token ids for a checkpoint directory: encode, decode, chat templates, streaming.
+
+`Tokenizer.from_dir` wraps the HF fast tokenizer in `tokenizer.json` and reads, when present,
+tokenizer_config.json (and the legacy special_tokens_map.json), generation_config.json,
+config.json and chat_template.jinja, reproducing what transformers does with them without
+importing it. Chat templates render in a jinja2 sandbox; nothing from a checkpoint is ever run
+as Python. `IncrementalDetokenizer` turns generated ids into text deltas that never split a
+UTF-8 character. Imports the standard library, `tokenizers` and `jinja2` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+import tokenizers
+
+logger = logging.getLogger(__name__)
+
+# Named special tokens that transformers passes to chat templates (its `special_tokens_map`).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
+# How many prompt tokens seed a detokenizer's window (vLLM's initial offset).
+PROMPT_SEED_TOKENS = 5
+# Over this many held ids with no complete character boundary are invalid UTF-8: emit them.
+MAX_HELD_TOKENS = 16
+REPLACEMENT_CHAR = "\ufffd"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class Tokenizer:
+    """An HF fast tokenizer plus the special tokens, stop ids and chat template of a checkpoint."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str],
+                 eos_token_ids: frozenset[int], bos_token_id: int | None,
+                 chat_template: str | None, name: str = "tokenizer") -> None:
+        self._backend = backend
+        self._special_tokens = dict(special_tokens)
+        self._name = name
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.bos_token: str | None = self._special_tokens.get("bos_token")
+        self.eos_token: str | None = self._special_tokens.get("eos_token")
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
+        """Loads `tokenizer.json` and the optional config files of an HF checkpoint directory."""
+        root = pathlib.Path(model_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {str(root)!r} does not exist")
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{str(root)!r} has no tokenizer.json (only HF fast tokenizers are supported)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+        tokenizer_config = _read_json(root / "tokenizer_config.json")
+        special_tokens_map = _read_json(root / "special_tokens_map.json")
+        special_tokens = _special_tokens(tokenizer_config, special_tokens_map)
+        _add_missing_special_tokens(backend, special_tokens)
+        generation_config = _read_json(root / "generation_config.json")
+        model_config = _read_json(root / "config.json")
+        template_path = root / "chat_template.jinja"
+        template_file = template_path.read_text("utf-8") if template_path.is_file() else None
+        tokenizer = cls(
+            backend,
+            special_tokens=special_tokens,
+            eos_token_ids=_eos_token_ids(backend, special_tokens, generation_config, model_config),
+            bos_token_id=_bos_token_id(backend, special_tokens, generation_config, model_config),
+            chat_template=_select_chat_template(root, tokenizer_config, template_file),
+            name=str(root),
+        )
+        logger.info("tokenizer %s: vocab_size=%d bos_token_id=%s eos_token_ids=%s", root,
+                    tokenizer.vocab_size, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
+        return tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size including added tokens."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; the tokenizer.json post-processor adds BOS/EOS as configured."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        ids = [int(t) for t in token_ids]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Renders `messages` with the checkpoint's chat template, as transformers does.
+
+        The template sees `messages`, `add_generation_prompt`, `tools=None`, `documents=None`,
+        the named special tokens (`bos_token`, `eos_token`, ...) and `kwargs`, which win.
+        Encode the result with `add_special_tokens=False`.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self._name} has no chat template (no 'chat_template' in tokenizer_config.json "
+                "and no chat_template.jinja); send a plain prompt instead of chat messages"
+            )
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty list of messages")
+        defaults = {**self._special_tokens, "tools": None, "documents": None}
+        try:
+            template = _compile_template(self.chat_template)
+            return template.render(messages=_prepare_messages(messages),
+                                   add_generation_prompt=add_generation_prompt,
+                                   **{**defaults, **_plain_data(kwargs)})
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template of {self._name} failed: {e}") from e
+
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming detokenizer for the ids generated after `prompt_token_ids`."""
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas, holding bytes back until a character completes.
+
+    vLLM's scheme: keep a window `_ids` whose first `_read_offset` ids were already emitted
+    (the prefix, kept for context such as sentencepiece's leading space), decode the prefix and
+    the whole window, and emit the difference unless the window ends in U+FFFD (an incomplete
+    UTF-8 character). After emitting, the old new ids become the prefix. Each call costs
+    O(window), not O(total). Seeded with the prompt's tail, the deltas add up to
+    `decode(prompt + generated)` minus `decode(prompt)`; unseeded, to `decode(generated)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        seed = prompt_token_ids[-PROMPT_SEED_TOKENS:]
+        self._ids: list[int] = [int(t) for t in seed]  # prefix (emitted) + held ids
+        self._read_offset = len(self._ids)
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Appends generated ids; returns the new text (may be "" while a character is pending)."""
+        self._ids.extend(int(t) for t in token_ids)
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix_text = self._decode(self._ids[: self._read_offset])
+        cut = len(self._ids)
+        text = self._decode(self._ids)
+        if text.endswith(REPLACEMENT_CHAR):
+            cut, text = self._complete_prefix(prefix_text)
+        if cut == self._read_offset or len(text) <= len(prefix_text):
+            return ""
+        delta = text[len(prefix_text) :]
+        del self._ids[: self._read_offset]
+        self._read_offset = cut - self._read_offset
+        self._chunks.append(delta)
+        return delta
+
+    def _complete_prefix(self, prefix_text: str) -> tuple[int, str]:
+        """(end, text) of the longest window prefix whose text grows and has no trailing U+FFFD.
+        (`_read_offset`, prefix_text) holds everything, unless over MAX_HELD_TOKENS ids are
+        pending: those are invalid UTF-8 and go out as they are. Runs only mid-character."""
+        end, held = len(self._ids), len(self._ids) - self._read_offset
+        for cut in range(end - 1, self._read_offset, -1):
+            text = self._decode(self._ids[:cut])
+            if not text.endswith(REPLACEMENT_CHAR) and len(text) > len(prefix_text):
+                return cut, text
+        if held > MAX_HELD_TOKENS:
+            logger.debug("emitting %d ids that do not decode to valid UTF-8", held)
+            return end, self._decode(self._ids)
+        return self._read_offset, prefix_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} if the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token given as a string or as an AddedToken dict {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _special_tokens(tokenizer_config: Mapping[str, Any],
+                    special_tokens_map: Mapping[str, Any]) -> dict[str, str]:
+    """Named special token strings; special_tokens_map.json wins when the tokenizer config has
+    no `added_tokens_decoder` (transformers' legacy rule)."""
+    merged = dict(tokenizer_config)
+    if "added_tokens_decoder" not in tokenizer_config:
+        merged.update(special_tokens_map)
+    tokens = {key: _token_content(merged.get(key)) for key in SPECIAL_TOKEN_KEYS}
+    return {key: token for key, token in tokens.items() if token is not None}
+
+
+def _add_missing_special_tokens(backend: tokenizers.Tokenizer,
+                                special_tokens: Mapping[str, str]) -> None:
+    """Adds named special tokens that are not in the vocab, as transformers does on load."""
+    missing = [t for t in dict.fromkeys(special_tokens.values()) if backend.token_to_id(t) is None]
+    if missing:
+        logger.warning("special tokens %s are not in tokenizer.json; adding them", missing)
+        backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
+
+
+def _config_ids(config: Mapping[str, Any], key: str, file: str) -> list[int]:
+    value = config.get(key)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{file} {key}={value!r} must be an int or a list of ints")
+    return values
+
+
+def _eos_token_ids(backend: tokenizers.Tokenizer, special_tokens: Mapping[str, str],
+        generation_config: Mapping[str, Any], model_config: Mapping[str, Any]) -> frozenset[int]:
+    ids = _config_ids(generation_config, "eos_token_id", "generation_config.json")
+    ids += _config_ids(model_config, "eos_token_id", "config.json")
+    if "eos_token" in special_tokens:
+        ids.append(backend.token_to_id(special_tokens["eos_token"]))
+    if not ids:
+        logger.warning("no eos token in the tokenizer or model configs; generation stops on length")
+    return frozenset(ids)
+
+
+def _bos_token_id(backend: tokenizers.Tokenizer, special_tokens: Mapping[str, str],
+        generation_config: Mapping[str, Any], model_config: Mapping[str, Any]) -> int | None:
+    if "bos_token" in special_tokens:
+        return backend.token_to_id(special_tokens["bos_token"])
+    ids = _config_ids(model_config, "bos_token_id", "config.json")
+    ids += _config_ids(generation_config, "bos_token_id", "generation_config.json")
+    return ids[0] if ids else None
+
+
+def _select_chat_template(root: pathlib.Path, tokenizer_config: Mapping[str, Any],
+                          template_file: str | None) -> str | None:
+    """chat_template.jinja, else tokenizer_config's `chat_template` (a string, or a list of
+    {"name", "template"} from which "default" is taken). The file wins, as in transformers."""
+    if template_file is not None:
+        return template_file
+    template = tokenizer_config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        logger.warning("%s: chat templates %s have no 'default'; ignoring them", root, list(named))
+        return None
+    raise ValueError(f"{root / 'tokenizer_config.json'} chat_template must be a string or a list")
+
+
+def _prepare_messages(messages: list[dict]) -> list[dict]:
+    """Plain copies of the messages without None values, reasoning under all its names."""
+    prepared = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        message = _plain_data({k: v for k, v in message.items() if v is not None})
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def _plain_data(value: Any) -> Any:
+    """`value` rebuilt from plain JSON types, so templates never reach a rich object's methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (str, int, float):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, Mapping):
+        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain_data(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return _plain_data(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson`: no HTML escaping, non-ASCII kept, optional indent."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates cannot set underscore-prefixed namespace attributes, got {name!r}"
+        )
+
+
+class _TemplateDict:
+    """The `dict` global without the type itself, so templates cannot reach its attributes."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's `namespace` refusing underscore attributes (as transformers' sandbox does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: `self` may be a key
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        super().__setitem__(name, value)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compiles a chat template in the environment transformers uses."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    return env.from_string(source)

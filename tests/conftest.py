@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random HF checkpoints per family, built once per session."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from jaxinfer import testing
+
+FAMILIES = tuple(testing.FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """family -> directory of a saved tiny HF model (with a byte tokenizer)."""
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(f"hf-{family}")
+        testing.make_hf_model(path, family, seed=i)
+        out[family] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_models(hf_model_dirs: dict[str, pathlib.Path]) -> dict:
+    """family -> the transformers model loaded back from its directory (float32, eager)."""
+    import torch
+    import transformers
+
+    return {family: transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+        for family, path in hf_model_dirs.items()}
