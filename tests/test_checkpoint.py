@@ -128,7 +128,8 @@ def test_error_unsupported_dtype_is_named(tmp_path, hf_model_dirs):
 
 def test_error_unexpected_tensor_is_named(tmp_path, hf_model_dirs):
     d = _copy(hf_model_dirs["llama"], tmp_path / "m")
-    _rewrite(d, lambda t: t.__setitem__("model.layers.9.mlp.up_proj.weight", t["model.norm.weight"]))
+    extra = "model.layers.9.mlp.up_proj.weight"
+    _rewrite(d, lambda t: t.__setitem__(extra, t["model.norm.weight"]))
     with pytest.raises(ValueError, match=r"unexpected tensor.*layers\.9"):
         checkpoint.load_params(d, checkpoint.load_config(d))
 
