@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PROMPT ?= import os\n\n\ndef read_lines(path):\n
 
 .PHONY: run test test-slow lint demo-model clean
 
@@ -18,7 +17,7 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 run: $(VENV)/.base
-	$(PY) -m jaxinfer generate --prompt="$$(printf '$(PROMPT)')" --max_tokens=64
+	$(PY) -m jaxinfer generate --max_tokens=64
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -16,7 +16,8 @@ FLAGS = flags.FLAGS
 COMMANDS = ("generate", "convert")
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax); default: bundled demo")
-flags.DEFINE_string("prompt", "def fibonacci(n):\n", "prompt text for `generate`")
+DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
+flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text for `generate`")
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top_k", 0, "top-k sampling (0 = off)")
