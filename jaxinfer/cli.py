@@ -16,7 +16,7 @@ FLAGS = flags.FLAGS
 COMMANDS = ("generate", "convert")
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax); default: bundled demo")
-DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
+DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text for `generate`")
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-GATHER_BYTES_PER_BLOCK = 128 * 1024 * 1024  # bound on KV gathered per token block
+GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
+KV_BLOCK_TOKENS = 128  # KV positions per step of the online-softmax loop
 
 
 def write_kv_pages(
@@ -70,7 +71,6 @@ def ragged_paged_attention(
     tokens, num_heads, head_dim = queries.shape
     _, page_size, combined, _ = kv_pages.shape
     num_slots, pages_per_seq = page_indices.shape
-    context = pages_per_seq * page_size
     token = jnp.arange(tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32)
     req = jnp.minimum(req, num_slots - 1)  # i32[T]
@@ -78,11 +78,14 @@ def ragged_paged_attention(
     q_len = cu_q_lens[req + 1] - q_start
     kv_len = jnp.where(token < cu_q_lens[num_seqs[0]], kv_lens[req], 0)  # padding: none
     q_pos = kv_len - q_len + token - q_start  # i32[T], position of the query in its KV
-    rows = page_indices[req]  # i32[T, pages_per_seq]
+    pages_per_block = min(pages_per_seq, max(1, KV_BLOCK_TOKENS // page_size))
+    padded = -(-pages_per_seq // pages_per_block) * pages_per_block
+    rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))[req]  # i32[T, padded]
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-                    k_scale=k_scale, v_scale=v_scale, num_kv_heads=combined // 2)
-    block = _token_block(tokens, context * combined * head_dim * kv_pages.dtype.itemsize)
+                    k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block)
+    kv_block_bytes = pages_per_block * page_size * combined * head_dim * 4
+    block = _token_block(tokens, kv_block_bytes)
 
     def attend_block(xs: tuple[jax.Array, ...]) -> jax.Array:
         return _attend_tokens(*xs, kv_pages, **settings)
@@ -107,10 +110,43 @@ def _token_block(tokens: int, bytes_per_token: int) -> int:
 
 def _attend_tokens(
     q: jax.Array,  # f[Tb, N, H]
-    rows: jax.Array,  # i32[Tb, pages_per_seq]
+    rows: jax.Array,  # i32[Tb, pages]: each token's page row, padded to whole KV blocks
     kv_len: jax.Array,  # i32[Tb]
     q_pos: jax.Array,  # i32[Tb]
     kv_pages: jax.Array,  # [P, K, 2G, H]
+    *,
+    pages_per_block: int,
+    mask_value: float,
+    **settings: float | int | None,
+) -> jax.Array:
+    """Online softmax over KV blocks, only as many blocks as the longest KV needs."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    qg = q.reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    block_tokens = pages_per_block * kv_pages.shape[1]
+    num_blocks = (jnp.max(kv_len) + block_tokens - 1) // block_tokens
+
+    def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        pages = jax.lax.dynamic_slice_in_dim(rows, b * pages_per_block, pages_per_block, 1)
+        pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        return _kv_block_update(carry, qg, kv_pages[pages], pos, kv_len, q_pos,
+                                mask_value=mask_value, **settings)
+
+    shape = qg.shape[:3]
+    init = (jnp.full(shape, mask_value, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qg.shape, jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # padding rows: 0
+    return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _kv_block_update(
+    carry: tuple[jax.Array, ...],  # running max f32[Tb, G, R], sum f32[Tb, G, R], acc
+    qg: jax.Array,  # f[Tb, G, R, H]
+    kv: jax.Array,  # [Tb, pages_per_block, K, 2G, H]
+    pos: jax.Array,  # i32[Cb]: KV positions of this block
+    kv_len: jax.Array,  # i32[Tb]
+    q_pos: jax.Array,  # i32[Tb]
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -118,29 +154,28 @@ def _attend_tokens(
     mask_value: float,
     k_scale: float | None,
     v_scale: float | None,
-    num_kv_heads: int,
-) -> jax.Array:
-    tokens, num_heads, head_dim = q.shape
-    kv = kv_pages[rows]  # [Tb, pages_per_seq, K, 2G, H]
-    kv = kv.reshape(tokens, -1, 2 * num_kv_heads, head_dim)  # [Tb, C, 2G, H]
-    pos = jnp.arange(kv.shape[1], dtype=jnp.int32)[None, :]  # [1, C]
-    present = pos < kv_len[:, None]  # [Tb, C]: slots holding real KV
-    k = _dequantize(kv[:, :, 0::2], k_scale, q.dtype)
-    v = _dequantize(kv[:, :, 1::2], v_scale, q.dtype)
-    v = jnp.where(present[:, :, None, None], v, 0)  # unused slots may hold NaN
-    qg = q.reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("tgrh,tcgh->tgrc", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale
+) -> tuple[jax.Array, ...]:
+    running_max, total, acc = carry
+    tokens, num_kv_heads, _, head_dim = qg.shape
+    kv = kv.reshape(tokens, -1, num_kv_heads, 2, head_dim)  # [Tb, Cb, G, 2, H]: K then V
+    k = _dequantize(kv[:, :, :, 0], k_scale, jnp.float32)
+    v = _dequantize(kv[:, :, :, 1], v_scale, jnp.float32)
+    present = pos[None, :] < kv_len[:, None]  # [Tb, Cb]: slots holding real KV
+    v = jnp.where(present[:, :, None, None], v, 0.0)  # unused slots may hold NaN
+    scores = jnp.einsum("tgrh,tcgh->tgrc", qg.astype(jnp.float32), k) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    visible = present & (pos <= q_pos[:, None])
+    visible = present & (pos[None, :] <= q_pos[:, None])
     if sliding_window is not None:
-        visible &= pos > q_pos[:, None] - sliding_window
-    scores = jnp.where(visible[:, None, None, :], scores, mask_value)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("tgrc,tcgh->tgrh", probs, v, preferred_element_type=jnp.float32)
-    out = jnp.where((kv_len > 0)[:, None, None, None], out, 0)
-    return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
+        visible &= pos[None, :] > q_pos[:, None] - sliding_window
+    visible = visible[:, None, None, :]
+    scores = jnp.where(visible, scores, mask_value)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+    scale = jnp.exp(running_max - new_max)
+    total = total * scale + probs.sum(axis=-1)
+    acc = acc * scale[..., None] + jnp.einsum("tgrc,tcgh->tgrh", probs, v)
+    return new_max, total, acc
 
 
 def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:

@@ -1,0 +1,100 @@
+"""Ragged paged attention on CPU: the jnp reference path under jit, decode batches.
+
+For each (requests, context) it times one decode step (one query token per
+request over its paged KV), computes the bytes the step must read (K and V of
+every attended token, plus queries and outputs) and the achieved GB/s, and
+puts it next to this machine's memory read bandwidth measured in the same run
+(a jitted sum over a 1 GiB array). Prints one JSON object.
+
+    python benchmarks/bench_attention.py [--requests=1,4,16,64] [--contexts=512,1024,2048,4096]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+
+flags.DEFINE_list("requests", ["1", "4", "16", "64"], "decode batch sizes")
+flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096"], "KV length of every request")
+flags.DEFINE_integer("num_heads", 32, "query heads (Llama-3-8B layer)")
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads")
+flags.DEFINE_integer("head_dim", 128, "head dim")
+flags.DEFINE_integer("page_size", 16, "tokens per page")
+flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "queries and KV dtype")
+flags.DEFINE_integer("repeats", 5, "timed calls per point (median reported)")
+FLAGS = flags.FLAGS
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(repeats: int) -> float:
+    """GB/s of a jitted float32 sum over 1 GiB: this machine's read bandwidth."""
+    data = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+    seconds = median_seconds(jax.jit(jnp.sum), data, repeats=repeats)
+    return data.nbytes / seconds / 1e9
+
+
+def decode_case(num_requests: int, context: int, dtype: jnp.dtype) -> tuple:
+    rng = np.random.default_rng(0)
+    pages_per_seq = context // FLAGS.page_size
+    num_pages = num_requests * pages_per_seq + 1
+    shape = (num_pages, FLAGS.page_size, 2 * FLAGS.num_kv_heads, FLAGS.head_dim)
+    kv_pages = jax.random.normal(jax.random.key(0), shape, dtype)
+    pages = rng.permutation(np.arange(1, num_pages)).reshape(num_requests, pages_per_seq)
+    queries = jnp.ones((num_requests, FLAGS.num_heads, FLAGS.head_dim), dtype)
+    kv_lens = jnp.full((num_requests,), context, jnp.int32)
+    cu_q_lens = jnp.arange(num_requests + 1, dtype=jnp.int32)
+    return (queries, kv_pages, kv_lens, jnp.asarray(pages, jnp.int32), cu_q_lens,
+            jnp.array([num_requests], jnp.int32))
+
+
+def bytes_read(num_requests: int, context: int, itemsize: int) -> int:
+    kv = num_requests * context * 2 * FLAGS.num_kv_heads * FLAGS.head_dim * itemsize
+    q_and_out = 2 * num_requests * FLAGS.num_heads * FLAGS.head_dim * itemsize
+    return kv + q_and_out
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    dtype = jnp.dtype(FLAGS.dtype)
+    bandwidth = memory_bandwidth(FLAGS.repeats)
+    attend = jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=FLAGS.head_dim ** -0.5, impl="reference"))
+    rows = []
+    for num_requests in map(int, FLAGS.requests):
+        for context in map(int, FLAGS.contexts):
+            args = decode_case(num_requests, context, dtype)
+            seconds = median_seconds(attend, *args, repeats=FLAGS.repeats)
+            moved = bytes_read(num_requests, context, dtype.itemsize)
+            rows.append({"requests": num_requests, "context": context,
+                         "ms": round(seconds * 1e3, 3), "mb_read": round(moved / 1e6, 1),
+                         "gb_per_s": round(moved / seconds / 1e9, 2),
+                         "fraction_of_bandwidth": round(moved / seconds / 1e9 / bandwidth, 3)})
+            del args
+    print(json.dumps({
+        "benchmark": "ragged_paged_attention decode, impl=reference, jit, CPU",
+        "backend": jax.default_backend(), "dtype": dtype.name,
+        "shape": {"num_heads": FLAGS.num_heads, "num_kv_heads": FLAGS.num_kv_heads,
+                  "head_dim": FLAGS.head_dim, "page_size": FLAGS.page_size},
+        "memory_read_gb_per_s": round(bandwidth, 2), "repeats": FLAGS.repeats,
+        "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,143 @@
+"""Ragged paged attention: the one entry point, static input validation, dispatch.
+
+`ragged_paged_attention(...)` keeps the contract of JAX's
+`ref_ragged_paged_attention` and picks an implementation with `impl`:
+"tpu" (Mosaic kernel, `rpa_tpu.py`), "gpu" (Triton kernel, `rpa_gpu.py`),
+"reference" (`reference.py`, pure jnp), or "auto" (the kernel of the default
+backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
+kernel in interpret mode on CPU (the TPU kernel in the TPU interpreter, with
+out-of-bounds reads raising). Imports jax and the sibling modules only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.pallas import reference
+
+IMPLS = ("auto", "tpu", "gpu", "reference")
+KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
+QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def validate_inputs(
+    queries: jax.Array,  # f[T, N, H]
+    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> None:
+    """Trace-time checks of shapes, dtypes and settings; errors name the argument."""
+    if queries.ndim != 3:
+        raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
+    if kv_pages.ndim != 4:
+        raise ValueError(f"kv_pages must be [P, K, 2G, H], got shape {kv_pages.shape}")
+    tokens, num_heads, head_dim = queries.shape
+    _, _, combined, kv_head_dim = kv_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"kv_pages head_dim {kv_head_dim} != queries head_dim {head_dim}")
+    if combined % 2:
+        raise ValueError(f"kv_pages combined-head axis {combined} must be even (K and V)")
+    if num_heads % (combined // 2):
+        raise ValueError(f"queries heads {num_heads} must be a multiple of kv heads "
+                         f"{combined // 2} (kv_pages axis 2 is 2 * kv heads)")
+    if queries.dtype not in QUERY_DTYPES:
+        raise ValueError(f"queries dtype {queries.dtype} must be float32 or bfloat16")
+    if kv_pages.dtype not in KV_DTYPES:
+        raise ValueError(f"kv_pages dtype {kv_pages.dtype} must be one of "
+                         f"{[jnp.dtype(d).name for d in KV_DTYPES]}")
+    _validate_metadata(kv_lens, page_indices, cu_q_lens, num_seqs)
+    _validate_settings(kv_pages.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
+                       soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
+                       v_scale=v_scale)
+    del tokens
+
+
+def _validate_metadata(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                       num_seqs: jax.Array) -> None:
+    for name, array in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                        ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if array.dtype != jnp.int32:
+            raise ValueError(f"{name} dtype {array.dtype} must be int32")
+    if kv_lens.ndim != 1:
+        raise ValueError(f"kv_lens must be [S], got shape {kv_lens.shape}")
+    slots = kv_lens.shape[0]
+    if page_indices.ndim != 2 or page_indices.shape[0] != slots:
+        raise ValueError(f"page_indices must be [S={slots}, pages_per_seq], "
+                         f"got shape {page_indices.shape}")
+    if cu_q_lens.shape != (slots + 1,):
+        raise ValueError(f"cu_q_lens must be [S + 1 = {slots + 1}], got shape {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must be [1], got shape {num_seqs.shape}")
+
+
+def _validate_settings(kv_dtype: jnp.dtype, *, sm_scale: float, sliding_window: int | None,
+                       soft_cap: float | None, mask_value: float | None,
+                       k_scale: float | None, v_scale: float | None) -> None:
+    if not isinstance(sm_scale, int | float) or sm_scale <= 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive number")
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or sliding_window <= 0):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap!r} must be > 0 or None")
+    if mask_value is not None and not mask_value < 0:
+        raise ValueError(f"mask_value={mask_value!r} must be negative or None")
+    quantized = not jnp.issubdtype(kv_dtype, jnp.floating) or kv_dtype == jnp.float8_e4m3fn
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not scale > 0:
+            raise ValueError(f"{name}={scale!r} must be > 0 or None")
+        if quantized and scale is None:
+            raise ValueError(f"{name} is required for {jnp.dtype(kv_dtype).name} kv_pages")
+
+
+def resolve_impl(impl: str) -> str:
+    """The implementation `impl` names on this backend ("auto" resolved)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return {"tpu": "tpu", "gpu": "gpu"}.get(jax.default_backend(), "reference")
+
+
+def ragged_paged_attention(
+    queries: jax.Array,  # f[T, N, H]
+    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # f[T, N, H]
+    """Attention of each token over its own request's paged KV (see module doc)."""
+    settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                    mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+    args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, **settings)
+    chosen = resolve_impl(impl)
+    if chosen == "reference":
+        return reference.ragged_paged_attention(*args, **settings)
+    if chosen == "tpu":
+        from jaxinfer.pallas import rpa_tpu
+
+        return rpa_tpu.ragged_paged_attention(*args, **settings, interpret=interpret)
+    from jaxinfer.pallas import rpa_gpu
+
+    return rpa_gpu.ragged_paged_attention(*args, **settings, interpret=interpret)

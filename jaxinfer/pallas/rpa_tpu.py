@@ -1,0 +1,343 @@
+"""Ragged paged attention as a TPU (Mosaic) Pallas kernel.
+
+`ragged_paged_attention(...)` keeps the contract of JAX's `ref_ragged_paged_attention`
+(see `ragged_paged_attention.py`, which validates inputs and dispatches here). Imports
+only jax and numpy.
+
+Design. Two `pallas_call`s share one zero-initialised output through
+`input_output_aliases`: a prefill pass (requests with q_len > 1, query blocks of `bq`
+tokens) and then a decode pass (requests with q_len == 1, one token). Both have the grid
+(S, G): one program per (request slot, KV head), the other pass's requests and padding
+slots skipped with `pl.when` before any DMA. The program loops over its request's query
+blocks; a block holds the R = N / G query heads of each of its tokens that share KV head
+g, folded into bq * R rows (a decode token is R rows, never a padded token block).
+Page indices and lengths are scalar-prefetched into SMEM (page table flattened to 1-D).
+Queries, outputs and KV pages stay in HBM (`pl.ANY`) and move by manual DMA: per KV block
+(`pages_per_block` whole pages) the K and V rows of head g are copied into one of two
+VMEM slots, the next block's copy started before the current block is computed. The KV
+loop covers only the blocks the causal mask and the sliding window can see; an online
+softmax (running max, sum and accumulator in f32) combines them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# --- Tuning (block sizes only; nothing below assumes particular values) ---------------
+PREFILL_QUERY_ROWS = 128  # target query rows (tokens x R heads) per prefill block
+KV_BLOCK_TOKENS = 128  # target keys per KV block, rounded to whole pages
+# ---------------------------------------------------------------------------------------
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_F32_LOWEST = float(np.finfo(np.float32).min)
+
+
+def block_sizes(heads_per_kv: int, page_size: int, pages_per_seq: int) -> tuple[int, int]:
+    """(tokens per prefill query block, pages per KV block) from the tuning constants."""
+    q_block = max(1, PREFILL_QUERY_ROWS // heads_per_kv)
+    pages_per_block = min(pages_per_seq, max(1, KV_BLOCK_TOKENS // page_size))
+    return q_block, pages_per_block
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Config:
+    """Static settings of one pass (hashable: a `functools.partial` argument)."""
+
+    decode: bool  # the decode pass (q_len == 1) or the prefill pass (q_len > 1)
+    q_block: int  # tokens per query block (1 in the decode pass)
+    heads_per_kv: int  # R = N / G
+    page_size: int  # K
+    pages_per_block: int
+    pages_per_seq: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    mask_value: float
+    k_scale: float | None
+    v_scale: float | None
+
+    @property
+    def kv_block(self) -> int:
+        return self.pages_per_block * self.page_size
+
+
+class _Refs(NamedTuple):
+    kv_lens: Any  # SMEM i32[S]
+    page_table: Any  # SMEM i32[S * pages_per_seq]
+    queries: Any  # HBM f[T + bq, G, R, H]
+    kv_pages: Any  # HBM [P, K, 2G, H]
+    out: Any  # HBM f[T + bq, G, R, H]
+    q_buf: Any  # VMEM f[bq, R, H]
+    o_buf: Any  # VMEM f[bq, R, H]
+    k_buf: Any  # VMEM [2, kv_block, H]
+    v_buf: Any  # VMEM [2, kv_block, H]
+    kv_sems: Any  # DMA semaphores [2], one per KV slot
+    io_sems: Any  # DMA semaphores [2]: query copy, output copy
+
+
+class _Request(NamedTuple):
+    """Scalars of the request slot and KV head a program works on."""
+
+    slot: jax.Array
+    head: jax.Array
+    q_start: jax.Array
+    q_len: jax.Array
+    kv_len: jax.Array
+
+
+class _KeyRange(NamedTuple):
+    """Keys one query block can see: [lo, hi), both inside [0, kv_len)."""
+
+    lo: jax.Array
+    hi: jax.Array
+
+
+def ragged_paged_attention(
+    queries: jax.Array,  # f[T, N, H]
+    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:  # f[T, N, H]
+    """Attention of each token over its own request's paged KV (inputs pre-validated).
+
+    `interpret=True` runs in the TPU interpreter with out-of-bounds reads raising; an
+    `InterpretParams` is used as given (e.g. with `detect_races=True`).
+    """
+    tokens, num_heads, head_dim = queries.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    heads_per_kv = num_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    q_block, pages_per_block = block_sizes(heads_per_kv, page_size, pages_per_seq)
+    mask_value = DEFAULT_MASK_VALUE if mask_value is None else max(mask_value, _F32_LOWEST)
+    common = dict(heads_per_kv=heads_per_kv, page_size=page_size,
+                  pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
+                  sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+                  mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale)
+    # Token-major, heads grouped by KV head, `q_block` padding tokens at the end so a
+    # fixed-size block copy starting at any real token stays in bounds.
+    grouped = queries.reshape(tokens, num_kv_heads, heads_per_kv, head_dim)
+    grouped = jnp.pad(grouped, ((0, q_block), (0, 0), (0, 0), (0, 0)))
+    out = jnp.zeros_like(grouped)
+    scalars = (kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs)
+    for decode in (False, True):
+        cfg = _Config(decode=decode, q_block=1 if decode else q_block, **common)
+        out = _attention_pass(cfg, scalars, grouped, kv_pages, out, interpret=interpret)
+    return out[:tokens].reshape(tokens, num_heads, head_dim)
+
+
+def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.Array,
+                    kv_pages: jax.Array, out: jax.Array, *,
+                    interpret: bool | pltpu.InterpretParams) -> jax.Array:
+    """One pallas_call writing its requests' rows of `out` (aliased in place)."""
+    _, num_kv_heads, heads_per_kv, head_dim = grouped.shape
+    num_slots = scalars[0].shape[0]
+    block = (cfg.q_block, heads_per_kv, head_dim)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [
+        pltpu.VMEM(block, grouped.dtype),  # q_buf
+        pltpu.VMEM(block, grouped.dtype),  # o_buf
+        pltpu.VMEM((2, cfg.kv_block, head_dim), kv_pages.dtype),  # k_buf
+        pltpu.VMEM((2, cfg.kv_block, head_dim), kv_pages.dtype),  # v_buf
+        pltpu.SemaphoreType.DMA((2,)),  # kv_sems
+        pltpu.SemaphoreType.DMA((2,)),  # io_sems
+    ]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars), grid=(num_slots, num_kv_heads),
+        in_specs=[hbm, hbm, hbm], out_specs=hbm, scratch_shapes=scratch)
+    kernel = pl.pallas_call(
+        functools.partial(_kernel, cfg=cfg),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        grid_spec=grid_spec,
+        input_output_aliases={len(scalars) + 2: 0},  # `out` is updated in place
+        # "arbitrary" (sequential) on both axes: see the note on spills in `_query_block`.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=_interpret_params(interpret),
+        name="rpa_decode" if cfg.decode else "rpa_prefill",
+    )
+    return kernel(*scalars, grouped, kv_pages, out)
+
+
+def _interpret_params(interpret: bool | pltpu.InterpretParams) -> Any:
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
+
+
+def _kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_ref: Any,
+            q_hbm: Any, kv_hbm: Any, aliased_out: Any, o_hbm: Any, q_buf: Any, o_buf: Any,
+            k_buf: Any, v_buf: Any, kv_sems: Any, io_sems: Any, *, cfg: _Config) -> None:
+    """Program (request slot, KV head): every query block of the request, if ours."""
+    del aliased_out  # the same buffer as `o_hbm`
+    refs = _Refs(kv_lens_ref, page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, k_buf,
+                 v_buf, kv_sems, io_sems)
+    slot, head = pl.program_id(0), pl.program_id(1)
+    q_start = cu_q_lens_ref[slot]
+    q_len = cu_q_lens_ref[slot + 1] - q_start
+    ours = (q_len == 1) if cfg.decode else (q_len > 1)
+
+    @pl.when(jnp.logical_and(slot < num_seqs_ref[0], ours))
+    def _run() -> None:
+        req = _Request(slot, head, q_start, q_len, kv_lens_ref[slot])
+        num_blocks = 1 if cfg.decode else _cdiv(q_len, cfg.q_block)
+
+        def body(j: jax.Array, carry: int) -> int:
+            _query_block(refs, req, j, cfg)
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)
+
+
+def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None:
+    """Attention of query block j of `req` for one KV head, written to `refs.out`.
+
+    The copies move whole blocks of `q_block` tokens, so the last block of a request
+    may spill past its end: it reads later tokens' queries (or the padding at the end of
+    the queries) and writes zeros to those rows. That is safe because both grid axes are
+    sequential and rows only spill forward: any later request's rows are rewritten
+    afterwards by a later program of this pass or by the decode pass, and rows past the
+    last request are padding. Each output copy is awaited before the next one starts.
+    """
+    first = j * cfg.q_block  # index of the block's first token within the request
+    t0 = req.q_start + first
+    q_copy = pltpu.make_async_copy(refs.queries.at[pl.ds(t0, cfg.q_block), req.head],
+                                   refs.q_buf, refs.io_sems.at[0])
+    q_copy.start()
+    first_pos = req.kv_len - req.q_len + first  # KV position of the block's first query
+    hi = jnp.minimum(req.kv_len, first_pos + cfg.q_block)
+    lo = jnp.zeros_like(hi)
+    if cfg.sliding_window is not None:
+        lo = jnp.maximum(first_pos - cfg.sliding_window + 1, 0)
+    keys = _KeyRange(lo, hi)
+    kb_lo, kb_hi = lax.div(lo, cfg.kv_block), _cdiv(hi, cfg.kv_block)
+
+    @pl.when(kb_lo < kb_hi)
+    def _prefetch() -> None:
+        _kv_copies(refs, req, keys, kb_lo, 0, cfg, lambda c: c.start())
+
+    q_copy.wait()
+    q = _fold(refs.q_buf[...])  # f[bq * R, H], row = token * R + head
+
+    def body(kb: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        slot = lax.rem(kb - kb_lo, 2)
+
+        @pl.when(kb + 1 < kb_hi)
+        def _next() -> None:  # double buffering: fetch block kb + 1 while computing kb
+            _kv_copies(refs, req, keys, kb + 1, 1 - slot, cfg, lambda c: c.start())
+
+        _kv_copies(refs, req, keys, kb, slot, cfg, lambda c: c.wait())
+        return _online_softmax(q, refs.k_buf[slot], refs.v_buf[slot], carry,
+                               kb * cfg.kv_block, first_pos, keys, cfg)
+
+    rows, head_dim = q.shape
+    init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(kb_lo, kb_hi, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)
+    token = lax.div(lax.broadcasted_iota(jnp.int32, out.shape, 0), cfg.heads_per_kv)
+    out = jnp.where(token < req.q_len - first, out, 0.0)  # spilled rows -> zeros
+    refs.o_buf[...] = out.reshape(refs.o_buf.shape).astype(refs.o_buf.dtype)
+    o_copy = pltpu.make_async_copy(refs.o_buf, refs.out.at[pl.ds(t0, cfg.q_block), req.head],
+                                   refs.io_sems.at[1])
+    o_copy.start()
+    o_copy.wait()
+
+
+def _kv_copies(refs: _Refs, req: _Request, keys: _KeyRange, kb: jax.Array, slot: jax.Array,
+               cfg: _Config, action: Callable[[Any], None]) -> None:
+    """Start or wait for the copies of KV block kb (K and V of head g) into `slot`.
+
+    Only pages holding keys in [keys.lo, keys.hi) are copied; the rest of the slot keeps
+    stale data, which `_online_softmax` masks out (scores and V rows).
+    """
+    page_lo = lax.div(keys.lo, cfg.page_size)
+    page_hi = _cdiv(keys.hi, cfg.page_size)
+    for p in range(cfg.pages_per_block):
+        page = kb * cfg.pages_per_block + p
+
+        @pl.when(jnp.logical_and(page >= page_lo, page < page_hi))
+        def _copy() -> None:
+            physical = refs.page_table[req.slot * cfg.pages_per_seq + page]
+            rows = pl.ds(p * cfg.page_size, cfg.page_size)
+            for half, buf in ((0, refs.k_buf), (1, refs.v_buf)):
+                src = refs.kv_pages.at[physical, :, 2 * req.head + half, :]  # [K, H]
+                action(pltpu.make_async_copy(src, buf.at[slot, rows, :],
+                                             refs.kv_sems.at[slot]))
+
+
+def _online_softmax(
+    q: jax.Array,  # f[rows, H]
+    k: jax.Array,  # [kv_block, H]
+    v: jax.Array,  # [kv_block, H]
+    carry: tuple[jax.Array, ...],  # running max f32[rows, 1], sum f32[rows, 1], acc
+    kv_start: jax.Array,  # KV position of the block's first key
+    first_pos: jax.Array,  # KV position of the query block's first token
+    keys: _KeyRange,
+    cfg: _Config,
+) -> tuple[jax.Array, ...]:
+    """Fold one KV block into the running softmax of the query rows."""
+    m_prev, l_prev, acc_prev = carry
+    k = _dequantize(k, cfg.k_scale, q.dtype)
+    v = _dequantize(v, cfg.v_scale, q.dtype)
+    key_row = kv_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+    v = jnp.where((key_row >= keys.lo) & (key_row < keys.hi), v, 0)  # stale slots: NaN*0
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * cfg.sm_scale
+    if cfg.soft_cap is not None:
+        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    shape = s.shape
+    key_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    q_pos = first_pos + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), cfg.heads_per_kv)
+    visible = (key_pos <= q_pos) & (key_pos < keys.hi)
+    if cfg.sliding_window is not None:
+        visible &= key_pos > q_pos - cfg.sliding_window
+    s = jnp.where(visible, s, cfg.mask_value)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next)
+    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return m_next, l_next, alpha * acc_prev + pv
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+    """Ceil division of a non-negative scalar (lax.div: no sign fix-ups to lower)."""
+    return lax.div(a + (b - 1), b)
+
+
+def _fold(x: jax.Array) -> jax.Array:
+    """f[bq, R, H] -> f[bq * R, H] (through f32 when R splits packed rows)."""
+    tokens, heads, head_dim = x.shape
+    if tokens == 1:
+        return x.reshape(heads, head_dim)
+    packing = 4 // x.dtype.itemsize
+    if heads % packing:
+        return x.astype(jnp.float32).reshape(tokens * heads, head_dim).astype(x.dtype)
+    return x.reshape(tokens * heads, head_dim)
+
+
+def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
+    if scale is None:
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * scale).astype(dtype)

@@ -1,0 +1,63 @@
+"""One builder for ragged paged-attention test cases, shared by the kernel tests.
+
+`make_case(seq_lens=[(q_len, kv_len), ...])` lays the requests out over a
+permuted page pool whose unused pages and slots are NaN, with padding tokens
+and padding request slots, and returns the positional arguments of
+`ragged_paged_attention`. `check(out, ref, real, dtype)` compares real rows
+with the tolerance of `TOL[dtype]` and checks padding rows are finite.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+SCENARIOS = {
+    "decode_only": [(1, 17), (1, 64), (1, 1), (1, 33)],
+    "prefill_only": [(20, 20), (7, 7)],
+    "mixed": [(1, 40), (13, 13), (5, 50), (1, 16)],
+    "page_boundary": [(16, 32), (1, 17), (15, 48)],
+    "single_token_prefill": [(1, 1), (1, 1)],
+    "prefix_hit": [(9, 41), (1, 30)],
+}
+
+
+def make_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=32, page_size=16,
+              dtype=jnp.float32, kv_dtype=None, pad_tokens=5, pad_seqs=2, seed=0):
+    """Positional args (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)."""
+    rng = np.random.default_rng(seed + len(seq_lens) * 7 + num_heads)
+    pages_per_seq = max(-(-kv // page_size) for _, kv in seq_lens) + 1
+    num_slots = len(seq_lens) + pad_seqs
+    num_pages = num_slots * pages_per_seq + 1
+    kv_pages = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
+    order = rng.permutation(np.arange(1, num_pages))
+    page_indices = np.zeros((num_slots, pages_per_seq), np.int32)
+    for i, (_, kv_len) in enumerate(seq_lens):
+        used = -(-kv_len // page_size)
+        page_indices[i, :used] = order[i * pages_per_seq:i * pages_per_seq + used]
+        flat = rng.standard_normal((used * page_size, 2 * num_kv_heads, head_dim))
+        flat[kv_len:] = np.nan  # slots past the KV length are never read
+        kv_pages[page_indices[i, :used]] = flat.reshape(used, page_size, -1, head_dim)
+    q_lens = [q for q, _ in seq_lens]
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs])
+    tokens = sum(q_lens) + pad_tokens
+    queries = rng.standard_normal((tokens, num_heads, head_dim)).astype(np.float32)
+    kv_lens = np.array([kv for _, kv in seq_lens] + [0] * pad_seqs, np.int32)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if jnp.issubdtype(kv_dtype, jnp.integer):
+        kv_pages = np.clip(np.round(kv_pages * 32), -127, 127)  # NaN stays NaN -> cast below
+        kv_pages = np.where(np.isnan(kv_pages), 127, kv_pages)
+    return (jnp.asarray(queries, dtype), jnp.asarray(kv_pages, kv_dtype), jnp.asarray(kv_lens),
+            jnp.asarray(page_indices), jnp.asarray(cu_q_lens, jnp.int32),
+            jnp.array([len(seq_lens)], jnp.int32))
+
+
+def check(out, ref, real: int, dtype) -> None:
+    """Real rows match `ref` (rows [0, real)); padding rows are finite."""
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "NaN or inf in the output"
+    tol = TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(out[:real], np.asarray(ref, np.float32)[:real], atol=tol,
+                               rtol=tol)
