@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "llama3")
+ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/ragged_paged_attention
 PRESET_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -61,6 +62,8 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     max_position_embeddings: int = 2048
+    attention_impl: str = "auto"  # kernel choice; "auto": the backend's kernel or reference
+    attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -80,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"{self.sliding_window=} must be > 0 or None")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
 
     @property
     def num_query_groups(self) -> int:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.pallas import reference
+from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
 
 KVCache = list[jax.Array]  # L x [P, K, 2G, H]
 
@@ -63,9 +64,10 @@ def attention_block(
     q = layers.apply_rope(q, md.positions, inv_freq)
     k = layers.apply_rope(k, md.positions, inv_freq)
     kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
-    out = reference.ragged_paged_attention(
+    out = ragged_paged_attention(
         q.astype(kv_pages.dtype), kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        impl=cfg.attention_impl, interpret=cfg.attention_interpret)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
     return layers.linear(out, layer["wo"]), kv_pages
 

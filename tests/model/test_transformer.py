@@ -93,3 +93,19 @@ def test_forward_bfloat16_close_to_float32(hf_model_dirs, hf_models):
     ref = _hf_logits(hf_models["llama"], ids)
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+@pytest.mark.parametrize("impl", ["gpu", "tpu"])
+def test_forward_through_pallas_kernel_matches_transformers(impl, hf_model_dirs, hf_models):
+    """The model runs the chosen kernel (interpret mode) via one config field."""
+    import dataclasses
+
+    cfg = checkpoint.load_config(hf_model_dirs["qwen3"])
+    cfg = dataclasses.replace(cfg, attention_impl=impl, attention_interpret=True)
+    runner = Runner(cfg, checkpoint.load_params(hf_model_dirs["qwen3"], cfg), num_pages=8,
+                    page_size=PAGE_SIZE, max_model_len=32)
+    ids = _prompt(8, 12)
+    first = runner.logits([Chunk(ids[:10].tolist(), 0, [3, 5])])
+    second = runner.logits([Chunk(ids[10:].tolist(), 10, [3, 5])])
+    ours = np.concatenate([first, second])
+    assert np.abs(ours - _hf_logits(hf_models["qwen3"], ids)).max() < TOL
