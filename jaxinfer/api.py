@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxinfer import checkpoint
 from jaxinfer.engine.request import RequestOutput, SamplingParams
-from jaxinfer.engine.runner import Chunk, Runner
+from jaxinfer.engine.runner import Chunk, Runner, resolve_kv_dtype
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32",
                  max_model_len: int | None = None, page_size: int = 16,
-                 seed: int = 0) -> None:
+                 kv_cache_dtype: str = "auto", seed: int = 0) -> None:
         self.model_dir = pathlib.Path(model)
         self.config = checkpoint.load_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -46,7 +46,7 @@ class LLM:
         pages_per_seq = -(-self.max_model_len // page_size)
         self.runner = Runner(self.config, params, num_pages=1 + pages_per_seq,
                              page_size=page_size, max_model_len=self.max_model_len,
-                             kv_dtype=dtype)
+                             kv_dtype=resolve_kv_dtype(kv_cache_dtype, dtype))
         self._free_pages = list(range(1, 1 + pages_per_seq))  # page 0 is the trash page
         self._rng = np.random.default_rng(seed)
         self._next_id = 0

@@ -85,6 +85,19 @@ def sampling_inputs(params: Sequence[SamplingParams], counters: Sequence[int],
                           counters=np.array(list(counters) + [0] * pad, np.int32))
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV page dtype: "auto" is the weights' dtype, except float32 on CPU.
+
+    On XLA:CPU a bfloat16 page pool is upcast whole for every K/V write (see
+    pallas/reference.py), so float32 pages are much faster there.
+    """
+    if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"{kv_cache_dtype=} must be 'auto', 'float32' or 'bfloat16'")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "float32" if jax.default_backend() == "cpu" else dtype
+
+
 class Runner:
     """Device state (params, KV cache) and the compiled step functions."""
 

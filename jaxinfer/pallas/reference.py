@@ -10,6 +10,12 @@ end of its KV. It is vectorised: every token gathers the pages of its own
 request, in blocks of tokens sized to bound the gathered bytes, so any mix of
 prefill chunks and decode tokens runs in one call with no loop over requests.
 Rows past `cu_q_lens[num_seqs]` are padding and come back as zeros.
+
+Each token gathers its request's pages one KV block at a time inside a loop
+that runs only as far as the longest KV in the step (not the page table's
+width), with an online softmax in float32. On XLA:CPU keep the page pool in
+float32: a bf16 scatter is upcast over the whole pool, and a bf16 gather in
+the loop gets its convert hoisted into a whole-pool conversion, each call.
 """
 
 from __future__ import annotations
@@ -129,8 +135,9 @@ def _attend_tokens(
     def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         pages = jax.lax.dynamic_slice_in_dim(rows, b * pages_per_block, pages_per_block, 1)
         pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        return _kv_block_update(carry, qg, kv_pages[pages], pos, kv_len, q_pos,
-                                mask_value=mask_value, **settings)
+        kv = kv_pages[pages]  # [Tb, pages_per_block, K, 2G, H]
+        return _kv_block_update(carry, qg, kv, pos, kv_len, q_pos, mask_value=mask_value,
+                                **settings)
 
     shape = qg.shape[:3]
     init = (jnp.full(shape, mask_value, jnp.float32), jnp.zeros(shape, jnp.float32),
@@ -162,20 +169,22 @@ def _kv_block_update(
     v = _dequantize(kv[:, :, :, 1], v_scale, jnp.float32)
     present = pos[None, :] < kv_len[:, None]  # [Tb, Cb]: slots holding real KV
     v = jnp.where(present[:, :, None, None], v, 0.0)  # unused slots may hold NaN
-    scores = jnp.einsum("tgrh,tcgh->tgrc", qg.astype(jnp.float32), k) * sm_scale
+    # Scores as [Tb, G, Cb, R]: this operand order lowers to XLA:CPU's fast fused dot.
+    scores = jnp.einsum("tcgh,tgrh->tgcr", k, qg.astype(jnp.float32)) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = present & (pos[None, :] <= q_pos[:, None])
     if sliding_window is not None:
         visible &= pos[None, :] > q_pos[:, None] - sliding_window
-    visible = visible[:, None, None, :]
+    visible = visible[:, None, :, None]  # [Tb, 1, Cb, 1]
     scores = jnp.where(visible, scores, mask_value)
-    new_max = jnp.maximum(running_max, scores.max(axis=-1))
-    probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+    new_max = jnp.maximum(running_max, scores.max(axis=2))  # [Tb, G, R]
+    probs = jnp.where(visible, jnp.exp(scores - new_max[:, :, None, :]), 0.0)
     scale = jnp.exp(running_max - new_max)
-    total = total * scale + probs.sum(axis=-1)
-    acc = acc * scale[..., None] + jnp.einsum("tgrc,tcgh->tgrh", probs, v)
-    return new_max, total, acc
+    total = total * scale + probs.sum(axis=2)
+    # probs x V as a multiply-reduce over Cb: faster on CPU than a batched dot with R rows.
+    update = (probs.transpose(0, 2, 1, 3)[..., None] * v[:, :, :, None, :]).sum(axis=1)
+    return new_max, total, acc * scale[..., None] + update
 
 
 def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
