@@ -1,0 +1,76 @@
+"""The public entry point: dispatch by `impl`, and validators that name the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from cases import SCENARIOS, check, make_case
+
+from jaxinfer.pallas import reference
+from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention, resolve_impl
+
+
+def _args(**layout):
+    return list(make_case(SCENARIOS["mixed"], **layout))
+
+
+def test_auto_is_reference_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert resolve_impl("auto") == "reference"
+    args = _args()
+    out = ragged_paged_attention(*args, sm_scale=0.2)
+    check(out, reference.ragged_paged_attention(*args, sm_scale=0.2), 19, jnp.float32)
+
+
+def test_kernels_need_interpret_on_cpu():
+    with pytest.raises(Exception, match="(?i)interpret"):
+        jax.block_until_ready(ragged_paged_attention(*_args(), impl="gpu"))
+
+
+def test_unknown_impl_is_named():
+    with pytest.raises(ValueError, match="impl='cuda' must be one of"):
+        ragged_paged_attention(*_args(), impl="cuda")
+
+
+def _replace(index, value):
+    args = _args()
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize("index, value, message", [
+    (0, jnp.zeros((4, 8)), r"queries must be \[T, N, H\]"),
+    (0, jnp.zeros((24, 8, 16)), "kv_pages head_dim 32 != queries head_dim 16"),
+    (0, jnp.zeros((24, 7, 32)), "queries heads 7 must be a multiple of kv heads 2"),
+    (0, jnp.zeros((24, 8, 32), jnp.int32), "queries dtype int32 must be float32 or bfloat16"),
+    (1, jnp.zeros((9, 16, 4, 32), jnp.float16), "kv_pages dtype float16 must be one of"),
+    (1, jnp.zeros((9, 16, 3, 32)), "kv_pages combined-head axis 3 must be even"),
+    (1, jnp.zeros((9, 16, 32)), r"kv_pages must be \[P, K, 2G, H\]"),
+    (2, jnp.zeros((6,), jnp.float32), "kv_lens dtype float32 must be int32"),
+    (2, jnp.zeros((6, 1), jnp.int32), r"kv_lens must be \[S\]"),
+    (3, jnp.zeros((5, 5), jnp.int32), r"page_indices must be \[S=6, pages_per_seq\]"),
+    (4, jnp.zeros((6,), jnp.int32), r"cu_q_lens must be \[S \+ 1 = 7\]"),
+    (5, jnp.zeros((2,), jnp.int32), r"num_seqs must be \[1\]"),
+])
+def test_validator_names_the_argument(index, value, message):
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*_replace(index, value))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"sm_scale": 0.0}, "sm_scale=0.0 must be a positive number"),
+    ({"sliding_window": 0}, "sliding_window=0 must be a positive int"),
+    ({"soft_cap": -1.0}, "soft_cap=-1.0 must be > 0"),
+    ({"mask_value": 1.0}, "mask_value=1.0 must be negative"),
+    ({"k_scale": -2.0}, "k_scale=-2.0 must be > 0"),
+])
+def test_validator_names_the_setting(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*_args(), **settings)
+
+
+def test_quantized_pages_need_scales():
+    args = _args(kv_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="k_scale is required for int8 kv_pages"):
+        ragged_paged_attention(*args)
