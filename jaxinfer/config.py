@@ -205,3 +205,43 @@ def load_preset(name_or_path: str) -> ModelConfig:
     if "rope_scaling" in model:
         model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
     return ModelConfig(**model)
+
+
+SCHEDULERS = ("continuous", "static")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine batches, pads and sizes its KV cache (mirrored by CLI flags)."""
+
+    dtype: str = "float32"  # weights
+    kv_cache_dtype: str = "auto"  # "auto": float32 on CPU, else the weights' dtype
+    max_num_seqs: int = 32  # requests in flight
+    max_num_batched_tokens: int = 512  # tokens per step (the top token bucket)
+    max_model_len: int | None = None  # prompt + output; None: the model's maximum
+    page_size: int = 16  # tokens per KV page
+    kv_cache_memory_bytes: int | None = None  # None: sized from the device or the limits
+    scheduler: str = "continuous"  # or "static": the baseline benchmarks compare against
+    strict_compile: bool = False  # raise on any compilation after warm-up
+    compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla; "": off
+    seed: int = 0  # draws the seeds of requests that give none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"{self.kv_cache_dtype=} must be 'auto' or one of {DTYPES}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"{self.scheduler=} must be one of {SCHEDULERS}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"{self.max_num_batched_tokens=} must be >= "
+                             f"{self.max_num_seqs=}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"{self.max_model_len=} must be > 1 or None")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")

@@ -1,12 +1,14 @@
-"""SamplingParams, RequestOutput, and the Request record. Plain Python, no jax.
+"""SamplingParams, the Request state, and the outputs. Plain Python, no jax.
 
 Invalid sampling values are refused when `SamplingParams` is built, with the
-field named, so a bad request never reaches the device.
+field named, so a bad request never reaches the device. A `Request` is one
+completion being generated: `n` > 1 in SamplingParams fans out into n of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step always computes
@@ -16,59 +18,159 @@ MAX_LOGPROBS = 20  # top-k logprobs the device step always computes
 class SamplingParams:
     """How to pick each next token and when to stop (vLLM's names and meanings)."""
 
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs per token; the chosen one always added
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                 f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        _require(_is_real(self.temperature) and self.temperature >= 0,
-                 f"temperature={self.temperature!r} must be a finite number >= 0")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0,
-                 f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
-        _require(_is_real(self.top_p) and 0 < self.top_p <= 1,
-                 f"top_p={self.top_p!r} must be in (0, 1]")
-        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**31),
-                 f"seed={self.seed!r} must be None or an int in [0, 2**31)")
-        _require(self.logprobs is None or (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs={self.logprobs!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
+        for name, ok, rule in _checks(self):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be {rule}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
+
+
+def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
+    return [
+        ("n", _is_int(p.n) and p.n >= 1, "an int >= 1"),
+        ("max_tokens", _is_int(p.max_tokens) and p.max_tokens >= 1, "an int >= 1"),
+        ("min_tokens", _is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens,
+         "an int in [0, max_tokens]"),
+        ("temperature", _is_real(p.temperature) and p.temperature >= 0, "a finite number >= 0"),
+        ("top_k", _is_int(p.top_k) and p.top_k >= 0, "an int >= 0 (0 disables it)"),
+        ("top_p", _is_real(p.top_p) and 0 < p.top_p <= 1, "in (0, 1]"),
+        ("min_p", _is_real(p.min_p) and 0 <= p.min_p <= 1, "in [0, 1]"),
+        ("repetition_penalty", _is_real(p.repetition_penalty) and p.repetition_penalty > 0,
+         "a finite number > 0"),
+        ("presence_penalty", _is_real(p.presence_penalty) and -2 <= p.presence_penalty <= 2,
+         "in [-2, 2]"),
+        ("frequency_penalty", _is_real(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
+         "in [-2, 2]"),
+        ("seed", p.seed is None or (_is_int(p.seed) and 0 <= p.seed < 2**31),
+         "None or an int in [0, 2**31)"),
+        ("logprobs", p.logprobs is None or (_is_int(p.logprobs)
+                                            and 0 <= p.logprobs <= MAX_LOGPROBS),
+         f"None or an int in [0, {MAX_LOGPROBS}]"),
+        ("stop", all(isinstance(s, str) and s for s in p.stop), "non-empty strings"),
+        ("stop_token_ids", all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
+         "non-negative ints"),
+        ("ignore_eos", isinstance(p.ignore_eos, bool), "a bool"),
+    ]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Request:
+    """One completion in flight: its tokens, progress through the KV cache, pages."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # order of arrival; ties in priority go to the earlier
+    seed: int  # resolved: params.seed, or drawn when the request was added
+    priority: int = 0  # lower runs first, as in vLLM
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    page_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the KV cache must eventually hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival."""
+        return (self.priority, self.arrival)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompletionOutput:
+    """One of the `n` completions of a prompt."""
+
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
 class RequestOutput:
-    """What one prompt produced."""
+    """What one prompt produced. `text`, `token_ids`, ... are those of outputs[0]."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "stop" or "length"
-    logprobs: list[dict[int, float]] | None = None
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs

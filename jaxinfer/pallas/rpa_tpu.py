@@ -274,15 +274,18 @@ def _kv_copies(refs: _Refs, req: _Request, keys: _KeyRange, kb: jax.Array, slot:
     page_hi = _cdiv(keys.hi, cfg.page_size)
     for p in range(cfg.pages_per_block):
         page = kb * cfg.pages_per_block + p
+        copy = functools.partial(_copy_page, refs, req, page, p, slot, cfg, action)
+        pl.when(jnp.logical_and(page >= page_lo, page < page_hi))(copy)
 
-        @pl.when(jnp.logical_and(page >= page_lo, page < page_hi))
-        def _copy() -> None:
-            physical = refs.page_table[req.slot * cfg.pages_per_seq + page]
-            rows = pl.ds(p * cfg.page_size, cfg.page_size)
-            for half, buf in ((0, refs.k_buf), (1, refs.v_buf)):
-                src = refs.kv_pages.at[physical, :, 2 * req.head + half, :]  # [K, H]
-                action(pltpu.make_async_copy(src, buf.at[slot, rows, :],
-                                             refs.kv_sems.at[slot]))
+
+def _copy_page(refs: _Refs, req: _Request, page: jax.Array, p: int, slot: jax.Array,
+               cfg: _Config, action: Callable[[Any], None]) -> None:
+    """Start or wait for the K and V copies of the request's page into row block p."""
+    physical = refs.page_table[req.slot * cfg.pages_per_seq + page]
+    rows = pl.ds(p * cfg.page_size, cfg.page_size)
+    for half, buf in ((0, refs.k_buf), (1, refs.v_buf)):
+        src = refs.kv_pages.at[physical, :, 2 * req.head + half, :]  # [K, H]
+        action(pltpu.make_async_copy(src, buf.at[slot, rows, :], refs.kv_sems.at[slot]))
 
 
 def _online_softmax(

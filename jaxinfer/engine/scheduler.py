@@ -1,0 +1,187 @@
+"""The continuous-batching scheduler (vLLM v1's rule). Plain Python, no jax.
+
+There is no prefill phase and no decode phase: each request has a number of
+computed tokens (K/V in the cache) and a target (its prompt plus generated
+tokens); each step hands out at most `max_num_batched_tokens` so requests catch
+up. A long prompt is thereby split across steps while decodes keep running.
+Running requests go first, then waiting ones in (priority, arrival) order, up
+to `max_num_seqs` in flight. When pages run out, the lowest-priority,
+latest-arrived running request is preempted: its pages are freed and it is
+recomputed later from its prompt and the tokens it had generated. In "static"
+mode a batch is admitted only when the previous one has finished entirely:
+the baseline the benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Collection
+
+from jaxinfer.config import SCHEDULERS
+from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.request import Request, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of one request, from position `start`, in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last token, so a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step computes. Pure data."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Decides which tokens of which requests each step computes."""
+
+    def __init__(self, pool: PagePool, *, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: Collection[int] = (), policy: str = "continuous") -> None:
+        if policy not in SCHEDULERS:
+            raise ValueError(f"scheduler={policy!r} must be one of {SCHEDULERS}")
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # sorted by (priority, arrival)
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(request, count, preempted):
+                continue  # `request` itself was preempted; the next one moved up
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            budget -= count
+            index += 1
+        if not preempted and (self.policy == "continuous" or not self.running):
+            budget = self._admit(budget, chunks)
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _reserve_or_preempt(self, request: Request, count: int,
+                            preempted: list[Request]) -> bool:
+        """Pages for `count` more tokens of `request`, preempting from the back as needed."""
+        while not self._reserve(request, request.num_computed_tokens + count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + count):
+                break
+            self.waiting.pop(0)
+            request.status = Status.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            budget -= count
+        return budget
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.page_size) - len(request.page_ids)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        request.page_ids.extend(pages)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(request)
+
+    def _release(self, request: Request) -> None:
+        if request.page_ids:
+            self.pool.free(request.page_ids)
+            request.page_ids = []
+
+    def update(self, plan: StepPlan, sampled: list[int | None]) -> list[Request]:
+        """Advance each chunk's request; append sampled tokens. Returns newly finished."""
+        finished = []
+        for chunk, token in zip(plan.chunks, sampled, strict=True):
+            request = chunk.request
+            if request.finished or request.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, *reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
+        params = request.params
+        count = len(request.output_token_ids)
+        if count >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+        if count >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None
+               ) -> None:
+        """End a request (stop, length, a stop string, or abort) and free its pages."""
+        if request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason

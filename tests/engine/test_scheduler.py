@@ -1,0 +1,158 @@
+"""The scheduler, page pool and buckets: exact state after each step."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer.engine.buckets import Bucket, BucketSet, slot_ladder, token_ladder
+from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.request import Request, SamplingParams, Status
+from jaxinfer.engine.scheduler import Scheduler
+
+EOS = 99
+
+
+def _request(rid, prompt_len, *, arrival, priority=0, **params):
+    params = SamplingParams(**({"max_tokens": 8, "temperature": 0.0} | params))
+    return Request(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)),
+                   params=params, arrival=arrival, seed=0, priority=priority)
+
+
+def _scheduler(num_pages=32, **kw):
+    kw = {"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+          "max_model_len": 64, "eos_token_ids": [EOS]} | kw
+    return Scheduler(PagePool(num_pages), **kw)
+
+
+def _plan(s):
+    plan = s.schedule()
+    return plan, [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in plan.chunks]
+
+
+def test_page_pool_allocate_free_order_and_refcounts():
+    pool = PagePool(6)
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.allocate(3) is None and pool.num_free == 2  # nothing taken on failure
+    pool.share([2])
+    pool.free([1, 2])
+    assert pool.refcount(2) == 1 and pool.num_free == 3
+    assert pool.allocate(3) == [4, 5, 1]
+    with pytest.raises(ValueError, match="page 0 is not allocated"):
+        pool.free([0])
+    pool.free([2])
+    with pytest.raises(ValueError, match="page 2 is free"):
+        pool.share([2])
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    s = _scheduler()
+    s.add(_request("a", 6, arrival=0))
+    plan, chunks = _plan(s)
+    assert chunks == [("a", 0, 6, True)]
+    s.update(plan, [7])
+    s.add(_request("b", 30, arrival=1))
+    plan, chunks = _plan(s)
+    assert chunks == [("a", 6, 1, True), ("b", 0, 15, False)]  # 16-token budget
+    s.update(plan, [8, None])
+    plan, chunks = _plan(s)
+    assert chunks == [("a", 7, 1, True), ("b", 15, 15, True)]
+    assert s.running[1].page_ids == [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_waiting_admitted_by_priority_then_arrival_up_to_max_num_seqs():
+    s = _scheduler(max_num_seqs=2)
+    s.add(_request("late", 2, arrival=2))
+    s.add(_request("low", 2, arrival=0, priority=5))
+    s.add(_request("early", 2, arrival=1))
+    _, chunks = _plan(s)
+    assert [c[0] for c in chunks] == ["early", "late"]
+    assert [r.request_id for r in s.waiting] == ["low"]
+
+
+def test_stop_token_eos_min_tokens_and_length():
+    s = _scheduler()
+    a = _request("a", 3, arrival=0, stop_token_ids=[42], min_tokens=2)
+    b = _request("b", 3, arrival=1, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert s.update(plan, [42, 5]) == []  # 42 before min_tokens: not a stop
+    plan = s.schedule()
+    assert s.update(plan, [42, 6]) == [a, b]
+    assert (a.finish_reason, a.stop_reason, b.finish_reason) == ("stop", 42, "length")
+    assert a.output_token_ids == [42, 42] and s.pool.num_used == 0
+
+
+def test_eos_ignored_when_asked_and_max_model_len_ends():
+    s = _scheduler(max_model_len=5)
+    a = _request("a", 3, arrival=0, ignore_eos=True)
+    s.add(a)
+    s.update(s.schedule(), [EOS])
+    assert not a.finished
+    s.update(s.schedule(), [EOS])
+    assert a.finish_reason == "length" and a.num_tokens == 5
+
+
+def test_preemption_frees_latest_lowest_priority_and_recomputes():
+    s = _scheduler(num_pages=5, max_num_batched_tokens=32)  # 4 usable pages of 4 tokens
+    a, b = _request("a", 7, arrival=0), _request("b", 7, arrival=1)
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule(), [1, 2])
+    assert a.page_ids == [1, 2] and b.page_ids == [3, 4]
+    s.update(s.schedule(), [3, 4])  # 9 tokens each now: a needs a third page
+    plan = s.schedule()
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("a", 8, 1)]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.page_ids == []
+    assert b.output_token_ids == [2, 4] and a.page_ids == [1, 2, 3]
+    s.update(plan, [5])
+    s.finish(a, "abort")
+    plan = s.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in plan.chunks] == [
+        ("b", 0, 9, True)]  # prompt + its two generated tokens, recomputed
+
+
+def test_static_policy_admits_next_batch_only_when_idle():
+    s = _scheduler(policy="static", max_num_seqs=2)
+    for i in range(3):
+        s.add(_request(f"r{i}", 2, arrival=i, max_tokens=2))
+    plan, chunks = _plan(s)
+    assert [c[0] for c in chunks] == ["r0", "r1"]
+    s.update(plan, [5, 5])
+    s.finish(s.running[0], "abort")  # r0 done early: static mode still waits for r1
+    plan, chunks = _plan(s)
+    assert [c[0] for c in chunks] == ["r1"]
+    s.update(plan, [5])
+    plan, chunks = _plan(s)
+    assert [c[0] for c in chunks] == ["r2"]
+
+
+def test_abort_waiting_and_running():
+    s = _scheduler()
+    a, b = _request("a", 4, arrival=0), _request("b", 4, arrival=1)
+    s.add(a)
+    s.schedule()
+    s.add(b)
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert not s.has_unfinished() and s.pool.num_used == 0
+    assert a.finish_reason == b.finish_reason == "abort"
+
+
+def test_token_and_slot_ladders():
+    assert token_ladder(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_ladder(100) == [16, 32, 64, 100]
+    assert slot_ladder(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_bucket_pick_and_all():
+    buckets = BucketSet(max_num_batched_tokens=64, max_num_seqs=8)
+    assert buckets.pick(1, 1) == Bucket(16, 1)
+    assert buckets.pick(17, 3) == Bucket(32, 4)
+    assert buckets.pick(64, 8) == Bucket(64, 8)
+    assert len(buckets.all()) == 3 * 4
+    with pytest.raises(ValueError, match="exceed the largest bucket"):
+        buckets.pick(65, 1)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        BucketSet(max_num_batched_tokens=4, max_num_seqs=8)
