@@ -1,113 +1,81 @@
-"""The public Python API: `LLM(model=...)` and `LLM.generate(prompts, params)`.
+"""The public Python API: `LLM(model=..., **engine settings)`, `generate`, `generate_stream`.
 
-In this first version requests are generated one after another through the
-paged model (prompt in one step, then one token per step); the
-continuous-batching engine replaces the inside later, not the signature.
-Imports checkpoint, tokenizer, engine.runner and engine.request.
+`generate` runs every prompt through the continuous-batching engine and returns
+one RequestOutput per prompt, in order; `generate_stream` yields each prompt's
+output as it changes, with `outputs[i].delta_text` / `delta_token_ids` holding
+what the last step added. Every request is checked before any work starts.
+Imports config and the engine.
 """
 
 from __future__ import annotations
 
-import logging
+import itertools
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxinfer import checkpoint
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
-from jaxinfer.engine.runner import Chunk, Runner, resolve_kv_dtype
-from jaxinfer.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    """A model, its tokenizer and the device state to generate with them."""
+    """A model served by the engine; keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32",
-                 max_model_len: int | None = None, page_size: int = 16,
-                 kv_cache_dtype: str = "auto", seed: int = 0) -> None:
-        self.model_dir = pathlib.Path(model)
-        self.config = checkpoint.load_config(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        limit = self.config.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not 0 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
-                             f"(the model's max_position_embeddings)")
-        if page_size <= 0:
-            raise ValueError(f"{page_size=} must be > 0")
-        params = checkpoint.load_params(self.model_dir, self.config, dtype)
-        pages_per_seq = -(-self.max_model_len // page_size)
-        self.runner = Runner(self.config, params, num_pages=1 + pages_per_seq,
-                             page_size=page_size, max_model_len=self.max_model_len,
-                             kv_dtype=resolve_kv_dtype(kv_cache_dtype, dtype))
-        self._free_pages = list(range(1, 1 + pages_per_seq))  # page 0 is the trash page
-        self._rng = np.random.default_rng(seed)
-        self._next_id = 0
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, warm_up: bool = True,
+                 **engine_settings: object) -> None:
+        self.engine = Engine(model, EngineConfig(**engine_settings), warm_up=warm_up)
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Every request is checked first."""
+        """One finished RequestOutput per prompt, in the order given."""
+        ids = self._add_all(prompts, sampling_params)
+        while any(not self.engine.output(i).finished for i in ids):
+            self.engine.step()
+        return [self.engine.release(i) for i in ids]
+
+    def generate_stream(self, prompts: Prompt | Sequence[Prompt],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        ) -> Iterator[RequestOutput]:
+        """Yield a prompt's RequestOutput each time a step adds to it (see deltas)."""
+        ids = self._add_all(prompts, sampling_params)
+        try:
+            while any(not self.engine.output(i).finished for i in ids):
+                yield from (out for out in self.engine.step() if out.request_id in ids)
+        finally:
+            for i in ids:
+                self.engine.abort(i)
+                self.engine.release(i)
+
+    def metrics(self) -> dict[str, float | int]:
+        """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""
+        return self.engine.metrics.summary()
+
+    def _add_all(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                 ) -> list[str]:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        token_lists = [self._prompt_ids(i, p) for i, p in enumerate(prompt_list)]
-        return [self._generate_one(prompt, ids, sp)
-                for prompt, ids, sp in zip(prompt_list, token_lists, params, strict=True)]
-
-    def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        bad = [t for t in ids if not isinstance(t, int | np.integer)
-               or not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside [0, "
-                             f"{self.config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len "
-                             f"{self.max_model_len} leaves no room to generate")
-        return [int(t) for t in ids]
-
-    def _generate_one(self, prompt: Prompt, ids: list[int],
-                      sp: SamplingParams) -> RequestOutput:
-        out = RequestOutput(request_id=str(self._next_id),
-                            prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=ids,
-                            logprobs=[] if sp.logprobs is not None else None)
-        self._next_id += 1
-        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
-        budget = min(len(ids) + sp.max_tokens, self.max_model_len)
-        pages = self._free_pages[:-(-budget // self.runner.page_size)]
-        chunk = Chunk(ids, 0, pages)
-        while out.finish_reason is None:
-            sample = self.runner.execute([chunk], [sp], [len(out.token_ids)], [seed])
-            token = int(sample.token_ids[0])
-            out.token_ids.append(token)
-            if out.logprobs is not None:
-                top = dict(zip(sample.top_ids[0, :sp.logprobs].tolist(),
-                               sample.top_logprobs[0, :sp.logprobs].tolist(), strict=True))
-                out.logprobs.append(top | {token: float(sample.logprobs[0])})
-            out.finish_reason = self._finish_reason(sp, token, len(ids), len(out.token_ids))
-            chunk = Chunk([token], len(ids) + len(out.token_ids) - 1, pages)
-        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        return out
-
-    def _finish_reason(self, sp: SamplingParams, token: int, num_prompt: int,
-                       num_generated: int) -> str | None:
-        if token in sp.stop_token_ids:
-            return "stop"
-        if not sp.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        if num_generated >= sp.max_tokens or num_prompt + num_generated >= self.max_model_len:
-            return "length"
-        return None
+        for index, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
+            try:
+                self.engine.prompt_token_ids(prompt)
+                self.engine.check_params(sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {index}: {e}") from None
+        ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
+        for request_id, prompt, sp in zip(ids, prompt_list, params, strict=True):
+            self.engine.add_request(request_id, prompt, sp)
+        return ids
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -5,27 +5,22 @@ tokenizer_config.json (and the legacy special_tokens_map.json), generation_confi
 config.json and chat_template.jinja, reproducing what transformers does with them without
 importing it. Chat templates render in a jinja2 sandbox; nothing from a checkpoint is ever run
 as Python. `IncrementalDetokenizer` turns generated ids into text deltas that never split a
-UTF-8 character. Imports the standard library, `tokenizers` and `jinja2` only.
+UTF-8 character. Imports the standard library, `tokenizers`, `jinja2` and chat_template only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import functools
 import json
 import logging
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
+
+from jaxinfer import chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +32,6 @@ PROMPT_SEED_TOKENS = 5
 # Over this many held ids with no complete character boundary are invalid UTF-8: emit them.
 MAX_HELD_TOKENS = 16
 REPLACEMENT_CHAR = "\ufffd"
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Tokenizer:
@@ -122,10 +116,9 @@ class Tokenizer:
             raise ValueError("cannot apply the chat template to an empty list of messages")
         defaults = {**self._special_tokens, "tools": None, "documents": None}
         try:
-            template = _compile_template(self.chat_template)
-            return template.render(messages=_prepare_messages(messages),
-                                   add_generation_prompt=add_generation_prompt,
-                                   **{**defaults, **_plain_data(kwargs)})
+            return chat_template.render(self.chat_template, messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **{**defaults, **kwargs})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template of {self._name} failed: {e}") from e
 
@@ -178,6 +171,17 @@ class IncrementalDetokenizer:
         delta = text[len(prefix_text) :]
         del self._ids[: self._read_offset]
         self._read_offset = cut - self._read_offset
+        self._chunks.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character shows as U+FFFD)."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix_text = self._decode(self._ids[: self._read_offset])
+        delta = self._decode(self._ids)[len(prefix_text):]
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
         self._chunks.append(delta)
         return delta
 
@@ -287,112 +291,3 @@ def _select_chat_template(root: pathlib.Path, tokenizer_config: Mapping[str, Any
         logger.warning("%s: chat templates %s have no 'default'; ignoring them", root, list(named))
         return None
     raise ValueError(f"{root / 'tokenizer_config.json'} chat_template must be a string or a list")
-
-
-def _prepare_messages(messages: list[dict]) -> list[dict]:
-    """Plain copies of the messages without None values, reasoning under all its names."""
-    prepared = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise TypeError(f"chat messages must be dicts, got {message!r}")
-        message = _plain_data({k: v for k, v in message.items() if v is not None})
-        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        prepared.append(message)
-    return prepared
-
-
-def _plain_data(value: Any) -> Any:
-    """`value` rebuilt from plain JSON types, so templates never reach a rich object's methods."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    for base in (str, int, float):
-        if isinstance(value, base):
-            return base(value)
-    if isinstance(value, Mapping):
-        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_data(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain_data(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):  # pydantic models
-        return _plain_data(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' `tojson`: no HTML escaping, non-ASCII kept, optional indent."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.datetime.now().strftime(format)
-
-
-def _check_namespace_name(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates cannot set underscore-prefixed namespace attributes, got {name!r}"
-        )
-
-
-class _TemplateDict:
-    """The `dict` global without the type itself, so templates cannot reach its attributes."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja's `namespace` refusing underscore attributes (as transformers' sandbox does)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: `self` may be a key
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        super().__setitem__(name, value)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    """Compiles a chat template in the environment transformers uses."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _Namespace
-    return env.from_string(source)

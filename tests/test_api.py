@@ -13,7 +13,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 @pytest.fixture(scope="module")
 def llms(hf_model_dirs):
-    return {f: LLM(model=d, page_size=8, max_model_len=96) for f, d in hf_model_dirs.items()}
+    return {f: LLM(model=d, page_size=8, max_model_len=96, max_num_seqs=4,
+                   max_num_batched_tokens=64, compilation_cache_dir="")
+            for f, d in hf_model_dirs.items()}
 
 
 def _hf_generate(model, ids, max_new_tokens):
@@ -101,13 +103,13 @@ def test_generate_top_k_one_is_greedy(llms):
 
 
 def test_generate_rejects_too_long_prompt_by_index(llms):
-    with pytest.raises(ValueError, match="prompt 1 has 96 tokens; max_model_len 96"):
+    with pytest.raises(ValueError, match="prompt 1: the prompt has 96 tokens; max_model_len 96"):
         llms["llama"].generate([[1, 2], list(range(96))])
 
 
 @pytest.mark.parametrize("prompt, message", [
-    ([], "prompt 0 is empty"),
-    ([5, 999], r"prompt 0 has token ids outside \[0, 260\): \[999\]"),
+    ([], "prompt 0: the prompt is empty"),
+    ([5, 999], r"prompt 0: token ids outside \[0, 260\): \[999\]"),
 ])
 def test_generate_rejects_bad_prompt(llms, prompt, message):
     with pytest.raises(ValueError, match=message):
@@ -136,5 +138,5 @@ def test_llm_rejects_unknown_model_dir(tmp_path):
 
 
 def test_llm_rejects_bad_max_model_len(hf_model_dirs):
-    with pytest.raises(ValueError, match="max_model_len=4096 must be in"):
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's"):
         LLM(model=hf_model_dirs["llama"], max_model_len=4096)

@@ -143,6 +143,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""  # text added by the last step (held back near a stop string)
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(kw_only=True)

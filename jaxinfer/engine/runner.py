@@ -1,88 +1,62 @@
-"""The only bridge between host and device: padded numpy in, numpy out.
+"""The only bridge between host and device: a StepPlan in, sampled tokens out.
 
-Holds the device params and the KV cache, pads each step's requests to a
-bucket (powers of two for tokens and request rows), and runs the jitted step
-with the KV cache donated. Imports jax, model, config and engine.request.
+Holds the device params and the KV cache. `warm_up()` AOT-compiles the step
+for every bucket (KV cache donated) so nothing compiles mid-run; `execute()`
+pads a plan to its bucket, builds the step's numpy inputs, runs the compiled
+step and unpacks its one int32 result array. Compilations are counted through
+`jax.monitoring`, so a compile after warm-up is seen whoever caused it.
+Imports jax, model, config and the host-side engine modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import pathlib
+import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.request import MAX_LOGPROBS, SamplingParams
+from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.scheduler import StepPlan
+from jaxinfer.engine.step_inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
+from jaxinfer.model import sampler
 from jaxinfer.model import step as model_step
-from jaxinfer.model.attention import AttentionMetadata, init_kv_cache
-from jaxinfer.model.sampler import SampleOutput, SamplingInputs
+from jaxinfer.model.attention import init_kv_cache
+
+log = logging.getLogger(__name__)
+
+_COMPILES = [0]
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """One request's new tokens in one step."""
-
-    token_ids: Sequence[int]
-    start: int  # tokens of this request already in the KV cache
-    page_ids: Sequence[int]  # the request's pages, enough for start + len(token_ids)
+def _count_compiles(event: str, duration: float, **kwargs: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
 
 
-def next_power_of_two(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(n - 1, 0).bit_length())
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: int,
-                   num_tokens: int, num_slots: int, all_logits: bool = False
-                   ) -> tuple[np.ndarray, AttentionMetadata]:
-    """Token ids and attention metadata (numpy) for chunks padded to a bucket."""
-    total = sum(len(c.token_ids) for c in chunks)
-    if total > num_tokens or len(chunks) > num_slots:
-        raise ValueError(f"{total} tokens / {len(chunks)} requests exceed the bucket "
-                         f"({num_tokens}, {num_slots})")
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size  # trash page 0
-    page_indices = np.zeros((num_slots, pages_per_seq), np.int32)
-    kv_lens = np.zeros(num_slots, np.int32)
-    cu_q_lens = np.zeros(num_slots + 1, np.int32)
-    last = np.zeros(num_slots, np.int32)
-    offset = 0
-    for i, chunk in enumerate(chunks):
-        n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
-        if len(chunk.page_ids) * page_size < end or len(chunk.page_ids) > pages_per_seq:
-            raise ValueError(f"request {i}: {len(chunk.page_ids)} pages cannot hold {end} "
-                             f"tokens (page_size {page_size}, at most {pages_per_seq} pages)")
-        pos = np.arange(chunk.start, end, dtype=np.int32)
-        pages = np.asarray(chunk.page_ids, np.int32)
-        token_ids[offset:offset + n] = chunk.token_ids
-        positions[offset:offset + n] = pos
-        slot_mapping[offset:offset + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_indices[i, :len(pages)] = pages
-        kv_lens[i] = end
-        offset += n
-        cu_q_lens[i + 1:] = offset
-        last[i] = offset - 1
-    rows = np.arange(num_tokens, dtype=np.int32) if all_logits else last
-    md = AttentionMetadata(positions=positions, slot_mapping=slot_mapping,
-                           page_indices=page_indices, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-                           num_seqs=np.array([len(chunks)], np.int32), logits_indices=rows)
-    return token_ids, md
+def compile_count() -> int:
+    """XLA compilations in this process so far (all of them, not only ours)."""
+    return _COMPILES[0]
 
 
-def sampling_inputs(params: Sequence[SamplingParams], counters: Sequence[int],
-                    seeds: Sequence[int], num_slots: int) -> SamplingInputs:
-    """Per-row sampling arrays; rows past len(params) are greedy padding."""
-    pad = num_slots - len(params)
-    temperature = np.array([p.temperature for p in params] + [0.0] * pad, np.float32)
-    top_k = np.array([p.top_k for p in params] + [0] * pad, np.int32)
-    top_p = np.array([p.top_p for p in params] + [1.0] * pad, np.float32)
-    return SamplingInputs(temperature=temperature, top_k=top_k, top_p=top_p,
-                          seeds=np.array(list(seeds) + [0] * pad, np.uint32),
-                          counters=np.array(list(counters) + [0] * pad, np.int32))
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache in `path` (default ~/.cache/jaxinfer/xla)."""
+    if path == "":
+        return
+    path = path or str(pathlib.Path.home() / ".cache" / "jaxinfer" / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
@@ -98,44 +72,113 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
     return "float32" if jax.default_backend() == "cpu" else dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """The token sampled for one request in one step, with its logprobs."""
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # i32[MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[MAX_LOGPROBS]
+
+
 class Runner:
-    """Device state (params, KV cache) and the compiled step functions."""
+    """Device state (params, KV cache) and the step compiled for every bucket."""
 
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
-                 max_model_len: int, kv_dtype: str | jnp.dtype = jnp.float32) -> None:
+                 max_model_len: int, buckets: BucketSet | None = None,
+                 kv_dtype: str = "float32",
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.cfg = cfg
         self.params = params
         self.page_size = page_size
+        self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
+        self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
+        self.eos_token_ids = eos_token_ids
         self.kv_cache = init_kv_cache(cfg, num_pages=num_pages, page_size=page_size,
                                       dtype=jnp.dtype(kv_dtype))
         self._step = jax.jit(functools.partial(
             model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS), donate_argnums=(1,))
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                donate_argnums=(1,))
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
 
-    def _bucket(self, chunks: Sequence[Chunk]) -> dict[str, int]:
-        total = sum(len(c.token_ids) for c in chunks)
-        return {"num_tokens": next_power_of_two(total, 8),
-                "num_slots": next_power_of_two(len(chunks))}
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(x.nbytes for x in self.kv_cache)
 
-    def execute(self, chunks: Sequence[Chunk], params: Sequence[SamplingParams],
-                counters: Sequence[int], seeds: Sequence[int]) -> SampleOutput:
-        """Run one step and sample one token per chunk; results as numpy, trimmed."""
-        bucket = self._bucket(chunks)
+    @property
+    def weight_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
+    def warm_up(self, progress: bool = True) -> dict[str, float]:
+        """Compile the step for every bucket; returns {"buckets": n, "seconds": t}."""
+        start = time.perf_counter()
+        buckets = self.buckets.all()
+        for bucket in tqdm(buckets, desc="compiling buckets", disable=not progress):
+            began = time.perf_counter()
+            self._compile(bucket)
+            log.info("compiled bucket %s in %.2fs", bucket, time.perf_counter() - began)
+        return {"buckets": len(buckets), "seconds": time.perf_counter() - start}
+
+    def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
+        if bucket not in self._compiled:
+            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                self._inputs([], bucket))
+            self._compiled[bucket] = self._step.lower(self.params, self.kv_cache,
+                                                      spec).compile()
+        return self._compiled[bucket]
+
+    def _inputs(self, plan_chunks: Sequence, bucket: Bucket) -> model_step.StepInputs:
+        chunks = [Chunk(c.token_ids, c.start, c.request.page_ids) for c in plan_chunks]
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
-                                       pages_per_seq=self.pages_per_seq, **bucket)
-        inputs = model_step.StepInputs(token_ids=token_ids, md=md, sampling=sampling_inputs(
-            params, counters, seeds, bucket["num_slots"]))
-        self.kv_cache, out = self._step(self.params, self.kv_cache, inputs)
-        out = jax.device_get(out)
-        return jax.tree.map(lambda x: x[:len(chunks)], out)
+                                       pages_per_seq=self.pages_per_seq,
+                                       num_tokens=bucket.num_tokens,
+                                       num_slots=bucket.num_slots)
+        requests = [c.request if c.samples else None for c in plan_chunks]
+        sampling = sampling_inputs(requests, num_slots=bucket.num_slots,
+                                   history_width=self.max_model_len,
+                                   eos_token_ids=self.eos_token_ids)
+        return model_step.StepInputs(token_ids=token_ids, md=md, sampling=sampling)
+
+    def execute(self, plan: StepPlan) -> tuple[Bucket, list[Sample | None]]:
+        """Run one step; a Sample for each chunk that samples, None for the others."""
+        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks))
+        compiled = self._compile(bucket)
+        self.kv_cache, packed = compiled(self.params, self.kv_cache,
+                                         self._inputs(plan.chunks, bucket))
+        out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)
+        samples = [Sample(int(out.token_ids[i]), float(out.logprobs[i]), out.top_ids[i],
+                          out.top_logprobs[i]) if chunk.samples else None
+                   for i, chunk in enumerate(plan.chunks)]
+        return bucket, samples
 
     def logits(self, chunks: Sequence[Chunk]) -> np.ndarray:
-        """Write the chunks' K/V and return f32[tokens, V] logits for every real token."""
-        bucket = self._bucket(chunks)
+        """Write the chunks' K/V and return f32[tokens, V] logits for every real token
+        (for parity tests; compiles per shape, outside the bucket set)."""
+        total = sum(len(c.token_ids) for c in chunks)
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
                                        pages_per_seq=self.pages_per_seq, all_logits=True,
-                                       **bucket)
+                                       num_tokens=next_power_of_two(total, 8),
+                                       num_slots=next_power_of_two(len(chunks)))
         self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
-        return np.asarray(out)[:sum(len(c.token_ids) for c in chunks)]
+        return np.asarray(out)[:total]
+
+
+def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 5) -> float:
+    """GB/s of a jitted float32 sum over `num_bytes`: the device's read bandwidth."""
+    data = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(data).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return num_bytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """K and V of one token over all layers."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers

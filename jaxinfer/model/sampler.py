@@ -1,9 +1,14 @@
 """Next-token sampling on device, one batched call for every request row.
 
-Greedy (temperature 0), temperature, top-k and top-p. Each row draws from its
-own key, folded from the request's seed and its count of generated tokens, so
-a request's tokens never depend on what else is in the batch. Logprobs are the
-log-softmax of the raw logits (vLLM's default), before temperature or top-k/p.
+vLLM's sampling set: repetition/presence/frequency penalties, the min_tokens
+ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
+Each row draws from its own key, folded from the request's seed and its count
+of generated tokens, so a request's tokens never depend on what else is in the
+batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
+penalties, temperature or filtering. `pack`/`unpack` turn the output into one
+int32 array per step and back (host side, numpy).
+
+Imports jax and numpy only.
 """
 
 from __future__ import annotations
@@ -12,25 +17,37 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingInputs:
-    """Per-row sampling settings; padding rows are greedy."""
+    """Per-row sampling settings; padding rows are greedy with no penalties."""
 
     temperature: jax.Array  # f32[S]; 0 = greedy
     top_k: jax.Array  # i32[S]; 0 = off
     top_p: jax.Array  # f32[S]; 1 = off
+    min_p: jax.Array  # f32[S]; 0 = off
+    repetition_penalty: jax.Array  # f32[S]; 1 = off; ids in prompt or output
+    presence_penalty: jax.Array  # f32[S]; 0 = off; ids in output
+    frequency_penalty: jax.Array  # f32[S]; 0 = off; per occurrence in output
     seeds: jax.Array  # u32[S]
     counters: jax.Array  # i32[S]: tokens the request has generated so far
+    history: jax.Array  # i32[S, W]: prompt then output token ids, padded with -1
+    prompt_lens: jax.Array  # i32[S]: prompt tokens at the start of history
+    history_lens: jax.Array  # i32[S]: prompt + output tokens in history
+    ban_stop: jax.Array  # bool[S]: True while the request has < min_tokens outputs
+    stop_ids: jax.Array  # i32[S, E]: ids that end the request, padded with -1
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
+    """One sampled token per row (jax arrays on device, numpy after `unpack`)."""
+
     token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]: logprob of the chosen token
+    logprobs: jax.Array  # f32[S]: raw logprob of the chosen token
     top_ids: jax.Array  # i32[S, k]
     top_logprobs: jax.Array  # f32[S, k]
 
@@ -39,27 +56,110 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
     """Pick one token per row of f32[S, V] logits."""
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = jax.vmap(_sample_row)(logits, inputs.temperature, inputs.top_k, inputs.top_p,
-                                    inputs.seeds, inputs.counters)
-    token_ids = jnp.where(inputs.temperature > 0, sampled, greedy)
+    penalized = penalize(logits, inputs)
+    greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    is_random = inputs.temperature > 0
+    # Greedy-only batches skip the sort; greedy rows take `greedy` either way.
+    sampled = jax.lax.cond(jnp.any(is_random), _draw, lambda _l, _i: greedy, penalized, inputs)
+    token_ids = jnp.where(is_random, sampled, greedy)
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
     return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-def _sample_row(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array, seed: jax.Array, counter: jax.Array) -> jax.Array:
-    """Sample from one row f32[V] after temperature, top-k and top-p."""
-    vocab = logits.shape[0]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    rank = jnp.arange(vocab)
-    keep = (top_k <= 0) | (rank < top_k)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    before = jnp.cumsum(probs) - probs  # mass strictly above this rank
-    keep &= (before < top_p) | (rank == 0)
-    key = jax.random.fold_in(jax.random.key(seed), counter)
-    pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
-    return order[pick].astype(jnp.int32)
+def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """f32[S, V] logits after the penalties and the min_tokens ban on stop ids.
+
+    The [S, V] token counts are built only when some row has a penalty on.
+    """
+    any_penalty = (jnp.any(inputs.repetition_penalty != 1)
+                   | jnp.any(inputs.presence_penalty != 0)
+                   | jnp.any(inputs.frequency_penalty != 0))
+    logits = jax.lax.cond(any_penalty, _apply_penalties, lambda l, _i: l, logits, inputs)
+    return _ban_stop_ids(logits, inputs)
+
+
+def _apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """vLLM's penalties: repetition (prompt or output ids), then frequency, then presence."""
+    num_rows, vocab = logits.shape
+    ids = inputs.history  # i32[S, W]
+    pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+    seen = (pos < inputs.history_lens[:, None]) & (ids >= 0) & (ids < vocab)
+    is_output = seen & (pos >= inputs.prompt_lens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], ids.shape)
+    # Masked entries point one past the vocab and are dropped.
+    counts = jnp.zeros((num_rows, vocab), jnp.int32).at[
+        rows, jnp.where(is_output, ids, vocab)].add(1, mode="drop")  # i32[S, V]
+    present = jnp.zeros((num_rows, vocab), jnp.bool_).at[
+        rows, jnp.where(seen, ids, vocab)].set(True, mode="drop")  # bool[S, V]
+    rep = inputs.repetition_penalty[:, None]
+    logits = jnp.where(present, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - inputs.frequency_penalty[:, None] * counts.astype(jnp.float32)
+    return logits - inputs.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def _ban_stop_ids(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """Set the stop ids' logits to -inf in rows with ban_stop (fewer than min_tokens)."""
+    num_rows, vocab = logits.shape
+    stop_ids = inputs.stop_ids  # i32[S, E]
+    banned = inputs.ban_stop[:, None] & (stop_ids >= 0)
+    rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], stop_ids.shape)
+    return logits.at[rows, jnp.where(banned, stop_ids, vocab)].set(-jnp.inf, mode="drop")
+
+
+def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """i32[S] tokens drawn after temperature, top-k, top-p and min-p; one sort per row.
+
+    All three filters keep a prefix of the row sorted by logit, so the kept set
+    is `rank < num_kept` and one cumulative sum serves top-p and the draw.
+    """
+    num_rows, vocab = logits.shape
+    temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
+    rank = jax.lax.broadcasted_iota(jnp.int32, (num_rows, vocab), 1)
+    neg_sorted, order = jax.lax.sort((-(logits / temperature), rank), dimension=1,
+                                     num_keys=1, is_stable=True)
+    ranked = -neg_sorted  # f32[S, V], descending
+    keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)  # after top-k
+    cdf = jnp.cumsum(probs, axis=-1)
+    above = jnp.pad(cdf[:, :-1], ((0, 0), (1, 0)))  # mass strictly above each rank
+    keep &= above < inputs.top_p[:, None]
+    # min-p: prob >= min_p * max_prob, i.e. logit - max_logit >= log(min_p).
+    keep &= ranked - ranked[:, :1] >= jnp.log(inputs.min_p)[:, None]
+    keep = (keep & (probs > 0)) | (rank == 0)  # never a banned (-inf) or underflowed id
+    num_kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # i32[S], >= 1
+    # Inverse CDF over the kept prefix: one uniform per row from its own key.
+    total = jnp.take_along_axis(cdf, (num_kept - 1)[:, None], axis=-1)
+    u = jax.vmap(_uniform)(inputs.seeds, inputs.counters)[:, None]
+    pick = jnp.sum(cdf <= u * total, axis=-1, dtype=jnp.int32)
+    pick = jnp.minimum(pick, num_kept - 1)
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+
+
+def _uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    """f32[] in [0, 1) from the row's key fold_in(key(seed), counter)."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), counter))
+
+
+def pack(out: SampleOutput) -> jax.Array:
+    """i32[S, 2 + 2k]: token id, logprob bits, k top ids, k top-logprob bits."""
+
+    def bits(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+    return jnp.concatenate([out.token_ids[:, None].astype(jnp.int32), bits(out.logprobs)[:, None],
+                            out.top_ids.astype(jnp.int32), bits(out.top_logprobs)], axis=1)
+
+
+def unpack(packed: np.ndarray, num_logprobs: int) -> SampleOutput:
+    """The numpy SampleOutput of a `pack`ed i32[S, 2 + 2k] array (host side)."""
+    packed = np.asarray(packed)
+    k = num_logprobs
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != 2 + 2 * k:
+        raise ValueError(f"{packed.shape=} {packed.dtype=} must be int32[S, {2 + 2 * k}]")
+
+    def floats(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).view(np.float32)
+
+    return SampleOutput(token_ids=packed[:, 0].copy(), logprobs=floats(packed[:, 1]),
+                        top_ids=packed[:, 2:2 + k].copy(), top_logprobs=floats(packed[:, 2 + k:]))

@@ -2,7 +2,7 @@
 
 `step(params, kv_cache, inputs, *, cfg, num_logprobs) -> (kv_cache, out)` runs
 the model over one ragged batch of tokens, then samples one token for each
-request row from the logits at `md.logits_indices`.
+request row from the logits at `md.logits_indices`, packed into one int32 array.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ class StepInputs:
 
 
 def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
-         cfg: ModelConfig, num_logprobs: int) -> tuple[KVCache, sampler.SampleOutput]:
+         cfg: ModelConfig, num_logprobs: int) -> tuple[KVCache, jax.Array]:
+    """Forward, then sample each row; returns (kv_cache, i32[S, 2 + 2 * num_logprobs])."""
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
                                            cfg=cfg)
-    return kv_cache, sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs)
+    out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs)
+    return kv_cache, sampler.pack(out)
 
 
 def logits(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,

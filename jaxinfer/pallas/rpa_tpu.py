@@ -72,7 +72,6 @@ class _Config:
 
 
 class _Refs(NamedTuple):
-    kv_lens: Any  # SMEM i32[S]
     page_table: Any  # SMEM i32[S * pages_per_seq]
     queries: Any  # HBM f[T + bq, G, R, H]
     kv_pages: Any  # HBM [P, K, 2G, H]
@@ -96,7 +95,7 @@ class _Request(NamedTuple):
 
 
 class _KeyRange(NamedTuple):
-    """Keys one query block can see: [lo, hi), both inside [0, kv_len)."""
+    """Keys one query block can see: [lo, hi) with 0 <= lo < hi <= kv_len."""
 
     lo: jax.Array
     hi: jax.Array
@@ -189,7 +188,7 @@ def _kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_
             k_buf: Any, v_buf: Any, kv_sems: Any, io_sems: Any, *, cfg: _Config) -> None:
     """Program (request slot, KV head): every query block of the request, if ours."""
     del aliased_out  # the same buffer as `o_hbm`
-    refs = _Refs(kv_lens_ref, page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, k_buf,
+    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, k_buf,
                  v_buf, kv_sems, io_sems)
     slot, head = pl.program_id(0), pl.program_id(1)
     q_start = cu_q_lens_ref[slot]

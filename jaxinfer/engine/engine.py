@@ -1,0 +1,263 @@
+"""The engine loop the faces drive: add_request / step / abort / has_unfinished.
+
+Owns the tokenizer, the scheduler (with its page pool), the runner, per-request
+text state and the metrics. One `step()` schedules, runs one device call, and
+returns a RequestOutput (with this step's deltas) for every prompt that moved.
+Bad requests are refused in `add_request` with a specific error; the engine
+keeps serving the others. Imports checkpoint, tokenizer and the engine modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxinfer import checkpoint
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import runner as runner_lib
+from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.metrics import Metrics
+from jaxinfer.engine.output import TextState
+from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from jaxinfer.engine.scheduler import Scheduler, StepPlan
+from jaxinfer.engine.step_inputs import STOP_WIDTH
+from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
+
+
+class Engine:
+    """A model served with continuous batching over a paged KV cache."""
+
+    def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
+                 *, warm_up: bool = True) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        self.model_dir = pathlib.Path(model)
+        self.model_config = checkpoint.load_config(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.max_model_len = self._max_model_len()
+        params = checkpoint.load_params(self.model_dir, self.model_config, config.dtype)
+        self.kv_dtype = runner_lib.resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
+        num_pages = self._num_pages(params)
+        buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs)
+        runner_lib.enable_compilation_cache(config.compilation_cache_dir)
+        self.runner = runner_lib.Runner(
+            self.model_config, params, num_pages=num_pages, page_size=config.page_size,
+            max_model_len=self.max_model_len, buckets=buckets, kv_dtype=self.kv_dtype,
+            eos_token_ids=self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            PagePool(num_pages), page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+            policy=config.scheduler)
+        self.metrics = Metrics(bandwidth_gb_per_s=runner_lib.measure_memory_bandwidth())
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = 0
+        self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
+        self._outputs: dict[str, RequestOutput] = {}
+        self._texts: dict[int, TextState] = {}  # id(Request) -> its text
+        if warm_up:
+            self.warm_up()
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        return wanted
+
+    def _num_pages(self, params: dict) -> int:
+        page_bytes = self.config.page_size * runner_lib.kv_bytes_per_token(
+            self.model_config, self.kv_dtype)
+        pages_per_seq = -(-self.max_model_len // self.config.page_size)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            wanted = (self.config.max_num_seqs * pages_per_seq + 1) * page_bytes
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(wanted, int(physical * CPU_KV_FRACTION))
+        num_pages = budget // page_bytes
+        if num_pages - 1 < pages_per_seq:
+            need = (pages_per_seq + 1) * page_bytes
+            raise ValueError(
+                f"a KV cache of {budget} bytes holds {num_pages} pages of {page_bytes} bytes; "
+                f"one request of max_model_len={self.max_model_len} needs {pages_per_seq} "
+                f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
+                "max_model_len")
+        return num_pages
+
+    def warm_up(self) -> None:
+        """Compile every bucket now, so that serving never compiles."""
+        result = self.runner.warm_up()
+        self.metrics.warmup_seconds = result["seconds"]
+        self.metrics.num_buckets = int(result["buckets"])
+        self.metrics.compiles_at_warmup = runner_lib.compile_count()
+        log.info("warm-up: %d buckets in %.1fs", result["buckets"], result["seconds"])
+
+    # ---- requests -------------------------------------------------------------------
+
+    def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
+                         messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        self._check_prompt(ids)
+        return [int(t) for t in ids]
+
+    def _check_prompt(self, ids: list) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
+                             f"{self.max_model_len} leaves no room to generate")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Engine-level limits of sampling parameters (beyond SamplingParams' own)."""
+        stops = len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids)
+        if params.min_tokens and stops > STOP_WIDTH:
+            raise ValueError(f"min_tokens with {stops} stop ids: at most {STOP_WIDTH} "
+                             "(stop_token_ids plus EOS ids)")
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
+                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    priority: int = 0) -> None:
+        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions."""
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
+        self.check_params(params)
+        ids = self.prompt_token_ids(prompt, messages)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        children = []
+        for index in range(params.n):
+            request = Request(request_id=f"{request_id}#{index}", prompt_token_ids=list(ids),
+                              params=params, arrival=self._arrivals,
+                              seed=(seed + index) % 2**31, priority=priority)
+            self._arrivals += 1
+            self._texts[id(request)] = TextState(
+                self.tokenizer.detokenizer(ids), params.stop)
+            children.append(request)
+        self._requests[request_id] = children
+        self._outputs[request_id] = RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids, outputs=[
+                CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+                for i in range(params.n)])
+        for request in children:
+            self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a prompt's completions now; its pages are freed. Unknown ids are ignored."""
+        for request in self._requests.get(request_id, []):
+            self.scheduler.finish(request, "abort")
+        if request_id in self._outputs:
+            self._sync(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self._outputs[request_id]
+
+    def release(self, request_id: str) -> RequestOutput:
+        """Forget a finished prompt and return its final output."""
+        for request in self._requests.pop(request_id):
+            self._texts.pop(id(request), None)
+        return self._outputs.pop(request_id)
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One device step. Returns the outputs of prompts that changed, with deltas."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        started = time.perf_counter()
+        compiles = runner_lib.compile_count()
+        bucket, samples = self.runner.execute(plan)
+        lengths = [len(c.request.output_token_ids) for c in plan.chunks]
+        self.scheduler.update(plan, [s.token_id if s else None for s in samples])
+        self._check_compiles(compiles)
+        changed = self._record_tokens(plan, samples, lengths)
+        self._record_metrics(plan, bucket, time.perf_counter() - started)
+        return [self._sync(rid) for rid in changed]
+
+    def _check_compiles(self, before: int) -> None:
+        new = runner_lib.compile_count() - before
+        if new:
+            self.metrics.compiles_after_warmup += new
+            log.warning("%d compilation(s) after warm-up", new)
+            if self.config.strict_compile:
+                raise RuntimeError(f"{new} XLA compilation(s) after warm-up "
+                                   "(strict_compile=True)")
+
+    def _record_tokens(self, plan: StepPlan, samples: list, lengths: list[int]) -> list[str]:
+        changed: dict[str, None] = {}
+        for chunk, sample, before in zip(plan.chunks, samples, lengths, strict=True):
+            request = chunk.request
+            if sample is None or len(request.output_token_ids) == before:
+                continue
+            if request.params.logprobs is not None:
+                k = request.params.logprobs
+                top = dict(zip(sample.top_ids[:k].tolist(), sample.top_logprobs[:k].tolist(),
+                               strict=True))
+                request.output_logprobs.append(top | {sample.token_id: sample.logprob})
+            text = self._texts[id(request)]
+            text.add([sample.token_id])
+            if text.stop_string is not None:
+                self.scheduler.finish(request, "stop", text.stop_string)
+            changed[request.request_id.rsplit("#", 1)[0]] = None
+        return list(changed)
+
+    def _sync(self, request_id: str) -> RequestOutput:
+        """Copy the completions' state into the prompt's RequestOutput, with deltas."""
+        out = self._outputs[request_id]
+        for request, completion in zip(self._requests[request_id], out.outputs, strict=True):
+            text = self._texts[id(request)]
+            if request.finished and completion.finish_reason is None:
+                text.finish()
+            new_ids = request.output_token_ids[len(completion.token_ids):]
+            completion.delta_token_ids = new_ids
+            completion.token_ids = list(request.output_token_ids)
+            completion.delta_text = text.delta(request.finished)
+            completion.text = text.emitted
+            completion.finish_reason = request.finish_reason
+            completion.stop_reason = request.stop_reason
+            if completion.logprobs is not None:
+                completion.logprobs = list(request.output_logprobs)
+        return out
+
+    def _record_metrics(self, plan: StepPlan, bucket: Bucket, seconds: float) -> None:
+        per_token = runner_lib.kv_bytes_per_token(self.model_config, self.kv_dtype)
+        attended = sum(c.start + c.num_tokens for c in plan.chunks)
+        prompt = sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_token_ids))
+                         - c.start) for c in plan.chunks)
+        self.metrics.preemptions = self.scheduler.num_preemptions
+        self.metrics.record_step(
+            real_tokens=plan.num_tokens, padded_tokens=bucket.num_tokens,
+            requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=prompt,
+            generated=sum(c.samples for c in plan.chunks),
+            pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
+            bytes_read=self.runner.weight_bytes + attended * per_token)

@@ -1,0 +1,75 @@
+"""Engine counters and the summary `llm.metrics()` reports. Plain Python.
+
+The roofline: the bytes a step must read (all weights once, plus the K/V of
+every token attended) over the step's time, as a fraction of the machine's
+memory bandwidth measured at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class Metrics:
+    """Accumulated over the engine's life; `summary()` derives the rates."""
+
+    bandwidth_gb_per_s: float = 0.0
+    warmup_seconds: float = 0.0
+    num_buckets: int = 0
+    compiles_at_warmup: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption too)
+    generated_tokens: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    occupied_slots: int = 0
+    padded_slots: int = 0
+    pages_in_use_total: int = 0
+    peak_pages_in_use: int = 0
+    preemptions: int = 0
+    compiles_after_warmup: int = 0
+    step_seconds: float = 0.0
+    bytes_read: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def record_step(self, *, real_tokens: int, padded_tokens: int, requests: int, slots: int,
+                    prompt_tokens: int, generated: int, pages_in_use: int, seconds: float,
+                    bytes_read: int) -> None:
+        self.steps += 1
+        self.real_tokens += real_tokens
+        self.padded_tokens += padded_tokens
+        self.occupied_slots += requests
+        self.padded_slots += slots
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated
+        self.pages_in_use_total += pages_in_use
+        self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
+        self.step_seconds += seconds
+        self.bytes_read += bytes_read
+
+    def summary(self) -> dict[str, float | int]:
+        steps, busy = max(self.steps, 1), max(self.step_seconds, 1e-9)
+        achieved = self.bytes_read / busy / 1e9
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tokens_per_s": round(self.prompt_tokens / busy, 1),
+            "generated_tokens_per_s": round(self.generated_tokens / busy, 1),
+            "step_seconds": round(self.step_seconds, 3),
+            "mean_batch_occupancy": round(self.occupied_slots / max(self.padded_slots, 1), 3),
+            "mean_requests_per_step": round(self.occupied_slots / steps, 2),
+            "padding_waste": round(1 - self.real_tokens / max(self.padded_tokens, 1), 3),
+            "peak_pages_in_use": self.peak_pages_in_use,
+            "mean_pages_in_use": round(self.pages_in_use_total / steps, 1),
+            "preemptions": self.preemptions,
+            "buckets": self.num_buckets,
+            "warmup_seconds": round(self.warmup_seconds, 2),
+            "compiles_after_warmup": self.compiles_after_warmup,
+            "bytes_read_per_s_gb": round(achieved, 2),
+            "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
+            "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)
+            if self.bandwidth_gb_per_s else 0.0,
+        }

@@ -1,0 +1,116 @@
+"""The numpy half of the runner: a step's padded input arrays, built on the host.
+
+Split from runner.py (ARCHITECTURE.md keeps both in the runner) so each stays
+small: this module turns chunks of requests into the token ids, attention
+metadata and sampling rows of one bucket, all numpy; runner.py owns the
+device. Imports numpy, the model's input dataclasses, and engine.request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxinfer.engine.request import Request
+from jaxinfer.model.attention import AttentionMetadata
+from jaxinfer.model.sampler import SamplingInputs
+
+STOP_WIDTH = 16  # stop ids per request row, masked while min_tokens is not reached
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One request's new tokens in one step."""
+
+    token_ids: Sequence[int]
+    start: int  # tokens of this request already in the KV cache
+    page_ids: Sequence[int]  # the request's pages, enough for start + len(token_ids)
+
+
+def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: int,
+                   num_tokens: int, num_slots: int, all_logits: bool = False
+                   ) -> tuple[np.ndarray, AttentionMetadata]:
+    """Token ids and attention metadata (numpy) for chunks padded to a bucket."""
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens or len(chunks) > num_slots:
+        raise ValueError(f"{total} tokens / {len(chunks)} requests exceed the bucket "
+                         f"({num_tokens}, {num_slots})")
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size  # trash page 0
+    page_indices = np.zeros((num_slots, pages_per_seq), np.int32)
+    kv_lens = np.zeros(num_slots, np.int32)
+    cu_q_lens = np.zeros(num_slots + 1, np.int32)
+    last = np.zeros(num_slots, np.int32)
+    offset = 0
+    for i, chunk in enumerate(chunks):
+        n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+        if len(chunk.page_ids) * page_size < end or len(chunk.page_ids) > pages_per_seq:
+            raise ValueError(f"request {i}: {len(chunk.page_ids)} pages cannot hold {end} "
+                             f"tokens (page_size {page_size}, at most {pages_per_seq} pages)")
+        pos = np.arange(chunk.start, end, dtype=np.int32)
+        pages = np.asarray(chunk.page_ids, np.int32)
+        token_ids[offset:offset + n] = chunk.token_ids
+        positions[offset:offset + n] = pos
+        slot_mapping[offset:offset + n] = pages[pos // page_size] * page_size + pos % page_size
+        page_indices[i, :len(pages)] = pages
+        kv_lens[i] = end
+        offset += n
+        cu_q_lens[i + 1:] = offset
+        last[i] = offset - 1
+    rows = np.arange(num_tokens, dtype=np.int32) if all_logits else last
+    md = AttentionMetadata(positions=positions, slot_mapping=slot_mapping,
+                           page_indices=page_indices, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+                           num_seqs=np.array([len(chunks)], np.int32), logits_indices=rows)
+    return token_ids, md
+
+
+def next_power_of_two(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def sampling_inputs(requests: Sequence[Request | None], *, num_slots: int, history_width: int,
+                    eos_token_ids: frozenset[int]) -> SamplingInputs:
+    """Per-row sampling arrays; None rows and rows past the requests are greedy padding."""
+    rows = list(requests) + [None] * (num_slots - len(requests))
+    history = np.full((num_slots, history_width), -1, np.int32)
+    stop_ids = np.full((num_slots, STOP_WIDTH), -1, np.int32)
+    fields: dict[str, list] = {k: [] for k in (
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "seeds", "counters", "prompt_lens", "history_lens", "ban_stop")}
+    for i, request in enumerate(rows):
+        values = _row(request)
+        for key, value in values.items():
+            fields[key].append(value)
+        if request is None:
+            continue
+        tokens = request.all_token_ids
+        history[i, :len(tokens)] = tokens
+        if values["ban_stop"]:
+            stops = list(request.params.stop_token_ids)
+            stops += [] if request.params.ignore_eos else sorted(eos_token_ids)
+            stop_ids[i, :len(stops)] = stops[:STOP_WIDTH]
+    floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+    arrays = {k: np.asarray(v, np.float32 if k in floats else np.int32) for k, v in
+              fields.items()}
+    arrays["seeds"] = arrays["seeds"].astype(np.uint32)
+    arrays["ban_stop"] = arrays["ban_stop"].astype(bool)
+    return SamplingInputs(history=history, stop_ids=stop_ids, **arrays)
+
+
+def _row(request: Request | None) -> dict[str, float | int | bool]:
+    if request is None:
+        return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
+                "ban_stop": False}
+    p = request.params
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "seeds": request.seed, "counters": len(request.output_token_ids),
+            "prompt_lens": len(request.prompt_token_ids), "history_lens": request.num_tokens,
+            "ban_stop": len(request.output_token_ids) < p.min_tokens}
