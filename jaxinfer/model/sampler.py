@@ -5,7 +5,9 @@ ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
 Each row draws from its own key, folded from the request's seed and its count
 of generated tokens, so a request's tokens never depend on what else is in the
 batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
-penalties, temperature or filtering. `pack`/`unpack` turn the output into one
+penalties, temperature or filtering. Costly [S, V] work runs under `lax.cond`
+only when some row needs it: token counts (penalties), the draw (temperature
+> 0), one sort per row (top-k or top-p). `pack`/`unpack` turn the output into one
 int32 array per step and back (host side, numpy).
 
 Imports jax and numpy only.
@@ -59,7 +61,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
     penalized = penalize(logits, inputs)
     greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
     is_random = inputs.temperature > 0
-    # Greedy-only batches skip the sort; greedy rows take `greedy` either way.
+    # Greedy-only batches skip the draw; greedy rows take `greedy` either way.
     sampled = jax.lax.cond(jnp.any(is_random), _draw, lambda _l, _i: greedy, penalized, inputs)
     token_ids = jnp.where(is_random, sampled, greedy)
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
@@ -108,32 +110,42 @@ def _ban_stop_ids(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 
 
 def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """i32[S] tokens drawn after temperature, top-k, top-p and min-p; one sort per row.
+    """i32[S] tokens drawn after temperature, top-k, top-p and min-p.
 
-    All three filters keep a prefix of the row sorted by logit, so the kept set
-    is `rank < num_kept` and one cumulative sum serves top-p and the draw.
+    The filters become one floor per row on the scaled logits; the draw is an
+    inverse CDF in vocab order, so it is the same whether or not the batch
+    needed the sort (skipped when no row uses top-k or top-p).
     """
     num_rows, vocab = logits.shape
     temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
-    rank = jax.lax.broadcasted_iota(jnp.int32, (num_rows, vocab), 1)
-    neg_sorted, order = jax.lax.sort((-(logits / temperature), rank), dimension=1,
-                                     num_keys=1, is_stable=True)
-    ranked = -neg_sorted  # f32[S, V], descending
-    keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
+    scaled = logits / temperature  # f32[S, V]
+    needs_sort = jnp.any((inputs.top_k > 0) & (inputs.top_k < vocab)) | jnp.any(inputs.top_p < 1)
+    floor = jax.lax.cond(needs_sort, _top_k_top_p_floor,
+                         lambda _s, _i: jnp.full((num_rows,), -jnp.inf), scaled, inputs)
+    row_max = jnp.max(scaled, axis=-1)
+    # min-p: prob >= min_p * max_prob, i.e. logit >= max_logit + log(min_p).
+    floor = jnp.maximum(floor, row_max + jnp.log(inputs.min_p))[:, None]
+    weights = jnp.exp(scaled - row_max[:, None])  # f32[S, V], unnormalized probs
+    keep = ((scaled >= floor) & (weights > 0)) | (scaled >= row_max[:, None])
+    cdf = jnp.cumsum(jnp.where(keep, weights, 0.0), axis=-1)
+    u = jax.vmap(_uniform)(inputs.seeds, inputs.counters)
+    pick = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1, dtype=jnp.int32)
+    # u * total can round up to total: fall back to the last kept id, never a dropped one.
+    last = jnp.max(jnp.where(keep, jax.lax.broadcasted_iota(jnp.int32, keep.shape, 1), 0), -1)
+    return jnp.minimum(pick, last)
+
+
+def _top_k_top_p_floor(scaled: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """f32[S]: the lowest scaled logit top-k then top-p keep (ties at it kept too, as vLLM)."""
+    ranked = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)  # f32[S, V], descending; one sort
+    rank = jax.lax.broadcasted_iota(jnp.int32, ranked.shape, 1)
+    top_k, top_p = inputs.top_k[:, None], inputs.top_p[:, None]
+    keep = (top_k <= 0) | (rank < top_k)
     probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)  # after top-k
-    cdf = jnp.cumsum(probs, axis=-1)
-    above = jnp.pad(cdf[:, :-1], ((0, 0), (1, 0)))  # mass strictly above each rank
-    keep &= above < inputs.top_p[:, None]
-    # min-p: prob >= min_p * max_prob, i.e. logit - max_logit >= log(min_p).
-    keep &= ranked - ranked[:, :1] >= jnp.log(inputs.min_p)[:, None]
-    keep = (keep & (probs > 0)) | (rank == 0)  # never a banned (-inf) or underflowed id
-    num_kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # i32[S], >= 1
-    # Inverse CDF over the kept prefix: one uniform per row from its own key.
-    total = jnp.take_along_axis(cdf, (num_kept - 1)[:, None], axis=-1)
-    u = jax.vmap(_uniform)(inputs.seeds, inputs.counters)[:, None]
-    pick = jnp.sum(cdf <= u * total, axis=-1, dtype=jnp.int32)
-    pick = jnp.minimum(pick, num_kept - 1)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+    above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))  # mass above rank
+    keep &= (above < top_p) | (top_p >= 1) | (rank == 0)
+    num_kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # a prefix of the ranks, >= 1
+    return jnp.take_along_axis(ranked, (num_kept - 1)[:, None], axis=-1)[:, 0]
 
 
 def _uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:

@@ -185,6 +185,19 @@ def test_sample_row_independent_of_batch_and_position():
     assert len(set(drawn)) > 2  # the counter moves the key
 
 
+def test_sample_draw_same_whether_or_not_batch_sorts():
+    n = 64
+    logits = _logits(9, (n, V))
+    fields = {"temperature": np.linspace(0.2, 3, n), "min_p": [0.0, 0.05] * (n // 2),
+              "seeds": np.arange(n), "counters": 3, "presence_penalty": 0.5,
+              **_history([([1], [2, 3]) for _ in range(n)])}
+    plain = _sample(logits, _inputs(n, **fields), num_logprobs=K)  # no row needs the sort
+    sorting = _sample(logits, _inputs(n, **fields, top_p=[1.0] * (n - 1) + [0.5]),
+                      num_logprobs=K)
+    np.testing.assert_array_equal(plain.token_ids[:-1], sorting.token_ids[:-1])
+    assert len(set(np.asarray(plain.token_ids).tolist())) > 10
+
+
 CONFIGS = [  # temperature, top_k, top_p, min_p, presence_penalty
     (1.0, 0, 1.0, 0.0, 0.0), (0.7, 3, 1.0, 0.0, 0.0), (1.3, 0, 0.8, 0.0, 0.0),
     (1.0, 0, 1.0, 0.3, 0.0), (1.5, 4, 0.9, 0.1, 0.0), (1.0, 0, 1.0, 0.0, 2.0),
