@@ -46,10 +46,12 @@ ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_toke
                 "strict_compile", "compilation_cache_dir")
 
 
-def make_llm() -> object:
+def make_llm(**defaults: object) -> object:
+    """An LLM from the engine flags; `defaults` replace flags the user did not give."""
     from jaxinfer import LLM
 
     settings = {name: getattr(FLAGS, name) for name in ENGINE_FLAGS}
+    settings |= {k: v for k, v in defaults.items() if not FLAGS[k].present}
     kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
     return LLM(**kwargs, **settings)
 
@@ -57,7 +59,7 @@ def make_llm() -> object:
 def generate() -> None:
     from jaxinfer import SamplingParams
 
-    llm = make_llm()
+    llm = make_llm(max_num_seqs=1)  # one prompt: one request slot, fewer buckets to compile
     params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
     (out,) = llm.generate(FLAGS.prompt, params)

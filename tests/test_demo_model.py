@@ -28,8 +28,8 @@ def test_demo_greedy_matches_transformers(model_dir):
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                            pad_token_id=hf_tok.eos_token_id)[0, len(ids):].tolist()
-    (out,) = LLM(model=model_dir).generate(PROMPT, SamplingParams(max_tokens=24,
-                                                                  temperature=0.0))
+    llm = LLM(model=model_dir, max_num_seqs=1, max_num_batched_tokens=32)
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0))
     assert out.prompt_token_ids == ids
     assert out.token_ids == want
     assert out.text == hf_tok.decode(want, skip_special_tokens=True)
@@ -52,6 +52,7 @@ def _shapes(model_dir):
 
 def _cli(*args, cwd=ROOT):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [*args, "--max_num_batched_tokens=32"]
     return subprocess.run([sys.executable, "-m", "jaxinfer", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

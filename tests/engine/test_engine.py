@@ -1,0 +1,167 @@
+"""The engine end to end: batching, chunked prefill and preemption against a naive
+decode, seeds, compile counts, stop strings, n > 1, aborts and bad requests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams, checkpoint
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.model import transformer
+
+SMALL = dict(page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+             compilation_cache_dir="")
+PAGE_BYTES = 4 * 512  # tiny llama: 2 layers x K,V x 2 kv heads x 16 dims x 4 bytes per token
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model_dirs):
+    """Small token budget and a 24-page pool, so prefill is chunked and requests preempt."""
+    return Engine(hf_model_dirs["llama"],
+                  EngineConfig(**SMALL, kv_cache_memory_bytes=24 * PAGE_BYTES))
+
+
+def _run(engine, prompts, params):
+    ids = [f"r{i}-{id(prompts)}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, p)
+    while any(not engine.output(i).finished for i in ids):
+        engine.step()
+    return [engine.release(i) for i in ids]
+
+
+def _naive_greedy(model_dir, prompts, max_tokens, width=64):
+    """One dense causal forward over the whole padded sequence per generated token."""
+    cfg = checkpoint.load_config(model_dir)
+    params = checkpoint.load_params(model_dir, cfg)
+    forward = jax.jit(functools.partial(transformer.forward_dense, cfg=cfg))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    lengths = np.array([len(p) for p in prompts])
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    outputs = [[] for _ in prompts]
+    for _ in range(max(max_tokens)):
+        logits = np.asarray(forward(params, jnp.asarray(tokens)))
+        for i in range(len(prompts)):
+            if len(outputs[i]) < max_tokens[i] and lengths[i] < width:
+                token = int(logits[i, lengths[i] - 1].argmax())
+                outputs[i].append(token)
+                tokens[i, lengths[i]] = token
+                lengths[i] += 1
+    return outputs
+
+
+def test_engine_golden_batched_chunked_preempted_equals_naive(engine, hf_model_dirs):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(2, 41))).tolist() for _ in range(64)]
+    max_tokens = [int(rng.integers(1, 24)) for _ in range(64)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+              for m in max_tokens]
+    before = engine.metrics.summary()
+    outs = _run(engine, prompts, params)
+    want = _naive_greedy(hf_model_dirs["llama"], prompts, max_tokens)
+    assert [o.token_ids for o in outs] == want
+    after = engine.metrics.summary()
+    assert after["preemptions"] > before["preemptions"]  # the small pool forced some
+    assert after["mean_requests_per_step"] > 2  # batched, not one at a time
+    assert engine.scheduler.pool.num_used == 0  # every page came back
+
+
+def test_engine_seeded_sampling_same_alone_and_in_a_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    (alone,) = _run(engine, [[5, 6, 7, 8]], [params])
+    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(5)]
+    batch = _run(engine, [[9, 9, 9], [5, 6, 7, 8], [1] * 30, [2, 3], [4] * 17, [8]],
+                 [others[0], params, *others[1:]])
+    assert batch[1].token_ids == alone.token_ids
+
+
+def test_engine_no_compiles_after_warmup(hf_model_dirs):
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    llm = LLM(hf_model_dirs["qwen3"], strict_compile=True, **SMALL)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(0, 256, size=int(rng.integers(1, 50))).tolist()
+                   for _ in range(200)]
+        params = [SamplingParams(max_tokens=int(rng.integers(1, 14)),
+                                 temperature=float(rng.choice([0.0, 0.7])), seed=i)
+                  for i in range(200)]
+        outs = llm.generate(prompts, params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert compiles == []
+    assert llm.metrics()["compiles_after_warmup"] == 0
+
+
+def test_engine_static_scheduler_gives_the_same_greedy_tokens(hf_model_dirs, engine):
+    static = Engine(hf_model_dirs["llama"], EngineConfig(**SMALL, scheduler="static"))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(30, 60))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 3)]
+    assert [o.token_ids for o in _run(static, prompts, params)] == \
+        [o.token_ids for o in _run(engine, prompts, params)]
+
+
+def test_engine_n_completions_differ_and_follow_the_seed(engine):
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=11)
+    (first,) = _run(engine, [[1, 2, 3]], [params])
+    (again,) = _run(engine, [[1, 2, 3]], [params])
+    assert len(first.outputs) == 3
+    assert len({tuple(o.token_ids) for o in first.outputs}) == 3
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+
+
+def test_engine_abort_frees_pages_and_others_finish(engine):
+    engine.add_request("keep", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.0))
+    engine.add_request("drop", [4, 5, 6], SamplingParams(max_tokens=30, temperature=0.0))
+    engine.step()
+    engine.abort("drop")
+    assert engine.output("drop").finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.release("keep").token_ids) == 6
+    assert len(engine.release("drop").token_ids) < 30
+    assert engine.scheduler.pool.num_used == 0
+
+
+def test_engine_bad_requests_are_refused_and_others_served(engine):
+    engine.add_request("good", [7, 7], SamplingParams(max_tokens=4, temperature=0.0))
+    with pytest.raises(ValueError, match="the prompt has 64 tokens; max_model_len 64"):
+        engine.add_request("long", list(range(64)), SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [1], SamplingParams())
+    with pytest.raises(TypeError, match="not SamplingParams"):
+        engine.add_request("typo", [1], {"max_tokens": 3})
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.release("good").finish_reason == "length"
+
+
+def test_engine_penalties_and_min_tokens(engine):
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    (greedy,) = _run(engine, [[10, 11, 12]], [plain])
+    repeated = max(set(greedy.token_ids), key=greedy.token_ids.count)
+    penalized = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                               frequency_penalty=2.0)
+    (out,) = _run(engine, [[10, 11, 12]], [penalized])
+    assert out.token_ids.count(repeated) <= greedy.token_ids.count(repeated)
+    assert out.token_ids != greedy.token_ids or greedy.token_ids.count(repeated) == 1
+    stop = greedy.token_ids[0]
+    (early,) = _run(engine, [[10, 11, 12]], [SamplingParams(
+        max_tokens=16, temperature=0.0, stop_token_ids=[stop])])
+    assert early.token_ids == [stop] and early.finish_reason == "stop"
+    (late,) = _run(engine, [[10, 11, 12]], [SamplingParams(
+        max_tokens=16, temperature=0.0, stop_token_ids=[stop], min_tokens=3)])
+    assert stop not in late.token_ids[:3] and len(late.token_ids) >= 3

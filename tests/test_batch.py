@@ -1,0 +1,90 @@
+"""The offline batch runner: results, error records, and exactly-once resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import LLM, batch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEMO = ROOT / "checkpoints" / "demo"
+LINES = [
+    {"id": "a", "prompt": "import os\n", "max_tokens": 8, "temperature": 0.0},
+    {"id": "b", "prompt": [10, 20, 30], "max_tokens": 5, "temperature": 0.0},
+    "{not json",
+    {"id": "c", "prompt": "x", "temperature": -1},
+    {"id": "d", "messages": [{"role": "user", "content": "sort a list"}], "max_tokens": 6,
+     "temperature": 0.0},
+    {"id": "e", "prompt": "def f():", "bogus": 1},
+    {"prompt": "no id"},
+    {"id": "f", "prompt": "y", "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 1},
+    {"id": "a", "prompt": "dup"},
+    {"id": 7, "prompt": [1] * 600},
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEMO, max_num_seqs=4, max_num_batched_tokens=32)
+
+
+def _write_input(path):
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in LINES) + "\n")
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_batch_results_and_error_records(llm, tmp_path):
+    _write_input(tmp_path / "in.jsonl")
+    summary = batch.run(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    records = {r.get("id", f"line{r.get('line')}"): r for r in _records(tmp_path / "out.jsonl")}
+    assert summary["done"] == 4 and summary["errors"] == 6
+    assert records["a"]["finish_reason"] == "length" and len(records["a"]["token_ids"]) == 8
+    assert records["b"]["prompt_tokens"] == 3 and records["b"]["completion_tokens"] == 5
+    assert records["d"]["prompt_tokens"] > 5  # the chat template was applied
+    assert len(records["f"]["outputs"]) == 2
+    assert records["line3"]["error"] == "the line has no 'id'"
+    assert records["c"]["error"].startswith("temperature=-1 must be")
+    assert "unknown field(s) ['bogus']" in records["e"]["error"]
+    assert records["line7"]["error"] == "the line has no 'id'"
+    assert "the prompt has" in records["7"]["error"]  # too long, id given as a number
+    dup = [r for r in _records(tmp_path / "out.jsonl") if r.get("line") == 9]
+    assert dup and "appears twice" in dup[0]["error"]
+
+
+def test_batch_resume_skips_done_ids_and_cuts_a_torn_line(llm, tmp_path):
+    _write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "a", "text": "earlier", "token_ids": []}) + "\n"
+                   + '{"id": "b", "te')  # a crash mid-write
+    summary = batch.run(llm, tmp_path / "in.jsonl", out, progress=False)
+    assert summary["skipped"] == 2  # "a" and its duplicate line
+    ids = [r.get("id", r.get("line")) for r in _records(out)]
+    assert sorted(map(str, ids)) == sorted(map(str, set(ids)))  # nothing twice
+    assert {"a", "b", "c", "d", "e", "f", "7", "3", "7"} >= set(map(str, ids))
+    assert _records(out)[0]["text"] == "earlier"
+    again = batch.run(llm, tmp_path / "in.jsonl", out, progress=False)
+    assert again["done"] == again["errors"] == 0 and len(_records(out)) == len(ids)
+
+
+def test_batch_cli(tmp_path):
+    _write_input(tmp_path / "in.jsonl")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer", "batch", f"--input={tmp_path / 'in.jsonl'}",
+         f"--output={tmp_path / 'out.jsonl'}", "--max_num_seqs=4",
+         "--max_num_batched_tokens=32"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stderr[result.stderr.index("{\n"):])
+    assert summary["done"] == 4 and summary["errors"] == 6
+    assert "generated_tokens_per_s" in summary["engine"]
+    assert len(_records(tmp_path / "out.jsonl")) == 10
