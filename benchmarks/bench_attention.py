@@ -28,7 +28,8 @@ flags.DEFINE_integer("num_heads", 32, "query heads (Llama-3-8B layer)")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_integer("page_size", 16, "tokens per page")
-flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "queries and KV dtype")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                  "queries and KV dtype (the CPU engine keeps KV pages in float32)")
 flags.DEFINE_integer("repeats", 5, "timed calls per point (median reported)")
 FLAGS = flags.FLAGS
 

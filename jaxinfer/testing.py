@@ -84,3 +84,29 @@ def _byte_of(char: str) -> int:
         return code
     missing = [b for b in range(256) if b not in printable]
     return missing[code - 256]
+
+
+def make_random_model(path: str | os.PathLike, preset: str, *, seed: int = 0,
+                      max_position_embeddings: int | None = None) -> pathlib.Path:
+    """An HF directory with random weights of a preset's shape (no torch needed) and a
+    word-level tokenizer whose ids cover the vocabulary ("<17>" is id 17)."""
+    import dataclasses
+    import json
+
+    import jax
+    from tokenizers import Tokenizer, models
+
+    from jaxinfer import checkpoint
+    from jaxinfer.config import load_preset
+    from jaxinfer.model import transformer
+
+    cfg = load_preset(preset)
+    if max_position_embeddings:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max_position_embeddings)
+    root = pathlib.Path(path)
+    params = transformer.init_params(cfg, jax.random.key(seed))
+    checkpoint.save_hf(root, cfg, params, extra_config={"eos_token_id": 0, "bos_token_id": 0})
+    vocab = {f"<{i}>": i for i in range(cfg.vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="<0>")).save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<0>"}))
+    return root

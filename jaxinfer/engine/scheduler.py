@@ -94,6 +94,8 @@ class Scheduler:
             index += 1
         if not preempted and (self.policy == "continuous" or not self.running):
             budget = self._admit(budget, chunks)
+        # Single-token chunks (decodes) first: attention gathers their KV per token.
+        chunks.sort(key=lambda c: c.num_tokens > 1)
         return StepPlan(tuple(chunks), tuple(preempted))
 
     def _reserve_or_preempt(self, request: Request, count: int,

@@ -20,6 +20,8 @@ the loop gets its convert hoisted into a whole-pool conversion, each call.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ import numpy as np
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
 KV_BLOCK_TOKENS = 128  # KV positions per step of the online-softmax loop
+QUERY_BLOCK = 64  # query rows per loop item when a step holds prefill chunks
 
 
 def write_kv_pages(
@@ -86,12 +89,31 @@ def ragged_paged_attention(
     q_pos = kv_len - q_len + token - q_start  # i32[T], position of the query in its KV
     pages_per_block = min(pages_per_seq, max(1, KV_BLOCK_TOKENS // page_size))
     padded = -(-pages_per_seq // pages_per_block) * pages_per_block
-    rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))[req]  # i32[T, padded]
+    padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
                     k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block)
-    kv_block_bytes = pages_per_block * page_size * combined * head_dim * 4
-    block = _token_block(tokens, kv_block_bytes)
+    q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    # Single-token requests in the first `prefix` rows (decodes, which engines put first)
+    # gather per token; every other request goes by blocks of its queries, gathering its
+    # KV once per block. Each path leaves the other's rows at zero.
+    prefix = min(num_slots, tokens)
+    by_token = (q_lens == 1) & (cu_q_lens[:-1] < prefix)  # bool[S]
+    mine = by_token[req[:prefix]]
+    rows = padded_rows[req[:prefix]]  # i32[prefix, padded]
+    out = _attend_by_tokens(queries[:prefix], rows, jnp.where(mine, kv_len[:prefix], 0),
+                            q_pos[:prefix], kv_pages, **settings)
+    out = jnp.pad(out, ((0, tokens - prefix), (0, 0), (0, 0)))
+    return out + _attend_by_requests(queries, kv_pages, kv_lens, padded_rows, cu_q_lens,
+                                     jnp.where(by_token, 0, q_lens), **settings)
+
+
+def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,
+                      q_pos: jax.Array, kv_pages: jax.Array, **settings: object) -> jax.Array:
+    """Every token gathers its own request's pages (cheap when each request has 1 token)."""
+    tokens, num_heads, head_dim = queries.shape
+    block_bytes = settings["pages_per_block"] * math.prod(kv_pages.shape[1:]) * 4
+    block = _token_block(tokens, block_bytes)
 
     def attend_block(xs: tuple[jax.Array, ...]) -> jax.Array:
         return _attend_tokens(*xs, kv_pages, **settings)
@@ -102,6 +124,60 @@ def ragged_paged_attention(
     blocked = jax.tree.map(lambda x: x.reshape(tokens // block, block, *x.shape[1:]), xs)
     out = jax.lax.map(attend_block, blocked)
     return out.reshape(tokens, num_heads, head_dim)
+
+
+def _attend_by_requests(
+    queries: jax.Array,  # f[T, N, H]
+    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_lens: jax.Array,  # i32[S]
+    rows: jax.Array,  # i32[S, padded pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    q_lens: jax.Array,  # i32[S], 0 past num_seqs
+    *,
+    pages_per_block: int,
+    mask_value: float,
+    **settings: float | int | None,
+) -> jax.Array:
+    """One loop item per (request, block of its queries): the block's KV is gathered once.
+
+    Requests with `q_lens` 0 are skipped. Items run in order and write whole query
+    blocks; a request's last block spills zeros into the rows after it, which later
+    items overwrite, and which hold zeros if another path owns them.
+    """
+    tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    block_q, block_kv = QUERY_BLOCK, pages_per_block * kv_pages.shape[1]
+    shape = (block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    padded = jnp.pad(queries, ((0, block_q), (0, 0), (0, 0))).reshape(tokens + block_q,
+                                                                       *shape[1:])
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+
+    def item(j: jax.Array, out: jax.Array) -> jax.Array:
+        i = jnp.searchsorted(ends, j, side="right")
+        first = (j - ends[i] + blocks[i]) * block_q  # first query of the block
+        row = cu_q_lens[i] + first
+        qg = jax.lax.dynamic_slice(padded, (row, 0, 0, 0), shape)
+        local = first + jnp.arange(block_q, dtype=jnp.int32)
+        q_pos = kv_lens[i] - q_lens[i] + local
+        kv_len = jnp.where(local < q_lens[i], kv_lens[i], 0)
+
+        def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            pages = jax.lax.dynamic_slice_in_dim(rows[i], b * pages_per_block, pages_per_block)
+            pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            return _kv_block_update(carry, qg, kv_pages[pages], pos, kv_len, q_pos,
+                                    mask_value=mask_value, **settings)
+
+        init = (jnp.full(shape[:3], mask_value, jnp.float32),
+                jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape, jnp.float32))
+        needed = jnp.minimum(kv_lens[i], q_pos[-1] + 1)
+        _, total, acc = jax.lax.fori_loop(0, (needed + block_kv - 1) // block_kv, body, init)
+        result = acc / jnp.where(total > 0, total, 1.0)[..., None]
+        return jax.lax.dynamic_update_slice(out, result, (row, 0, 0, 0))
+
+    out = jnp.zeros((tokens + block_q, *shape[1:]), jnp.float32)
+    out = jax.lax.fori_loop(0, ends[-1], item, out)
+    return out[:tokens].reshape(tokens, num_heads, head_dim).astype(queries.dtype)
 
 
 def _token_block(tokens: int, bytes_per_token: int) -> int:
@@ -150,7 +226,7 @@ def _attend_tokens(
 def _kv_block_update(
     carry: tuple[jax.Array, ...],  # running max f32[Tb, G, R], sum f32[Tb, G, R], acc
     qg: jax.Array,  # f[Tb, G, R, H]
-    kv: jax.Array,  # [Tb, pages_per_block, K, 2G, H]
+    kv: jax.Array,  # [Tb, pages_per_block, K, 2G, H], or [pages_per_block, K, 2G, H] shared
     pos: jax.Array,  # i32[Cb]: KV positions of this block
     kv_len: jax.Array,  # i32[Tb]
     q_pos: jax.Array,  # i32[Tb]
@@ -162,15 +238,18 @@ def _kv_block_update(
     k_scale: float | None,
     v_scale: float | None,
 ) -> tuple[jax.Array, ...]:
+    """One KV block of the online softmax, per-token KV or one block shared by all rows."""
     running_max, total, acc = carry
     tokens, num_kv_heads, _, head_dim = qg.shape
-    kv = kv.reshape(tokens, -1, num_kv_heads, 2, head_dim)  # [Tb, Cb, G, 2, H]: K then V
-    k = _dequantize(kv[:, :, :, 0], k_scale, jnp.float32)
-    v = _dequantize(kv[:, :, :, 1], v_scale, jnp.float32)
+    shared = kv.ndim == 4
+    kv = kv.reshape(*(() if shared else (tokens,)), -1, num_kv_heads, 2, head_dim)
+    k = _dequantize(kv[..., 0, :], k_scale, jnp.float32)  # [(Tb,) Cb, G, H]
+    v = _dequantize(kv[..., 1, :], v_scale, jnp.float32)
     present = pos[None, :] < kv_len[:, None]  # [Tb, Cb]: slots holding real KV
-    v = jnp.where(present[:, :, None, None], v, 0.0)  # unused slots may hold NaN
+    v = jnp.where((present[0] if shared else present)[..., None, None], v, 0.0)  # NaN-safe
     # Scores as [Tb, G, Cb, R]: this operand order lowers to XLA:CPU's fast fused dot.
-    scores = jnp.einsum("tcgh,tgrh->tgcr", k, qg.astype(jnp.float32)) * sm_scale
+    spec = "cgh,tgrh->tgcr" if shared else "tcgh,tgrh->tgcr"
+    scores = jnp.einsum(spec, k, qg.astype(jnp.float32)) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = present & (pos[None, :] <= q_pos[:, None])
@@ -182,8 +261,10 @@ def _kv_block_update(
     probs = jnp.where(visible, jnp.exp(scores - new_max[:, :, None, :]), 0.0)
     scale = jnp.exp(running_max - new_max)
     total = total * scale + probs.sum(axis=2)
-    # probs x V as a multiply-reduce over Cb: faster on CPU than a batched dot with R rows.
-    update = (probs.transpose(0, 2, 1, 3)[..., None] * v[:, :, :, None, :]).sum(axis=1)
+    if shared:
+        update = jnp.einsum("tgcr,cgh->tgrh", probs, v)
+    else:  # a multiply-reduce over Cb: faster on CPU than a batched dot with R rows
+        update = (probs.transpose(0, 2, 1, 3)[..., None] * v[:, :, :, None, :]).sum(axis=1)
     return new_max, total, acc * scale[..., None] + update
 
 
