@@ -1,6 +1,20 @@
-"""jaxinfer: LLM inference on JAX. Public names only."""
+"""jaxinfer: LLM inference on JAX. Public names only.
 
-from jaxinfer.api import LLM
-from jaxinfer.engine.request import RequestOutput, SamplingParams
+They load lazily, so host-side modules (`jaxinfer.engine.scheduler`, ...) can be
+imported, and unit-tested, without importing jax.
+"""
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+_WHERE = {"LLM": "jaxinfer.api", "EngineConfig": "jaxinfer.config",
+          "RequestOutput": "jaxinfer.engine.request", "SamplingParams": "jaxinfer.engine.request"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")

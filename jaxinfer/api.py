@@ -37,9 +37,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given."""
-        ids = self._add_all(prompts, sampling_params)
+                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given. `priority`: one
+        int per prompt, lower runs first (as in vLLM)."""
+        ids = self._add_all(prompts, sampling_params, priority)
         while any(not self.engine.output(i).finished for i in ids):
             self.engine.step()
         return [self.engine.release(i) for i in ids]
@@ -62,10 +63,13 @@ class LLM:
         return self.engine.metrics.summary()
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None
-                 ) -> list[str]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                 priority: Sequence[int] | None = None) -> list[str]:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        priority = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         for index, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
             try:
                 self.engine.prompt_token_ids(prompt)
@@ -73,8 +77,9 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {index}: {e}") from None
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        for request_id, prompt, sp in zip(ids, prompt_list, params, strict=True):
-            self.engine.add_request(request_id, prompt, sp)
+        for request_id, prompt, sp, rank in zip(ids, prompt_list, params, priority,
+                                                strict=True):
+            self.engine.add_request(request_id, prompt, sp, priority=rank)
         return ids
 
 

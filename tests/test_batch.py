@@ -88,3 +88,38 @@ def test_batch_cli(tmp_path):
     assert summary["done"] == 4 and summary["errors"] == 6
     assert "generated_tokens_per_s" in summary["engine"]
     assert len(_records(tmp_path / "out.jsonl")) == 10
+
+
+def _batch_cmd(inp, out):
+    return [sys.executable, "-m", "jaxinfer", "batch", f"--input={inp}", f"--output={out}",
+            "--max_num_seqs=1", "--max_num_batched_tokens=32"]
+
+
+def test_batch_sigkill_then_rerun_gives_every_id_once_as_uninterrupted(tmp_path):
+    import signal
+    import time
+
+    lines = [{"id": f"q{i}", "prompt": f"def f{i}(x):", "max_tokens": 24,
+              "temperature": 0.0 if i % 2 else 0.8, "seed": i} for i in range(24)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + "{broken\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert subprocess.run(_batch_cmd(inp, ref), cwd=ROOT, env=env, capture_output=True,
+                          timeout=300).returncode == 0
+    proc = subprocess.Popen(_batch_cmd(inp, out), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 4):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = out.read_text().count("\n")
+    assert 4 <= killed_at < 25  # it really was stopped mid-run
+    assert subprocess.run(_batch_cmd(inp, out), cwd=ROOT, env=env, capture_output=True,
+                          timeout=300).returncode == 0
+    got, want = _records(out), _records(ref)
+    key = lambda r: str(r.get("id", r.get("line")))  # noqa: E731
+    assert sorted(map(key, got)) == sorted(map(key, want))  # every id exactly once
+    assert len(got) == 25
+    assert sorted(got, key=key) == sorted(want, key=key)

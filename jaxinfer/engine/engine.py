@@ -31,6 +31,7 @@ from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
+DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory, less the weights, by default
 
 
 class Engine:
@@ -81,7 +82,10 @@ class Engine:
             self.model_config, self.kv_dtype)
         pages_per_seq = -(-self.max_model_len // self.config.page_size)
         budget = self.config.kv_cache_memory_bytes
-        if budget is None:
+        device_limit = runner_lib.device_memory_limit()
+        if budget is None and device_limit:
+            budget = int(device_limit * DEVICE_KV_FRACTION) - runner_lib.tree_bytes(params)
+        elif budget is None:  # CPU: room for every slot at full length, within RAM
             wanted = (self.config.max_num_seqs * pages_per_seq + 1) * page_bytes
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             budget = min(wanted, int(physical * CPU_KV_FRACTION))

@@ -8,8 +8,9 @@ Running requests go first, then waiting ones in (priority, arrival) order, up
 to `max_num_seqs` in flight. When pages run out, the lowest-priority,
 latest-arrived running request is preempted: its pages are freed and it is
 recomputed later from its prompt and the tokens it had generated. In "static"
-mode a batch is admitted only when the previous one has finished entirely:
-the baseline the benchmarks compare against.
+mode up to `max_num_seqs` requests form a batch (admitted as the token budget
+allows) and no other request starts until the whole batch has finished: the
+baseline the benchmarks compare against.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0
+        self._static_quota = 0  # static mode: requests the current batch may still admit
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
@@ -92,7 +94,9 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
             budget -= count
             index += 1
-        if not preempted and (self.policy == "continuous" or not self.running):
+        if self.policy == "static" and not self.running:
+            self._static_quota = self.max_num_seqs  # the next batch may form
+        if not preempted:
             budget = self._admit(budget, chunks)
         # Single-token chunks (decodes) first: attention gathers their KV per token.
         chunks.sort(key=lambda c: c.num_tokens > 1)
@@ -111,11 +115,14 @@ class Scheduler:
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.policy == "static" and self._static_quota == 0:
+                break  # the batch is formed: no newcomers until it has finished
             request = self.waiting[0]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + count):
                 break
             self.waiting.pop(0)
+            self._static_quota -= self.policy == "static"
             request.status = Status.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))

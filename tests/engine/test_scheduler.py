@@ -113,16 +113,21 @@ def test_preemption_frees_latest_lowest_priority_and_recomputes():
         ("b", 0, 9, True)]  # prompt + its two generated tokens, recomputed
 
 
-def test_static_policy_admits_next_batch_only_when_idle():
-    s = _scheduler(policy="static", max_num_seqs=2)
-    for i in range(3):
-        s.add(_request(f"r{i}", 2, arrival=i, max_tokens=2))
+def test_static_policy_fills_a_batch_then_waits_for_all_of_it():
+    s = _scheduler(policy="static", max_num_seqs=2, max_num_batched_tokens=8)
+    for i, max_tokens in enumerate((2, 3, 2)):
+        s.add(_request(f"r{i}", 6, arrival=i, max_tokens=max_tokens))
     plan, chunks = _plan(s)
-    assert [c[0] for c in chunks] == ["r0", "r1"]
-    s.update(plan, [5, 5])
-    s.finish(s.running[0], "abort")  # r0 done early: static mode still waits for r1
+    assert chunks == [("r0", 0, 6, True), ("r1", 0, 2, False)]  # budget-limited
+    s.update(plan, [5, None])
     plan, chunks = _plan(s)
-    assert [c[0] for c in chunks] == ["r1"]
+    assert chunks == [("r0", 6, 1, True), ("r1", 2, 4, True)]  # r1 joins the same batch
+    s.update(plan, [5, 5])  # r0 has its 2 tokens and is done; a slot is free
+    plan, chunks = _plan(s)
+    assert chunks == [("r1", 6, 1, True)]  # but r2 waits for the whole batch
+    s.update(plan, [5])
+    plan, chunks = _plan(s)
+    assert chunks == [("r1", 7, 1, True)]
     s.update(plan, [5])
     plan, chunks = _plan(s)
     assert [c[0] for c in chunks] == ["r2"]
@@ -156,3 +161,16 @@ def test_bucket_pick_and_all():
         buckets.pick(65, 1)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         BucketSet(max_num_batched_tokens=4, max_num_seqs=8)
+
+
+def test_host_modules_import_without_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxinfer.engine.scheduler, jaxinfer.engine.page_pool, "
+            "jaxinfer.engine.buckets, jaxinfer.engine.request, jaxinfer.engine.metrics; "
+            "from jaxinfer import SamplingParams; "
+            "assert 'jax' not in sys.modules and 'numpy' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith(('jax', 'numpy')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
