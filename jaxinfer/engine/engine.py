@@ -197,6 +197,9 @@ class Engine:
         """One device step. Returns the outputs of prompts that changed, with deltas."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any waiting request "
+                                   "(KV cache smaller than one request?)")
             return []
         started = time.perf_counter()
         compiles = runner_lib.compile_count()
