@@ -30,7 +30,7 @@ test-slow: lint
 	$(PY) -m pytest -m slow
 
 demo-model: $(VENV)/.base
-	$(PY) tools/train_demo.py --out=checkpoints
+	$(PY) tools/train_demo.py --out=checkpoints --main_steps=1500 --draft_steps=2000
 
 clean:
 	rm -rf $(VENV) .pytest_cache
