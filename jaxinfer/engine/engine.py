@@ -60,6 +60,9 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
             policy=config.scheduler)
+        self._weight_bytes = runner_lib.tree_bytes(params)
+        self._kv_bytes_per_token = runner_lib.kv_bytes_per_token(self.model_config,
+                                                                 self.kv_dtype)
         self.metrics = Metrics(bandwidth_gb_per_s=runner_lib.measure_memory_bandwidth())
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = 0
@@ -144,15 +147,16 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                    priority: int = 0) -> None:
-        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions."""
+                    priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions.
+        `prompt_token_ids`, from `prompt_token_ids()`, saves tokenizing `prompt` again."""
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
         self.check_params(params)
-        ids = self.prompt_token_ids(prompt, messages)
+        ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         children = []
         for index in range(params.n):
@@ -245,19 +249,18 @@ class Engine:
             text = self._texts[id(request)]
             if request.finished and completion.finish_reason is None:
                 text.finish()
-            new_ids = request.output_token_ids[len(completion.token_ids):]
-            completion.delta_token_ids = new_ids
-            completion.token_ids = list(request.output_token_ids)
+            done = len(completion.token_ids)  # only what this step added is copied
+            completion.delta_token_ids = request.output_token_ids[done:]
+            completion.token_ids.extend(completion.delta_token_ids)
             completion.delta_text = text.delta(request.finished)
-            completion.text = text.emitted
+            completion.text += completion.delta_text
             completion.finish_reason = request.finish_reason
             completion.stop_reason = request.stop_reason
             if completion.logprobs is not None:
-                completion.logprobs = list(request.output_logprobs)
+                completion.logprobs.extend(request.output_logprobs[done:])
         return out
 
     def _record_metrics(self, plan: StepPlan, bucket: Bucket, seconds: float) -> None:
-        per_token = runner_lib.kv_bytes_per_token(self.model_config, self.kv_dtype)
         attended = sum(c.start + c.num_tokens for c in plan.chunks)
         prompt = sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_token_ids))
                          - c.start) for c in plan.chunks)
@@ -267,4 +270,4 @@ class Engine:
             requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=prompt,
             generated=sum(c.samples for c in plan.chunks),
             pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
-            bytes_read=self.runner.weight_bytes + attended * per_token)
+            bytes_read=self._weight_bytes + attended * self._kv_bytes_per_token)

@@ -43,11 +43,6 @@ class TextState:
         if self.stop_string is None:
             self.text += self._detokenizer.flush()
 
-    @property
-    def emitted(self) -> str:
-        """The text handed out so far."""
-        return self.text[:self._emitted]
-
     def delta(self, finished: bool) -> str:
         """Text not handed out yet, holding back a possible stop-string prefix."""
         end = len(self.text) if finished or self.stop_string else len(self.text) - self._hold

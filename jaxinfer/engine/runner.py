@@ -105,12 +105,8 @@ class Runner:
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
 
     @property
-    def kv_cache_bytes(self) -> int:
-        return sum(x.nbytes for x in self.kv_cache)
-
-    @property
     def weight_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+        return tree_bytes(self.params)
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
         """Compile the step for every bucket; returns {"buckets": n, "seconds": t}."""
