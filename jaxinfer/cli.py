@@ -31,7 +31,7 @@ flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stde
 # Engine settings: EngineConfig fields.
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights dtype")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV pages dtype; auto = float32 on CPU, else the weights' dtype")
+                  "KV pages dtype; auto = the weights' dtype")
 flags.DEFINE_integer("max_num_seqs", 32, "requests in flight")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output; default: model's")

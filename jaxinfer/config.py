@@ -216,7 +216,7 @@ class EngineConfig:
     """How the engine batches, pads and sizes its KV cache (mirrored by CLI flags)."""
 
     dtype: str = "float32"  # weights
-    kv_cache_dtype: str = "auto"  # "auto": float32 on CPU, else the weights' dtype
+    kv_cache_dtype: str = "auto"  # "auto": the weights' dtype
     max_num_seqs: int = 32  # requests in flight
     max_num_batched_tokens: int = 512  # tokens per step (the top token bucket)
     max_model_len: int | None = None  # prompt + output; None: the model's maximum

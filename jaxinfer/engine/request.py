@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import math
 
-MAX_LOGPROBS = 20  # top-k logprobs the device step always computes
+MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,16 +60,11 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
-    """The KV page dtype: "auto" is the weights' dtype, except float32 on CPU.
-
-    On XLA:CPU a bfloat16 page pool is upcast whole for every K/V write (see
-    pallas/reference.py), so float32 pages are much faster there.
-    """
+    """The KV dtype: "auto" is the weights' dtype. (On CPU bfloat16 pages are stored
+    as their uint16 bits, see model/attention.py; byte counts are the same.)"""
     if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"{kv_cache_dtype=} must be 'auto', 'float32' or 'bfloat16'")
-    if kv_cache_dtype != "auto":
-        return kv_cache_dtype
-    return "float32" if jax.default_backend() == "cpu" else dtype
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)

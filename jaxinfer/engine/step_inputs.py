@@ -79,7 +79,8 @@ def sampling_inputs(requests: Sequence[Request | None], *, num_slots: int, histo
     stop_ids = np.full((num_slots, STOP_WIDTH), -1, np.int32)
     fields: dict[str, list] = {k: [] for k in (
         "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "seeds", "counters", "prompt_lens", "history_lens", "ban_stop")}
+        "frequency_penalty", "seeds", "counters", "prompt_lens", "history_lens", "ban_stop",
+        "logprobs")}
     for i, request in enumerate(rows):
         values = _row(request)
         for key, value in values.items():
@@ -106,11 +107,12 @@ def _row(request: Request | None) -> dict[str, float | int | bool]:
         return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                 "seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
-                "ban_stop": False}
+                "ban_stop": False, "logprobs": 0}
     p = request.params
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "seeds": request.seed, "counters": len(request.output_token_ids),
             "prompt_lens": len(request.prompt_token_ids), "history_lens": request.num_tokens,
-            "ban_stop": len(request.output_token_ids) < p.min_tokens}
+            "ban_stop": len(request.output_token_ids) < p.min_tokens,
+            "logprobs": p.logprobs or 0}

@@ -35,11 +35,20 @@ class AttentionMetadata:
     logits_indices: jax.Array  # i32[R]: token rows whose logits are returned
 
 
+def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
+    """The page dtype that holds KV of `dtype`: bfloat16 is kept as its uint16 bits on
+    CPU (see pallas/reference.py); every other dtype is stored as itself."""
+    backend = backend or jax.default_backend()
+    if jnp.dtype(dtype) == jnp.bfloat16 and backend == "cpu":
+        return jnp.dtype(reference.BF16_STORAGE)
+    return jnp.dtype(dtype)
+
+
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
                   dtype: jnp.dtype = jnp.float32) -> KVCache:
-    """Zeroed cache: L arrays of [P, K, 2G, H]."""
+    """Zeroed cache: L arrays of [P, K, 2G, H] in the storage dtype of `dtype`."""
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-    return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
+    return [jnp.zeros(shape, kv_storage_dtype(dtype)) for _ in range(cfg.num_layers)]
 
 
 def attention_block(
@@ -64,8 +73,9 @@ def attention_block(
     q = layers.apply_rope(q, md.positions, inv_freq)
     k = layers.apply_rope(k, md.positions, inv_freq)
     kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
+    stored_bits = kv_pages.dtype == reference.BF16_STORAGE
     out = ragged_paged_attention(
-        q.astype(kv_pages.dtype), kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
+        q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
         md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         impl=cfg.attention_impl, interpret=cfg.attention_interpret)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)

@@ -7,7 +7,9 @@ of generated tokens, so a request's tokens never depend on what else is in the
 batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
 penalties, temperature or filtering. Costly [S, V] work runs under `lax.cond`
 only when some row needs it: token counts (penalties), the draw (temperature
-> 0), one sort per row (top-k or top-p). `pack`/`unpack` turn the output into one
+> 0), one sort per row (top-k or top-p), the top-k logprobs (rows with
+`logprobs` > 0; the others get ids -1). Greedy is a max then the first index
+that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower. `pack`/`unpack` turn the output into one
 int32 array per step and back (host side, numpy).
 
 Imports jax and numpy only.
@@ -41,6 +43,7 @@ class SamplingInputs:
     history_lens: jax.Array  # i32[S]: prompt + output tokens in history
     ban_stop: jax.Array  # bool[S]: True while the request has < min_tokens outputs
     stop_ids: jax.Array  # i32[S, E]: ids that end the request, padded with -1
+    logprobs: jax.Array  # i32[S]: top logprobs the row wants; 0 = none
 
 
 @jax.tree_util.register_dataclass
@@ -57,16 +60,29 @@ class SampleOutput:
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SampleOutput:
     """Pick one token per row of f32[S, V] logits."""
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[S]: logprobs = logits - log_total
     penalized = penalize(logits, inputs)
-    greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(penalized)
     is_random = inputs.temperature > 0
     # Greedy-only batches skip the draw; greedy rows take `greedy` either way.
     sampled = jax.lax.cond(jnp.any(is_random), _draw, lambda _l, _i: greedy, penalized, inputs)
     token_ids = jnp.where(is_random, sampled, greedy)
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_total
+    num_rows = logits.shape[0]
+    skipped = (jnp.full((num_rows, num_logprobs), -jnp.inf),
+               jnp.full((num_rows, num_logprobs), -1, jnp.int32))
+    top_logits, top_ids = jax.lax.cond(
+        jnp.any(inputs.logprobs > 0), lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
+        lambda _x: skipped, logits)
+    return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32),
+                        top_logits - log_total[:, None])
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """i32[S]: the first index of each row's maximum (as jnp.argmax, NaN-free rows)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jaxinfer.pallas import reference
 
 IMPLS = ("auto", "tpu", "gpu", "reference")
-KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
+KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
+             reference.BF16_STORAGE)  # the last: bf16 bits, reference only
 QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -92,7 +93,7 @@ def _validate_settings(kv_dtype: jnp.dtype, *, sm_scale: float, sliding_window: 
         raise ValueError(f"soft_cap={soft_cap!r} must be > 0 or None")
     if mask_value is not None and not mask_value < 0:
         raise ValueError(f"mask_value={mask_value!r} must be negative or None")
-    quantized = not jnp.issubdtype(kv_dtype, jnp.floating) or kv_dtype == jnp.float8_e4m3fn
+    quantized = kv_dtype in (jnp.int8, jnp.float8_e4m3fn)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not scale > 0:
             raise ValueError(f"{name}={scale!r} must be > 0 or None")
@@ -132,6 +133,9 @@ def ragged_paged_attention(
     args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, **settings)
     chosen = resolve_impl(impl)
+    if kv_pages.dtype == reference.BF16_STORAGE and chosen != "reference":
+        raise ValueError(f"kv_pages dtype uint16 (bfloat16 bits, the CPU storage) is read "
+                         f"by the reference only, not impl={impl!r}: give bfloat16 pages")
     if chosen == "reference":
         return reference.ragged_paged_attention(*args, **settings)
     if chosen == "tpu":

@@ -13,9 +13,14 @@ Rows past `cu_q_lens[num_seqs]` are padding and come back as zeros.
 
 Each token gathers its request's pages one KV block at a time inside a loop
 that runs only as far as the longest KV in the step (not the page table's
-width), with an online softmax in float32. On XLA:CPU keep the page pool in
-float32: a bf16 scatter is upcast over the whole pool, and a bf16 gather in
-the loop gets its convert hoisted into a whole-pool conversion, each call.
+width), with an online softmax in float32. K and V are gathered apart, each
+straight into the layout its dot wants (XLA:CPU's gathers are the cost here).
+
+Pages of dtype uint16 hold bfloat16 bit patterns: the CPU storage of a bf16
+KV cache (`BF16_STORAGE`). On XLA:CPU a bf16 scatter is upcast over the whole
+pool, and a bf16 gather in a loop gets its convert hoisted into a whole-pool
+conversion, each call; integer pages are moved as they are and bitcast to
+bf16 only after the gather, so bf16 pages cost half the bytes of float32.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import numpy as np
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
-KV_BLOCK_TOKENS = 128  # KV positions per step of the online-softmax loop
+KV_BLOCK_TOKENS = 32  # KV positions per step of the per-token online-softmax loop
+SHARED_KV_BLOCK_TOKENS = 128  # KV positions per step when a query block shares its KV
 QUERY_BLOCK = 64  # query rows per loop item when a step holds prefill chunks
+BF16_STORAGE = jnp.uint16  # page dtype that stores bfloat16 bits (see the module doc)
 
 
 def write_kv_pages(
@@ -47,12 +54,16 @@ def write_kv_pages(
     new_k = _quantize(new_k, k_scale, kv_pages.dtype)
     new_v = _quantize(new_v, v_scale, kv_pages.dtype)
     kv = jnp.stack([new_k, new_v], axis=2).reshape(tokens, combined, head_dim)
+    if kv_pages.dtype == BF16_STORAGE:
+        kv = jax.lax.bitcast_convert_type(kv, BF16_STORAGE)
     flat = kv_pages.reshape(num_pages * page_size, combined, head_dim)
     flat = flat.at[slot_mapping].set(kv, mode="drop")
     return flat.reshape(kv_pages.shape)
 
 
 def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
+    if dtype == BF16_STORAGE:
+        return x.astype(jnp.bfloat16)
     if scale is not None:
         x = x.astype(jnp.float32) / scale
     if jnp.issubdtype(dtype, jnp.integer):
@@ -87,8 +98,10 @@ def ragged_paged_attention(
     q_len = cu_q_lens[req + 1] - q_start
     kv_len = jnp.where(token < cu_q_lens[num_seqs[0]], kv_lens[req], 0)  # padding: none
     q_pos = kv_len - q_len + token - q_start  # i32[T], position of the query in its KV
-    pages_per_block = min(pages_per_seq, max(1, KV_BLOCK_TOKENS // page_size))
-    padded = -(-pages_per_seq // pages_per_block) * pages_per_block
+    pages_per_block = _pages_per_block(KV_BLOCK_TOKENS, page_size, pages_per_seq)
+    shared_block = _pages_per_block(SHARED_KV_BLOCK_TOKENS, page_size, pages_per_seq)
+    whole = math.lcm(pages_per_block, shared_block)
+    padded = -(-pages_per_seq // whole) * whole  # whole KV blocks of either path
     padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
@@ -105,7 +118,8 @@ def ragged_paged_attention(
                             q_pos[:prefix], kv_pages, **settings)
     out = jnp.pad(out, ((0, tokens - prefix), (0, 0), (0, 0)))
     return out + _attend_by_requests(queries, kv_pages, kv_lens, padded_rows, cu_q_lens,
-                                     jnp.where(by_token, 0, q_lens), **settings)
+                                     jnp.where(by_token, 0, q_lens), shared_block=shared_block,
+                                     **settings)
 
 
 def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,
@@ -135,6 +149,7 @@ def _attend_by_requests(
     q_lens: jax.Array,  # i32[S], 0 past num_seqs
     *,
     pages_per_block: int,
+    shared_block: int,
     mask_value: float,
     **settings: float | int | None,
 ) -> jax.Array:
@@ -146,6 +161,7 @@ def _attend_by_requests(
     """
     tokens, num_heads, head_dim = queries.shape
     num_kv_heads = kv_pages.shape[2] // 2
+    pages_per_block = shared_block  # not the per-token path's
     block_q, block_kv = QUERY_BLOCK, pages_per_block * kv_pages.shape[1]
     shape = (block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
     padded = jnp.pad(queries, ((0, block_q), (0, 0), (0, 0))).reshape(tokens + block_q,
@@ -165,7 +181,8 @@ def _attend_by_requests(
         def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             pages = jax.lax.dynamic_slice_in_dim(rows[i], b * pages_per_block, pages_per_block)
             pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-            return _kv_block_update(carry, qg, kv_pages[pages], pos, kv_len, q_pos,
+            k, v = _gather_kv(kv_pages, pages, settings["k_scale"], settings["v_scale"])
+            return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos,
                                     mask_value=mask_value, **settings)
 
         init = (jnp.full(shape[:3], mask_value, jnp.float32),
@@ -178,6 +195,10 @@ def _attend_by_requests(
     out = jnp.zeros((tokens + block_q, *shape[1:]), jnp.float32)
     out = jax.lax.fori_loop(0, ends[-1], item, out)
     return out[:tokens].reshape(tokens, num_heads, head_dim).astype(queries.dtype)
+
+
+def _pages_per_block(block_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    return min(pages_per_seq, max(1, block_tokens // page_size))
 
 
 def _token_block(tokens: int, bytes_per_token: int) -> int:
@@ -211,8 +232,8 @@ def _attend_tokens(
     def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         pages = jax.lax.dynamic_slice_in_dim(rows, b * pages_per_block, pages_per_block, 1)
         pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        kv = kv_pages[pages]  # [Tb, pages_per_block, K, 2G, H]
-        return _kv_block_update(carry, qg, kv, pos, kv_len, q_pos, mask_value=mask_value,
+        k, v = _gather_kv(kv_pages, pages, settings["k_scale"], settings["v_scale"])
+        return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos, mask_value=mask_value,
                                 **settings)
 
     shape = qg.shape[:3]
@@ -223,10 +244,27 @@ def _attend_tokens(
     return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
 
 
+def _gather_kv(kv_pages: jax.Array, pages: jax.Array, k_scale: float | None,
+               v_scale: float | None) -> tuple[jax.Array, jax.Array]:
+    """K and V of `pages` i32[..., n] as f32[..., n * K, G, H] each, gathered apart."""
+    num_pages, page_size, combined, head_dim = kv_pages.shape
+    view = kv_pages.reshape(num_pages, page_size, combined // 2, 2, head_dim)
+
+    def half(index: int, scale: float | None) -> jax.Array:
+        x = view[pages, :, :, index]  # [..., n, K, G, H]: one gather of K or V rows only
+        if x.dtype == BF16_STORAGE:
+            x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+        x = _dequantize(x, scale, jnp.float32)
+        return x.reshape(*pages.shape[:-1], -1, combined // 2, head_dim)
+
+    return half(0, k_scale), half(1, v_scale)
+
+
 def _kv_block_update(
     carry: tuple[jax.Array, ...],  # running max f32[Tb, G, R], sum f32[Tb, G, R], acc
     qg: jax.Array,  # f[Tb, G, R, H]
-    kv: jax.Array,  # [Tb, pages_per_block, K, 2G, H], or [pages_per_block, K, 2G, H] shared
+    k: jax.Array,  # f32[Tb, Cb, G, H] per token, or f32[Cb, G, H] shared by all rows
+    v: jax.Array,  # like k
     pos: jax.Array,  # i32[Cb]: KV positions of this block
     kv_len: jax.Array,  # i32[Tb]
     q_pos: jax.Array,  # i32[Tb]
@@ -239,32 +277,27 @@ def _kv_block_update(
     v_scale: float | None,
 ) -> tuple[jax.Array, ...]:
     """One KV block of the online softmax, per-token KV or one block shared by all rows."""
+    del k_scale, v_scale  # applied by _gather_kv
     running_max, total, acc = carry
-    tokens, num_kv_heads, _, head_dim = qg.shape
-    shared = kv.ndim == 4
-    kv = kv.reshape(*(() if shared else (tokens,)), -1, num_kv_heads, 2, head_dim)
-    k = _dequantize(kv[..., 0, :], k_scale, jnp.float32)  # [(Tb,) Cb, G, H]
-    v = _dequantize(kv[..., 1, :], v_scale, jnp.float32)
+    shared = k.ndim == 3
     present = pos[None, :] < kv_len[:, None]  # [Tb, Cb]: slots holding real KV
     v = jnp.where((present[0] if shared else present)[..., None, None], v, 0.0)  # NaN-safe
-    # Scores as [Tb, G, Cb, R]: this operand order lowers to XLA:CPU's fast fused dot.
-    spec = "cgh,tgrh->tgcr" if shared else "tcgh,tgrh->tgcr"
-    scores = jnp.einsum(spec, k, qg.astype(jnp.float32)) * sm_scale
+    # Scores as [Tb, G, R, Cb]: with these operand orders both dots lower to XLA:CPU's
+    # fast (ynn) path; other orders fall back to a loop of small dots several times slower.
+    spec = "tgrh,cgh->tgrc" if shared else "tgrh,tcgh->tgrc"
+    scores = jnp.einsum(spec, qg.astype(jnp.float32), k) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = present & (pos[None, :] <= q_pos[:, None])
     if sliding_window is not None:
         visible &= pos[None, :] > q_pos[:, None] - sliding_window
-    visible = visible[:, None, :, None]  # [Tb, 1, Cb, 1]
+    visible = visible[:, None, None, :]  # [Tb, 1, 1, Cb]
     scores = jnp.where(visible, scores, mask_value)
-    new_max = jnp.maximum(running_max, scores.max(axis=2))  # [Tb, G, R]
-    probs = jnp.where(visible, jnp.exp(scores - new_max[:, :, None, :]), 0.0)
+    new_max = jnp.maximum(running_max, scores.max(axis=3))  # [Tb, G, R]
+    probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
     scale = jnp.exp(running_max - new_max)
-    total = total * scale + probs.sum(axis=2)
-    if shared:
-        update = jnp.einsum("tgcr,cgh->tgrh", probs, v)
-    else:  # a multiply-reduce over Cb: faster on CPU than a batched dot with R rows
-        update = (probs.transpose(0, 2, 1, 3)[..., None] * v[:, :, :, None, :]).sum(axis=1)
+    total = total * scale + probs.sum(axis=3)
+    update = jnp.einsum("tgrc,cgh->tgrh" if shared else "tgrc,tcgh->tgrh", probs, v)
     return new_max, total, acc * scale[..., None] + update
 
 

@@ -19,7 +19,7 @@ _DEFAULTS = {  # name -> (dtype, neutral value)
     "min_p": (np.float32, 0.0), "repetition_penalty": (np.float32, 1.0),
     "presence_penalty": (np.float32, 0.0), "frequency_penalty": (np.float32, 0.0),
     "seeds": (np.uint32, 0), "counters": (np.int32, 0), "prompt_lens": (np.int32, 0),
-    "history_lens": (np.int32, 0), "ban_stop": (np.bool_, False),
+    "history_lens": (np.int32, 0), "ban_stop": (np.bool_, False), "logprobs": (np.int32, 0),
 }
 
 
@@ -242,6 +242,7 @@ def test_pack_unpack_round_trip():
 def test_sample_logprobs_are_raw_log_softmax():
     logits = _logits(6)
     inp = _inputs(temperature=[0, 0.5, 1, 2, 0, 1, 1, 0.1], top_k=[0, 5, 0, 0, 0, 3, 0, 0],
+                  logprobs=[0, 1, 0, 0, 0, 0, 0, 0],
                   seeds=np.arange(S), repetition_penalty=1.7, presence_penalty=0.8,
                   frequency_penalty=0.3, ban_stop=True, stop_ids=[0, 1],
                   **_history([([2, 3, 4], [5, 5, 6]) for _ in range(S)]))
@@ -267,3 +268,22 @@ def test_penalize_no_penalty_branch_equals_neutral_penalty_branch():
     skip, count = (_sample(logits, inp, num_logprobs=K) for inp in (neutral, penalized))
     for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
         np.testing.assert_array_equal(getattr(skip, name)[:-1], getattr(count, name)[:-1])
+
+
+def test_sample_skips_top_logprobs_when_no_row_asks():
+    logits = _logits(8)
+    out = _sample(logits, _inputs(), num_logprobs=K)
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_array_equal(out.token_ids, raw.argmax(axis=-1))
+    np.testing.assert_allclose(out.logprobs, raw.max(axis=-1), rtol=1e-6)
+    assert (np.asarray(out.top_ids) == -1).all()
+    assert np.isneginf(np.asarray(out.top_logprobs)).all()
+
+
+def test_first_argmax_matches_argmax_with_ties():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(64, 257)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, 100] = np.inf
+    np.testing.assert_array_equal(np.asarray(sampler.first_argmax(jnp.asarray(x))),
+                                  x.argmax(axis=-1))

@@ -68,3 +68,27 @@ def test_write_kv_pages_quantizes_with_scale():
     k = jnp.full((1, 1, 8), 0.5)
     out = reference.write_kv_pages(pages, k, -k, jnp.array([5]), k_scale=1 / 64, v_scale=1 / 64)
     assert out[1, 1, 0].tolist() == [32] * 8 and out[1, 1, 1].tolist() == [-32] * 8
+
+
+@pytest.mark.parametrize("name", ["mixed", "decode_only", "page_boundary"])
+def test_reference_bf16_bits_in_uint16_pages_equal_bf16_pages(name):
+    q, kv, *meta = make_case(SCENARIOS[name], kv_dtype=jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(kv, reference.BF16_STORAGE)
+    run = jax.jit(lambda q, kv, *m: reference.ragged_paged_attention(q, kv, *m, sm_scale=0.2))
+    stored = run(q, bits, *meta)
+    np.testing.assert_array_equal(np.asarray(stored), np.asarray(run(q, kv, *meta)))
+    theirs = ref_ragged_paged_attention(q, kv.astype(jnp.float32), *meta, sm_scale=0.2)
+    check(stored, theirs, sum(n for n, _ in SCENARIOS[name]), jnp.float32)
+
+
+def test_write_kv_pages_stores_bf16_bits_in_uint16_pages():
+    pages = jnp.zeros((2, 4, 2, 8), reference.BF16_STORAGE)
+    k = jnp.full((1, 1, 8), 1.0 / 3.0)
+    out = reference.write_kv_pages(pages, k, -k, jnp.array([5]))
+    assert out.dtype == reference.BF16_STORAGE
+    as_bf16 = jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(as_bf16[1, 1, 0], np.float32),
+                                  np.full(8, np.float32(jnp.bfloat16(1.0 / 3.0))))
+    np.testing.assert_array_equal(np.asarray(as_bf16[1, 1, 1], np.float32),
+                                  -np.full(8, np.float32(jnp.bfloat16(1.0 / 3.0))))
+    assert int((out != 0).sum()) == 16
