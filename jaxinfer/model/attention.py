@@ -75,9 +75,10 @@ def attention_block(
     kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
     stored_bits = kv_pages.dtype == reference.BF16_STORAGE
     out = ragged_paged_attention(
-        q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
-        impl=cfg.attention_impl, interpret=cfg.attention_interpret)
+        q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens,
+        md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=cfg.head_dim ** -0.5,
+        sliding_window=cfg.sliding_window, impl=cfg.attention_impl,
+        interpret=cfg.attention_interpret)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
     return layers.linear(out, layer["wo"]), kv_pages
 

@@ -9,8 +9,9 @@ penalties, temperature or filtering. Costly [S, V] work runs under `lax.cond`
 only when some row needs it: token counts (penalties), the draw (temperature
 > 0), one sort per row (top-k or top-p), the top-k logprobs (rows with
 `logprobs` > 0; the others get ids -1). Greedy is a max then the first index
-that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower. `pack`/`unpack` turn the output into one
-int32 array per step and back (host side, numpy).
+that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower.
+`pack`/`unpack` turn the output into one int32 array per step and back (host
+side, numpy).
 
 Imports jax and numpy only.
 """
