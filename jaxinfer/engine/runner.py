@@ -10,10 +10,12 @@ Imports jax, model, config and the host-side engine modules.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import pathlib
+import threading
 import time
 from collections.abc import Sequence
 
@@ -34,11 +36,14 @@ from jaxinfer.model.attention import init_kv_cache
 log = logging.getLogger(__name__)
 
 _COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()
+COMPILE_THREADS = 2  # buckets compiled at once during warm-up
 
 
 def _count_compiles(event: str, duration: float, **kwargs: object) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
+        with _COMPILES_LOCK:
+            _COMPILES[0] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
@@ -98,27 +103,39 @@ class Runner:
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                donate_argnums=(1,))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._lower_lock = threading.Lock()
 
     @property
     def weight_bytes(self) -> int:
         return tree_bytes(self.params)
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
-        """Compile the step for every bucket; returns {"buckets": n, "seconds": t}."""
+        """Compile the step for every bucket; returns {"buckets": n, "seconds": t}.
+
+        Buckets compile on `COMPILE_THREADS` threads (XLA releases the GIL while it
+        compiles); each lowering is taken under a lock, as tracing is not thread-safe.
+        """
         start = time.perf_counter()
         buckets = self.buckets.all()
-        for bucket in tqdm(buckets, desc="compiling buckets", disable=not progress):
-            began = time.perf_counter()
-            self._compile(bucket)
-            log.info("compiled bucket %s in %.2fs", bucket, time.perf_counter() - began)
+        with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool, tqdm(
+                total=len(buckets), desc="compiling buckets", disable=not progress) as bar:
+            for bucket, seconds in pool.map(self._timed_compile, buckets):
+                log.info("compiled bucket %s in %.2fs", bucket, seconds)
+                bar.update()
         return {"buckets": len(buckets), "seconds": time.perf_counter() - start}
+
+    def _timed_compile(self, bucket: Bucket) -> tuple[Bucket, float]:
+        began = time.perf_counter()
+        self._compile(bucket)
+        return bucket, time.perf_counter() - began
 
     def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
         if bucket not in self._compiled:
             spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                 self._inputs([], bucket))
-            self._compiled[bucket] = self._step.lower(self.params, self.kv_cache,
-                                                      spec).compile()
+            with self._lower_lock:
+                lowered = self._step.lower(self.params, self.kv_cache, spec)
+            self._compiled[bucket] = lowered.compile()
         return self._compiled[bucket]
 
     def _inputs(self, plan_chunks: Sequence, bucket: Bucket) -> model_step.StepInputs:
