@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import pathlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 
-DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 Prompt = str | Sequence[int]
 
 

@@ -1,7 +1,9 @@
 """Command line: `python -m jaxinfer <command> --flags`.
 
 Commands: `generate` (complete a prompt; defaults to the bundled demo model),
-`batch` (offline JSONL runner) and `convert` (HF directory -> orbax). Engine
+`batch` (offline JSONL runner), `convert` (HF directory -> orbax), `plan` (the
+memory plan and decode roofline) and `audit` (prompt overlap: the prefill a
+prefix cache would save; no weights loaded). Engine
 flags mirror `EngineConfig`. The only module that reads FLAGS and configures
 logging.
 """
@@ -14,8 +16,10 @@ import sys
 
 from absl import app, flags
 
+from jaxinfer.config import DEFAULT_MODEL
+
 FLAGS = flags.FLAGS
-COMMANDS = ("generate", "batch", "convert")
+COMMANDS = ("generate", "batch", "convert", "plan", "audit")
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax); default: bundled demo")
@@ -25,9 +29,11 @@ flags.DEFINE_float("temperature", 0.0, "0 = greedy (`generate`)")
 flags.DEFINE_integer("top_k", 0, "top-k sampling, 0 = off (`generate`)")
 flags.DEFINE_float("top_p", 1.0, "top-p sampling (`generate`)")
 flags.DEFINE_integer("seed", None, "sampling seed (`generate`)")
-flags.DEFINE_string("input", None, "JSONL requests for `batch`")
+flags.DEFINE_string("input", None, "JSONL requests for `batch` and `audit`")
 flags.DEFINE_string("output", None, "JSONL results for `batch`; orbax dir for `convert`")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
+flags.DEFINE_float("memory_gb", None, "`plan`: memory for weights + KV cache, in GB")
+flags.DEFINE_float("bandwidth_gb_per_s", None, "`plan`: memory bandwidth; default: measured")
 # Engine settings: EngineConfig fields.
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights dtype")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
@@ -40,10 +46,13 @@ flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size; default: fro
 flags.DEFINE_enum("scheduler", "continuous", ["continuous", "static"], "batching policy")
 flags.DEFINE_boolean("strict_compile", False, "fail on any compilation after warm-up")
 flags.DEFINE_string("compilation_cache_dir", None, "XLA cache; default ~/.cache/jaxinfer")
+flags.DEFINE_boolean("enable_prefix_caching", True, "reuse KV pages of shared prompt prefixes")
+
+flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
 
 ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "page_size", "kv_cache_memory_bytes", "scheduler",
-                "strict_compile", "compilation_cache_dir")
+                "strict_compile", "compilation_cache_dir", "enable_prefix_caching")
 
 
 def make_llm(**defaults: object) -> object:
@@ -88,11 +97,47 @@ def convert() -> None:
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
 
+def plan() -> None:
+    import pathlib
+
+    from jaxinfer import checkpoint, planner
+    from jaxinfer.config import load_preset
+    from jaxinfer.engine import runner
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)  # a model directory or a preset
+    cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+    kv_dtype = runner.resolve_kv_dtype(FLAGS.kv_cache_dtype, FLAGS.dtype)
+    budget = ({"memory_bytes": int(FLAGS.memory_gb * 1e9)} if FLAGS.memory_gb is not None
+              else {"kv_cache_bytes": FLAGS.kv_cache_memory_bytes})
+    if None in budget.values():
+        raise app.UsageError("plan needs --memory_gb=GB or --kv_cache_memory_bytes=BYTES")
+    bandwidth = FLAGS.bandwidth_gb_per_s or round(runner.measure_memory_bandwidth(), 1)
+    try:
+        result = planner.plan(cfg, dtype=FLAGS.dtype, kv_dtype=kv_dtype,
+                              max_model_len=FLAGS.max_model_len,
+                              max_num_seqs=FLAGS.max_num_seqs, page_size=FLAGS.page_size,
+                              bandwidth_gb_per_s=bandwidth, **budget)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from err
+    sys.stdout.write(json.dumps(result.summary(), indent=1) + "\n")
+
+
+def audit() -> None:
+    from jaxinfer import audit as audit_lib
+
+    if not FLAGS.input:
+        raise app.UsageError("audit needs --input=PROMPTS.jsonl")
+    report = audit_lib.run(FLAGS.model or DEFAULT_MODEL, FLAGS.input,
+                           page_size=FLAGS.page_size)
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m jaxinfer {{{'|'.join(COMMANDS)}}} --flags")
     logging.getLogger("jax").setLevel(logging.WARNING)
-    {"generate": generate, "batch": batch, "convert": convert}[argv[1]]()
+    {"generate": generate, "batch": batch, "convert": convert, "plan": plan,
+     "audit": audit}[argv[1]]()
 
 
 def run() -> None:

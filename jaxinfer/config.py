@@ -207,6 +207,7 @@ def load_preset(name_or_path: str) -> ModelConfig:
     return ModelConfig(**model)
 
 
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
 
@@ -226,6 +227,7 @@ class EngineConfig:
     strict_compile: bool = False  # raise on any compilation after warm-up
     compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla; "": off
     seed: int = 0  # draws the seeds of requests that give none
+    enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -122,6 +122,18 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template of {self._name} failed: {e}") from e
 
+    def prompt_ids(self, prompt: str | Sequence[int] | None = None,
+                   messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a text prompt, a token-id prompt, or chat messages (templated)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            text = self.apply_chat_template(messages, add_generation_prompt=True)
+            return self.encode(text, add_special_tokens=False)
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return list(prompt)
+
     def detokenizer(
         self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:

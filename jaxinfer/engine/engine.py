@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer import checkpoint
+from jaxinfer import checkpoint, planner
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import Bucket, BucketSet
@@ -47,7 +47,9 @@ class Engine:
         self.max_model_len = self._max_model_len()
         params = checkpoint.load_params(self.model_dir, self.model_config, config.dtype)
         self.kv_dtype = runner_lib.resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-        num_pages = self._num_pages(params)
+        self.metrics = Metrics(bandwidth_gb_per_s=runner_lib.measure_memory_bandwidth())
+        self.memory_plan = self._plan_memory()
+        num_pages = self.memory_plan.num_pages
         buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs)
         runner_lib.enable_compilation_cache(config.compilation_cache_dir)
@@ -56,14 +58,13 @@ class Engine:
             max_model_len=self.max_model_len, buckets=buckets, kv_dtype=self.kv_dtype,
             eos_token_ids=self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
-            PagePool(num_pages), page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+            PagePool(num_pages, enable_caching=config.enable_prefix_caching),
+            page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
             policy=config.scheduler)
         self._weight_bytes = runner_lib.tree_bytes(params)
-        self._kv_bytes_per_token = runner_lib.kv_bytes_per_token(self.model_config,
-                                                                 self.kv_dtype)
-        self.metrics = Metrics(bandwidth_gb_per_s=runner_lib.measure_memory_bandwidth())
+        self._kv_bytes_per_token = self.memory_plan.kv_bytes_per_token
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = 0
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
@@ -80,27 +81,29 @@ class Engine:
                              f"max_position_embeddings={limit}")
         return wanted
 
-    def _num_pages(self, params: dict) -> int:
-        page_bytes = self.config.page_size * runner_lib.kv_bytes_per_token(
-            self.model_config, self.kv_dtype)
-        pages_per_seq = -(-self.max_model_len // self.config.page_size)
-        budget = self.config.kv_cache_memory_bytes
+    def _plan_memory(self) -> planner.MemoryPlan:
+        """The page pool's plan: `kv_cache_memory_bytes` if given; else a fraction of an
+        accelerator's memory (weights included); else, on CPU, every slot at full length
+        within a fraction of RAM."""
+        config = self.config
+        common = dict(dtype=config.dtype, kv_dtype=self.kv_dtype,
+                      max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                      page_size=config.page_size,
+                      bandwidth_gb_per_s=round(self.metrics.bandwidth_gb_per_s, 1))
         device_limit = runner_lib.device_memory_limit()
-        if budget is None and device_limit:
-            budget = int(device_limit * DEVICE_KV_FRACTION) - runner_lib.tree_bytes(params)
-        elif budget is None:  # CPU: room for every slot at full length, within RAM
-            wanted = (self.config.max_num_seqs * pages_per_seq + 1) * page_bytes
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(wanted, int(physical * CPU_KV_FRACTION))
-        num_pages = budget // page_bytes
-        if num_pages - 1 < pages_per_seq:
-            need = (pages_per_seq + 1) * page_bytes
-            raise ValueError(
-                f"a KV cache of {budget} bytes holds {num_pages} pages of {page_bytes} bytes; "
-                f"one request of max_model_len={self.max_model_len} needs {pages_per_seq} "
-                f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
-                "max_model_len")
-        return num_pages
+        if config.kv_cache_memory_bytes is not None:
+            return planner.plan(self.model_config, kv_cache_bytes=config.kv_cache_memory_bytes,
+                                **common)
+        if device_limit:
+            return planner.plan(self.model_config,
+                                memory_bytes=int(device_limit * DEVICE_KV_FRACTION), **common)
+        page_bytes = config.page_size * planner.kv_bytes_per_token(self.model_config,
+                                                                   self.kv_dtype)
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        wanted = (config.max_num_seqs * pages_per_seq + 1) * page_bytes
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return planner.plan(self.model_config,
+                            kv_cache_bytes=min(wanted, int(physical * CPU_KV_FRACTION)), **common)
 
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""
@@ -109,21 +112,18 @@ class Engine:
         self.metrics.num_buckets = int(result["buckets"])
         self.metrics.compiles_at_warmup = runner_lib.compile_count()
         log.info("warm-up: %d buckets in %.1fs", result["buckets"], result["seconds"])
+        plan = self.memory_plan
+        log.info("memory: planned %d weight + %d KV bytes (%d pages); allocated %d + %d",
+                 plan.weight_bytes, plan.kv_cache_bytes, plan.num_pages,
+                 runner_lib.tree_bytes(self.runner.params),
+                 runner_lib.tree_bytes(self.runner.kv_cache))
 
     # ---- requests -------------------------------------------------------------------
 
     def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
                          messages: list[dict] | None = None) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of a prompt or chat messages")
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
+        ids = self.tokenizer.prompt_ids(prompt, messages)
         self._check_prompt(ids)
         return [int(t) for t in ids]
 
@@ -162,7 +162,8 @@ class Engine:
         for index in range(params.n):
             request = Request(request_id=f"{request_id}#{index}", prompt_token_ids=list(ids),
                               params=params, arrival=self._arrivals,
-                              seed=(seed + index) % 2**31, priority=priority)
+                              seed=(seed + index) % 2**31, priority=priority,
+                              group=request_id if params.n > 1 else "")
             self._arrivals += 1
             self._texts[id(request)] = TextState(
                 self.tokenizer.detokenizer(ids), params.stop)
@@ -255,6 +256,7 @@ class Engine:
             completion.delta_text = text.delta(request.finished)
             completion.text += completion.delta_text
             completion.finish_reason = request.finish_reason
+            out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens or 0)
             completion.stop_reason = request.stop_reason
             if completion.logprobs is not None:
                 completion.logprobs.extend(request.output_logprobs[done:])
@@ -265,6 +267,10 @@ class Engine:
         prompt = sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_token_ids))
                          - c.start) for c in plan.chunks)
         self.metrics.preemptions = self.scheduler.num_preemptions
+        if self.config.enable_prefix_caching:
+            pool = self.scheduler.pool
+            self.metrics.prefix_cache = self.scheduler.cache_stats | {
+                "evictions": pool.num_evictions, "cached_pages": pool.num_cached}
         self.metrics.record_step(
             real_tokens=plan.num_tokens, padded_tokens=bucket.num_tokens,
             requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=prompt,

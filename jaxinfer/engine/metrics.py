@@ -32,6 +32,7 @@ class Metrics:
     compiles_after_warmup: int = 0
     step_seconds: float = 0.0
     bytes_read: int = 0
+    prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler's
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, requests: int, slots: int,
@@ -72,4 +73,21 @@ class Metrics:
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)
             if self.bandwidth_gb_per_s else 0.0,
+            **self._prefix_cache_summary(),
         }
+
+    def _prefix_cache_summary(self) -> dict[str, float | int]:
+        """Hit rate in prompt tokens; misses split by cause (nothing shared, or a shared
+        run shorter than one page); evictions; pages cached now."""
+        stats = self.prefix_cache
+        if not stats:
+            return {}
+        looked_up = max(stats["prompt_tokens"], 1)
+        return {"prefix_cache_hit_rate": round(stats["hit_tokens"] / looked_up, 4),
+                "prefix_cache_hit_tokens": stats["hit_tokens"],
+                "prefix_cache_miss_tokens_no_shared_prefix":
+                    stats["miss_tokens_no_shared_prefix"],
+                "prefix_cache_miss_tokens_shared_below_page":
+                    stats["miss_tokens_shared_below_page"],
+                "prefix_cache_evictions": stats["evictions"],
+                "prefix_cache_pages": stats["cached_pages"]}

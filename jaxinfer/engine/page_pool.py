@@ -1,60 +1,202 @@
-"""The page allocator: a fixed pool of KV pages with reference counts.
+"""The page allocator: a fixed pool of KV pages, reference counts, a prefix cache.
 
 Page 0 is the trash page: padding tokens write their K/V there and it is never
-handed out. Free pages sit in a deque (allocation and free are O(1) per page);
-a page returns to it when its reference count drops to zero, so a later issue
-can share pages between requests (prefix caching, n > 1). Plain Python.
+handed out. A page in use has a reference count (requests sharing it). A full
+page whose K/V is computed can be *registered* under a hash chain: the hash of
+its tokens, its parent page's hash and an extra key (anything else that changes
+the KV, e.g. an adapter id). A later request finds its leading full pages with
+`match`; every hit is verified against the page's stored tokens, extra key and
+parent (by a serial number no other registration reuses), so a hash collision
+is never served. Pages whose count drops to zero stay cached in an LRU and are
+evicted only when a new page is needed (uncached free pages go first). Every
+operation is O(1) per page. Plain Python.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
 
 TRASH_PAGE = 0
+ROOT = 0  # the parent serial of a request's first page
+
+
+def page_hash(parent: int, tokens: tuple[int, ...], extra: Hashable) -> int:
+    """The hash of a full page in its chain (deterministic across processes)."""
+    return hash((parent, tokens, extra))
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPage:
+    """What a registered page holds, to verify a hit."""
+
+    hash: int
+    serial: int  # unique per registration; children name their parent by it
+    parent: int  # the parent's serial, ROOT for a first page
+    tokens: tuple[int, ...]
+    extra: Hashable
 
 
 class PagePool:
-    """Hands out page ids 1..num_pages-1 and takes them back."""
+    """Hands out page ids 1..num_pages-1, takes them back, and caches full pages."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, *, enable_caching: bool = False,
+                 hash_fn: Callable[[int, tuple[int, ...], Hashable], int] = page_hash) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the trash page)")
         self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
         self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._refs = [0] * num_pages
+        self._by_hash: dict[int, int] = {}  # hash -> page
+        self._cached: dict[int, CachedPage] = {}  # page -> what it holds
+        self._children: dict[tuple[int, int], set[int]] = {}  # (parent, first token) -> pages
+        self._serials = 0
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages that can be handed out (free, or cached with no owner)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        return self.num_pages - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
+    def evictable(self) -> list[int]:
+        """Cached pages with no owner, least recently used first."""
+        return list(self._evictable)
+
     def allocate(self, count: int) -> list[int] | None:
-        """`count` fresh pages with refcount 1, or None (nothing taken) if too few."""
-        if count > len(self._free):
+        """`count` fresh pages with refcount 1, or None (nothing taken) if too few.
+        Uncached free pages go first, then the least recently used cached ones."""
+        if count > self.num_free:
             return None
-        pages = [self._free.popleft() for _ in range(count)]
-        for page in pages:
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._forget(page)
+                self.num_evictions += 1
             self._refs[page] = 1
+            pages.append(page)
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """One more owner for each page."""
+    def share(self, pages: Sequence[int]) -> None:
+        """One more owner for each page (a cached page with none leaves the LRU)."""
         for page in pages:
-            if self._refs[page] <= 0:
+            if self._refs[page] <= 0 and page not in self._evictable:
                 raise ValueError(f"page {page} is free; it cannot be shared")
+            self._evictable.pop(page, None)
             self._refs[page] += 1
 
-    def free(self, pages: list[int]) -> None:
-        """Drop one owner of each page; pages left with none return to the pool."""
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one owner of each page; a page left with none is cached (most recently
+        used end of the LRU) if registered, else free."""
         for page in pages:
             if page == TRASH_PAGE or self._refs[page] <= 0:
                 raise ValueError(f"page {page} is not allocated")
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
+                if page in self._cached:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # ---- the prefix cache -------------------------------------------------------------
+
+    def register(self, page: int, parent: int, tokens: Sequence[int],
+                 extra: Hashable = None) -> int:
+        """Record that `page` (in use, full) holds `tokens` after the page with serial
+        `parent`. Returns the serial that names this content: the page's new one, or
+        the one of a page already cached with the same content (then `page` stays
+        uncached)."""
+        if self._refs[page] <= 0:
+            raise ValueError(f"page {page} is not allocated; it cannot be registered")
+        tokens = tuple(tokens)
+        key = self.hash_fn(parent, tokens, extra)
+        holder = self._by_hash.get(key)
+        if holder is not None:
+            known = self._cached[holder]
+            if (known.parent, known.tokens, known.extra) == (parent, tokens, extra):
+                return known.serial
+            return self._serial()  # a collision: keep the first; this content is uncached
+        if page in self._cached:
+            raise ValueError(f"page {page} is already registered")
+        self._by_hash[key] = page
+        entry = CachedPage(key, self._serial(), parent, tokens, extra)
+        self._cached[page] = entry
+        self._children.setdefault((parent, tokens[0]), set()).add(page)
+        return entry.serial
+
+    def lookup(self, parent: int, tokens: Sequence[int], extra: Hashable = None
+               ) -> CachedPage | None:
+        """The cached page holding exactly `tokens` after `parent`, verified; or None."""
+        page = self._by_hash.get(self.hash_fn(parent, tuple(tokens), extra))
+        if page is None:
+            return None
+        entry = self._cached[page]
+        if (entry.parent, entry.tokens, entry.extra) != (parent, tuple(tokens), extra):
+            return None  # a hash collision
+        return entry
+
+    def match(self, token_ids: Sequence[int], page_size: int, max_pages: int,
+              extra: Hashable = None) -> tuple[list[int], list[int]]:
+        """Pages (and serials) caching the leading full pages of `token_ids`, at most
+        `max_pages`. Nothing is taken: pass the pages to `share`."""
+        pages, serials, parent = [], [], ROOT
+        for index in range(min(max_pages, len(token_ids) // page_size)):
+            entry = self.lookup(parent, token_ids[index * page_size:(index + 1) * page_size],
+                                extra)
+            if entry is None:
+                break
+            pages.append(self.page_of(entry))
+            serials.append(entry.serial)
+            parent = entry.serial
+        return pages, serials
+
+    def page_of(self, entry: CachedPage) -> int:
+        return self._by_hash[entry.hash]
+
+    def partial_overlap(self, parent: int, tokens: Sequence[int], extra: Hashable = None
+                        ) -> int:
+        """The longest run of leading `tokens` that a cached child of `parent` also
+        starts with (0 if none): tokens shared but not served, below the page floor."""
+        if not tokens:
+            return 0
+        best = 0
+        for page in self._children.get((parent, tokens[0]), ()):
+            entry = self._cached[page]
+            if entry.extra != extra:
+                continue
+            common = 0
+            for ours, theirs in zip(tokens, entry.tokens, strict=False):
+                if ours != theirs:
+                    break
+                common += 1
+            best = max(best, common)
+        return best
+
+    def _serial(self) -> int:
+        self._serials += 1
+        return self._serials
+
+    def _forget(self, page: int) -> None:
+        entry = self._cached.pop(page)
+        del self._by_hash[entry.hash]
+        siblings = self._children[(entry.parent, entry.tokens[0])]
+        siblings.discard(page)
+        if not siblings:
+            del self._children[(entry.parent, entry.tokens[0])]

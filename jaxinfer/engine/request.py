@@ -109,6 +109,9 @@ class Request:
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = dataclasses.field(default_factory=list)
+    page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, once set
+    group: str = ""  # the prompt's id when n > 1: siblings share its cached pages
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -187,11 +187,6 @@ def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 
     return num_bytes / sorted(times)[len(times) // 2] / 1e9
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    """K and V of one token over all layers."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers
-
-
 def device_memory_limit() -> int | None:
     """Bytes the default device may allocate, when the device reports it (not CPU)."""
     stats = jax.devices()[0].memory_stats() or {}

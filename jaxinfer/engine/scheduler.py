@@ -7,7 +7,11 @@ up. A long prompt is thereby split across steps while decodes keep running.
 Running requests go first, then waiting ones in (priority, arrival) order, up
 to `max_num_seqs` in flight. When pages run out, the lowest-priority,
 latest-arrived running request is preempted: its pages are freed and it is
-recomputed later from its prompt and the tokens it had generated. In "static"
+recomputed later from its prompt and the tokens it had generated. With prefix
+caching (the pool's `enable_caching`) a request starts with every leading
+full page already cached (never its last token, whose logits are needed), each
+full page a request computes is registered, and the n > 1 siblings of a prompt
+wait until one of them has computed the prompt, then share its pages. In "static"
 mode up to `max_num_seqs` requests form a batch (admitted as the token budget
 allows) and no other request starts until the whole batch has finished: the
 baseline the benchmarks compare against.
@@ -20,8 +24,11 @@ import dataclasses
 from collections.abc import Collection
 
 from jaxinfer.config import SCHEDULERS
-from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.page_pool import ROOT, PagePool
 from jaxinfer.engine.request import Request, Status
+
+CACHE_STATS = ("prompt_tokens", "hit_tokens", "miss_tokens_no_shared_prefix",
+               "miss_tokens_shared_below_page")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0
+        self.cache_stats = dict.fromkeys(CACHE_STATS, 0)
         self._static_quota = 0  # static mode: requests the current batch may still admit
 
     def add(self, request: Request) -> None:
@@ -114,20 +122,78 @@ class Scheduler:
         return True
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.policy == "static" and self._static_quota == 0:
                 break  # the batch is formed: no newcomers until it has finished
-            request = self.waiting[0]
+            request = self.waiting[index]
+            if self._waits_for_sibling(request):
+                index += 1
+                continue
+            self._take_cached_pages(request)
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + count):
+                self._release(request)  # the cached pages it took, if any
+                request.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            if request.num_cached_tokens is None:
+                self._record_lookup(request)
+            self.waiting.pop(index)
             self._static_quota -= self.policy == "static"
             request.status = Status.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
             budget -= count
         return budget
+
+    def _waits_for_sibling(self, request: Request) -> bool:
+        """An n > 1 sibling waits while another computes their shared prompt pages."""
+        if not (self.pool.enable_caching and request.group):
+            return False
+        if len(request.prompt_token_ids) <= self.page_size:
+            return False  # no full page to share
+        return any(r.group == request.group and
+                   r.num_computed_tokens < len(r.prompt_token_ids) for r in self.running)
+
+    def _take_cached_pages(self, request: Request) -> None:
+        """Start `request` on the cached pages of its leading full pages (not the last
+        token's page: its logits are needed)."""
+        if not self.pool.enable_caching:
+            return
+        tokens = request.all_token_ids
+        pages, serials = self.pool.match(tokens, self.page_size,
+                                         (len(tokens) - 1) // self.page_size)
+        self.pool.share(pages)
+        request.page_ids, request.page_serials = pages, serials
+        request.num_computed_tokens = len(pages) * self.page_size
+
+    def _record_lookup(self, request: Request) -> None:
+        """The prefix cache's hit and its misses, split by cause, at first admission."""
+        prompt, hit = len(request.prompt_token_ids), request.num_computed_tokens
+        request.num_cached_tokens = hit
+        parent = request.page_serials[-1] if request.page_serials else ROOT
+        shared = 0
+        if self.pool.enable_caching:
+            shared = min(prompt - hit, self.pool.partial_overlap(
+                parent, request.prompt_token_ids[hit:hit + self.page_size]))
+        stats = self.cache_stats
+        stats["prompt_tokens"] += prompt
+        stats["hit_tokens"] += hit
+        stats["miss_tokens_shared_below_page"] += shared
+        stats["miss_tokens_no_shared_prefix"] += prompt - hit - shared
+
+    def _register_pages(self, request: Request) -> None:
+        """Register the request's newly computed full pages in the prefix cache."""
+        full = request.num_computed_tokens // self.page_size
+        if not self.pool.enable_caching or full <= len(request.page_serials):
+            return
+        tokens = request.all_token_ids
+        parent = request.page_serials[-1] if request.page_serials else ROOT
+        for index in range(len(request.page_serials), full):
+            parent = self.pool.register(request.page_ids[index], parent,
+                                        tokens[index * self.page_size:
+                                               (index + 1) * self.page_size])
+            request.page_serials.append(parent)
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.page_size) - len(request.page_ids)
@@ -148,9 +214,11 @@ class Scheduler:
         self.add(request)
 
     def _release(self, request: Request) -> None:
+        """Give back the request's pages (cached ones stay cached)."""
         if request.page_ids:
             self.pool.free(request.page_ids)
             request.page_ids = []
+        request.page_serials = []
 
     def update(self, plan: StepPlan, sampled: list[int | None]) -> list[Request]:
         """Advance each chunk's request; append sampled tokens. Returns newly finished."""
@@ -160,6 +228,7 @@ class Scheduler:
             if request.finished or request.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = chunk.start + chunk.num_tokens
+            self._register_pages(request)
             if token is None:
                 continue
             request.output_token_ids.append(token)
