@@ -63,8 +63,8 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
             policy=config.scheduler)
-        self._weight_bytes = runner_lib.tree_bytes(params)
-        self._kv_bytes_per_token = self.memory_plan.kv_bytes_per_token
+        if config.enable_prefix_caching:
+            self.metrics.prefix_cache = self._prefix_cache_counts
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = 0
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
@@ -104,6 +104,11 @@ class Engine:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return planner.plan(self.model_config,
                             kv_cache_bytes=min(wanted, int(physical * CPU_KV_FRACTION)), **common)
+
+    def _prefix_cache_counts(self) -> dict[str, int]:
+        pool = self.scheduler.pool
+        return self.scheduler.cache_stats | {"evictions": pool.num_evictions,
+                                             "cached_pages": pool.num_cached}
 
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""
@@ -267,13 +272,10 @@ class Engine:
         prompt = sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_token_ids))
                          - c.start) for c in plan.chunks)
         self.metrics.preemptions = self.scheduler.num_preemptions
-        if self.config.enable_prefix_caching:
-            pool = self.scheduler.pool
-            self.metrics.prefix_cache = self.scheduler.cache_stats | {
-                "evictions": pool.num_evictions, "cached_pages": pool.num_cached}
         self.metrics.record_step(
             real_tokens=plan.num_tokens, padded_tokens=bucket.num_tokens,
             requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=prompt,
             generated=sum(c.samples for c in plan.chunks),
             pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
-            bytes_read=self._weight_bytes + attended * self._kv_bytes_per_token)
+            bytes_read=self.memory_plan.weight_bytes
+            + attended * self.memory_plan.kv_bytes_per_token)

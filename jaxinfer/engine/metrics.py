@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class Metrics:
     compiles_after_warmup: int = 0
     step_seconds: float = 0.0
     bytes_read: int = 0
-    prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)  # scheduler's
+    prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, requests: int, slots: int,
@@ -79,9 +80,9 @@ class Metrics:
     def _prefix_cache_summary(self) -> dict[str, float | int]:
         """Hit rate in prompt tokens; misses split by cause (nothing shared, or a shared
         run shorter than one page); evictions; pages cached now."""
-        stats = self.prefix_cache
-        if not stats:
+        if self.prefix_cache is None:
             return {}
+        stats = self.prefix_cache()
         looked_up = max(stats["prompt_tokens"], 1)
         return {"prefix_cache_hit_rate": round(stats["hit_tokens"] / looked_up, 4),
                 "prefix_cache_hit_tokens": stats["hit_tokens"],

@@ -32,6 +32,7 @@ class CachedPage:
     """What a registered page holds, to verify a hit."""
 
     hash: int
+    page: int
     serial: int  # unique per registration; children name their parent by it
     parent: int  # the parent's serial, ROOT for a first page
     tokens: tuple[int, ...]
@@ -136,7 +137,7 @@ class PagePool:
         if page in self._cached:
             raise ValueError(f"page {page} is already registered")
         self._by_hash[key] = page
-        entry = CachedPage(key, self._serial(), parent, tokens, extra)
+        entry = CachedPage(key, page, self._serial(), parent, tokens, extra)
         self._cached[page] = entry
         self._children.setdefault((parent, tokens[0]), set()).add(page)
         return entry.serial
@@ -162,13 +163,10 @@ class PagePool:
                                 extra)
             if entry is None:
                 break
-            pages.append(self.page_of(entry))
+            pages.append(entry.page)
             serials.append(entry.serial)
             parent = entry.serial
         return pages, serials
-
-    def page_of(self, entry: CachedPage) -> int:
-        return self._by_hash[entry.hash]
 
     def partial_overlap(self, parent: int, tokens: Sequence[int], extra: Hashable = None
                         ) -> int:
