@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import param_shapes
+from jaxinfer.pallas import kv_layout
 
 GB = 1e9
 
@@ -73,8 +74,10 @@ def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    """K and V of one token over all layers."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers
+    """K and V of one token over all layers, as stored: heads padded to whole 32-bit
+    words (`pallas/kv_layout.py`; only 8-bit pages with an odd head count pad)."""
+    combined = kv_layout.padded_heads_for(cfg.num_kv_heads, kv_dtype)
+    return combined * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers
 
 
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,

@@ -1,9 +1,11 @@
 """Attention metadata, the paged KV cache pytree, and the attention block.
 
-The KV cache is a list with one array per layer, each [P, K, 2G, H] with K and
-V interleaved on the combined-head axis (K at even, V at odd), the layout of
-JAX's `ref_ragged_paged_attention`. Page 0 is the trash page that padding
-tokens write into. Imports jax, jaxinfer.config, jaxinfer.pallas, layers.
+The KV cache is a list with one array per layer, each [P, K, W, packing, H]
+(`pallas/kv_layout.py`): K and V interleaved on the combined-head axis (K at
+even, V at odd, JAX's `ref_ragged_paged_attention` order), packed into 32-bit
+words so TPU copies of one head's words are tile-aligned. Page 0 is the trash
+page that padding tokens write into. Imports jax, jaxinfer.config,
+jaxinfer.pallas, layers.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import layers
-from jaxinfer.pallas import reference
+from jaxinfer.pallas import kv_layout, reference
 from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
 
-KVCache = list[jax.Array]  # L x [P, K, 2G, H]
+KVCache = list[jax.Array]  # L x [P, K, W, packing, H]
 
 
 @jax.tree_util.register_dataclass
@@ -36,25 +38,37 @@ class AttentionMetadata:
 
 
 def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
-    """The page dtype that holds KV of `dtype`: bfloat16 is kept as its uint16 bits on
-    CPU (see pallas/reference.py); every other dtype is stored as itself."""
+    """The page dtype that holds KV of `dtype` on `backend` (default: JAX's default
+    backend; give the target's when compiling for another one): bfloat16 is kept as its
+    uint16 bits on CPU (see pallas/reference.py); every other dtype is stored as itself."""
     backend = backend or jax.default_backend()
     if jnp.dtype(dtype) == jnp.bfloat16 and backend == "cpu":
         return jnp.dtype(reference.BF16_STORAGE)
     return jnp.dtype(dtype)
 
 
+def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
+                  dtype: jnp.dtype = jnp.float32, backend: str | None = None
+                  ) -> list[jax.ShapeDtypeStruct]:
+    """Shapes and storage dtypes of the cache's L arrays, [P, K, W, packing, H] each."""
+    stored = kv_storage_dtype(dtype, backend)
+    shape = kv_layout.kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                     stored)
+    return [jax.ShapeDtypeStruct(shape, stored) for _ in range(cfg.num_layers)]
+
+
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
                   dtype: jnp.dtype = jnp.float32) -> KVCache:
-    """Zeroed cache: L arrays of [P, K, 2G, H] in the storage dtype of `dtype`."""
-    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-    return [jnp.zeros(shape, kv_storage_dtype(dtype)) for _ in range(cfg.num_layers)]
+    """Zeroed cache: L arrays of [P, K, W, packing, H] in the storage dtype of `dtype`."""
+    return [jnp.zeros(spec.shape, spec.dtype)
+            for spec in kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
+                                      dtype=dtype)]
 
 
 def attention_block(
     layer: dict[str, jax.Array],
     x: jax.Array,  # f32[T, D], already normed
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     md: AttentionMetadata,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, jax.Array]:
@@ -77,7 +91,8 @@ def attention_block(
     out = ragged_paged_attention(
         q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens,
         md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=cfg.head_dim ** -0.5,
-        sliding_window=cfg.sliding_window, impl=cfg.attention_impl,
+        sliding_window=cfg.sliding_window, num_kv_heads=cfg.num_kv_heads,
+        impl=cfg.attention_impl,
         interpret=cfg.attention_interpret)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
     return layers.linear(out, layer["wo"]), kv_pages

@@ -6,7 +6,10 @@
 "reference" (`reference.py`, pure jnp), or "auto" (the kernel of the default
 backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
 kernel in interpret mode on CPU (the TPU kernel in the TPU interpreter, with
-out-of-bounds reads raising). Imports jax and the sibling modules only.
+out-of-bounds reads raising). KV pages are `[P, K, W, packing, H]`
+(`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
+when 8-bit pages pad an odd head count (default: all of them). Imports jax and
+the sibling modules only.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.pallas import reference
+from jaxinfer.pallas import kv_layout, reference
 
 IMPLS = ("auto", "tpu", "gpu", "reference")
 KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
@@ -24,7 +27,7 @@ QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
 
 def validate_inputs(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -36,31 +39,44 @@ def validate_inputs(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> None:
     """Trace-time checks of shapes, dtypes and settings; errors name the argument."""
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
-    if kv_pages.ndim != 4:
-        raise ValueError(f"kv_pages must be [P, K, 2G, H], got shape {kv_pages.shape}")
-    tokens, num_heads, head_dim = queries.shape
-    _, _, combined, kv_head_dim = kv_pages.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"kv_pages head_dim {kv_head_dim} != queries head_dim {head_dim}")
-    if combined % 2:
-        raise ValueError(f"kv_pages combined-head axis {combined} must be even (K and V)")
-    if num_heads % (combined // 2):
-        raise ValueError(f"queries heads {num_heads} must be a multiple of kv heads "
-                         f"{combined // 2} (kv_pages axis 2 is 2 * kv heads)")
     if queries.dtype not in QUERY_DTYPES:
         raise ValueError(f"queries dtype {queries.dtype} must be float32 or bfloat16")
     if kv_pages.dtype not in KV_DTYPES:
         raise ValueError(f"kv_pages dtype {kv_pages.dtype} must be one of "
                          f"{[jnp.dtype(d).name for d in KV_DTYPES]}")
+    _validate_layout(queries, kv_pages, num_kv_heads)
     _validate_metadata(kv_lens, page_indices, cu_q_lens, num_seqs)
     _validate_settings(kv_pages.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
                        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
                        v_scale=v_scale)
-    del tokens
+
+
+def _validate_layout(queries: jax.Array, kv_pages: jax.Array, num_kv_heads: int | None
+                     ) -> None:
+    """kv_pages is [P, K, W, packing, H] for its dtype and holds `num_kv_heads` heads."""
+    packing = kv_layout.packing(kv_pages.dtype)
+    if kv_pages.ndim != 5 or kv_pages.shape[3] != packing:
+        raise ValueError(f"kv_pages must be [P, K, W, packing={packing}, H] for "
+                         f"{jnp.dtype(kv_pages.dtype).name} pages (see kv_layout.py), got "
+                         f"shape {kv_pages.shape}")
+    _, num_heads, head_dim = queries.shape
+    if kv_pages.shape[4] != head_dim:
+        raise ValueError(f"kv_pages head_dim {kv_pages.shape[4]} != queries head_dim "
+                         f"{head_dim}")
+    words = kv_pages.shape[2]
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
+    if kv_layout.num_words(num_kv_heads, kv_pages.dtype) != words:
+        raise ValueError(f"num_kv_heads={num_kv_heads} needs "
+                         f"{kv_layout.num_words(num_kv_heads, kv_pages.dtype)} words of "
+                         f"{packing} combined heads, kv_pages has W={words}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"queries heads {num_heads} must be a multiple of kv heads "
+                         f"{num_kv_heads}")
 
 
 def _validate_metadata(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
@@ -112,7 +128,7 @@ def resolve_impl(impl: str) -> str:
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -124,12 +140,14 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc)."""
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+                    mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+                    num_kv_heads=num_kv_heads)
     args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, **settings)
     chosen = resolve_impl(impl)

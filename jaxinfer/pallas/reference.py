@@ -1,11 +1,12 @@
 """Pure-jnp twins of the Pallas kernels: the path the engine runs on CPU/XLA.
 
-Imports only jax and numpy (nothing from jaxinfer), like the kernels beside it.
+Imports only jax, numpy and `kv_layout` beside it, like the kernels.
 
 `ragged_paged_attention` keeps the contract of JAX's
-`ref_ragged_paged_attention` (tpu-inference's layout): queries f[T, N, H]; KV
-pages [P, K, 2G, H] with K at even and V at odd combined heads; `kv_lens`
-counts this step's tokens; causal masking aligns each request's queries to the
+`ref_ragged_paged_attention`: queries f[T, N, H]; KV pages [P, K, W, packing, H]
+(`kv_layout.py`: in row-major order the combined-head axis [P, K, W * packing, H]
+with K at even and V at odd combined heads, padded to whole 32-bit words);
+`kv_lens` counts this step's tokens; causal masking aligns each request's queries to the
 end of its KV. It is vectorised: every token gathers the pages of its own
 request, in blocks of tokens sized to bound the gathered bytes, so any mix of
 prefill chunks and decode tokens runs in one call with no loop over requests.
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.pallas import kv_layout
+
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
 KV_BLOCK_TOKENS = 32  # KV positions per step of the per-token online-softmax loop
@@ -40,7 +43,7 @@ BF16_STORAGE = jnp.uint16  # page dtype that stores bfloat16 bits (see the modul
 
 
 def write_kv_pages(
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     new_k: jax.Array,  # [T, G, H]
     new_v: jax.Array,  # [T, G, H]
     slot_mapping: jax.Array,  # i32[T], page * K + offset; padding rows -> page 0
@@ -48,16 +51,19 @@ def write_kv_pages(
     k_scale: float | None = None,
     v_scale: float | None = None,
 ) -> jax.Array:
-    """Scatter this step's K/V into their page slots, K/V interleaved on heads."""
-    num_pages, page_size, combined, head_dim = kv_pages.shape
-    tokens = new_k.shape[0]
+    """Scatter this step's K/V into their page slots, K/V interleaved on heads (padded
+    combined heads written as zeros)."""
+    num_pages, page_size, words, packing, head_dim = kv_pages.shape
+    tokens, num_kv_heads, _ = new_k.shape
     new_k = _quantize(new_k, k_scale, kv_pages.dtype)
     new_v = _quantize(new_v, v_scale, kv_pages.dtype)
-    kv = jnp.stack([new_k, new_v], axis=2).reshape(tokens, combined, head_dim)
+    kv = jnp.stack([new_k, new_v], axis=2).reshape(tokens, 2 * num_kv_heads, head_dim)
+    kv = jnp.pad(kv, ((0, 0), (0, words * packing - 2 * num_kv_heads), (0, 0)))
     if kv_pages.dtype == BF16_STORAGE:
         kv = jax.lax.bitcast_convert_type(kv, BF16_STORAGE)
-    flat = kv_pages.reshape(num_pages * page_size, combined, head_dim)
-    flat = flat.at[slot_mapping].set(kv, mode="drop")
+    flat = kv_pages.reshape(num_pages * page_size, words, packing, head_dim)
+    flat = flat.at[slot_mapping].set(kv.reshape(tokens, words, packing, head_dim),
+                                     mode="drop")
     return flat.reshape(kv_pages.shape)
 
 
@@ -74,7 +80,7 @@ def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -86,10 +92,13 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over the paged KV of its own request."""
     tokens, num_heads, head_dim = queries.shape
-    _, page_size, combined, _ = kv_pages.shape
+    page_size = kv_pages.shape[1]
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
+    kv_pages = kv_layout.combined_view(kv_pages)  # [P, K, C, H], C >= 2G
     num_slots, pages_per_seq = page_indices.shape
     token = jnp.arange(tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32)
@@ -105,7 +114,8 @@ def ragged_paged_attention(
     padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-                    k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block)
+                    k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block,
+                    num_kv_heads=num_kv_heads)
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
@@ -142,7 +152,7 @@ def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,
 
 def _attend_by_requests(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, C, H], C >= 2G
     kv_lens: jax.Array,  # i32[S]
     rows: jax.Array,  # i32[S, padded pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -151,6 +161,7 @@ def _attend_by_requests(
     pages_per_block: int,
     shared_block: int,
     mask_value: float,
+    num_kv_heads: int,
     **settings: float | int | None,
 ) -> jax.Array:
     """One loop item per (request, block of its queries): the block's KV is gathered once.
@@ -160,7 +171,6 @@ def _attend_by_requests(
     items overwrite, and which hold zeros if another path owns them.
     """
     tokens, num_heads, head_dim = queries.shape
-    num_kv_heads = kv_pages.shape[2] // 2
     pages_per_block = shared_block  # not the per-token path's
     block_q, block_kv = QUERY_BLOCK, pages_per_block * kv_pages.shape[1]
     shape = (block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -181,7 +191,8 @@ def _attend_by_requests(
         def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             pages = jax.lax.dynamic_slice_in_dim(rows[i], b * pages_per_block, pages_per_block)
             pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-            k, v = _gather_kv(kv_pages, pages, settings["k_scale"], settings["v_scale"])
+            k, v = _gather_kv(kv_pages, pages, num_kv_heads, settings["k_scale"],
+                              settings["v_scale"])
             return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos,
                                     mask_value=mask_value, **settings)
 
@@ -216,15 +227,15 @@ def _attend_tokens(
     rows: jax.Array,  # i32[Tb, pages]: each token's page row, padded to whole KV blocks
     kv_len: jax.Array,  # i32[Tb]
     q_pos: jax.Array,  # i32[Tb]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, C, H], C >= 2G
     *,
     pages_per_block: int,
     mask_value: float,
+    num_kv_heads: int,
     **settings: float | int | None,
 ) -> jax.Array:
     """Online softmax over KV blocks, only as many blocks as the longest KV needs."""
     tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_pages.shape[2] // 2
     qg = q.reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
     block_tokens = pages_per_block * kv_pages.shape[1]
     num_blocks = (jnp.max(kv_len) + block_tokens - 1) // block_tokens
@@ -232,7 +243,8 @@ def _attend_tokens(
     def body(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         pages = jax.lax.dynamic_slice_in_dim(rows, b * pages_per_block, pages_per_block, 1)
         pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        k, v = _gather_kv(kv_pages, pages, settings["k_scale"], settings["v_scale"])
+        k, v = _gather_kv(kv_pages, pages, num_kv_heads, settings["k_scale"],
+                          settings["v_scale"])
         return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos, mask_value=mask_value,
                                 **settings)
 
@@ -244,18 +256,19 @@ def _attend_tokens(
     return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _gather_kv(kv_pages: jax.Array, pages: jax.Array, k_scale: float | None,
-               v_scale: float | None) -> tuple[jax.Array, jax.Array]:
+def _gather_kv(kv_pages: jax.Array, pages: jax.Array, num_kv_heads: int,
+               k_scale: float | None, v_scale: float | None) -> tuple[jax.Array, jax.Array]:
     """K and V of `pages` i32[..., n] as f32[..., n * K, G, H] each, gathered apart."""
     num_pages, page_size, combined, head_dim = kv_pages.shape
     view = kv_pages.reshape(num_pages, page_size, combined // 2, 2, head_dim)
 
     def half(index: int, scale: float | None) -> jax.Array:
-        x = view[pages, :, :, index]  # [..., n, K, G, H]: one gather of K or V rows only
+        # [..., n, K, G, H]: one gather of K or V rows of the real heads only
+        x = view[pages, :, :num_kv_heads, index]
         if x.dtype == BF16_STORAGE:
             x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
         x = _dequantize(x, scale, jnp.float32)
-        return x.reshape(*pages.shape[:-1], -1, combined // 2, head_dim)
+        return x.reshape(*pages.shape[:-1], -1, num_kv_heads, head_dim)
 
     return half(0, k_scale), half(1, v_scale)
 

@@ -18,7 +18,9 @@ Same contract as `reference.ragged_paged_attention` (JAX's
 
 Tuning constants live in `GpuTuning` / `choose_tuning`, apart from the logic.
 float8_e4m3fn KV needs compute capability >= 8.9 (Triton's fp8 conversions).
-Imports jax and numpy only.
+KV pages arrive as [P, K, W, packing, H] (`kv_layout.py`) and are read through
+the free reshape to [P, K, W * packing, H]: row-major order makes the packed
+layout the familiar combined-head axis. Imports jax, numpy and `kv_layout`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas import kv_layout
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 META_FIELDS = 5  # per query block: request, first token, tokens, first q_pos, kv_len
@@ -225,7 +229,7 @@ def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: float,
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -237,14 +241,16 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,
     interpret: bool = False,
     tuning: GpuTuning | None = None,
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc)."""
     tokens, num_heads, head_dim = queries.shape
-    _, page_size, combined, _ = kv_pages.shape
+    page_size = kv_pages.shape[1]
     slots, pages_per_seq = page_indices.shape
-    num_kv_heads = combined // 2
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
+    kv_pages = kv_layout.combined_view(kv_pages)  # [P, K, C, H], C >= 2G
     if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= {MIN_DOT_DIM} "
                          "for the GPU kernel")

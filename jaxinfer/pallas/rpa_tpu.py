@@ -7,16 +7,23 @@ only jax and numpy.
 Design. Two `pallas_call`s share one zero-initialised output through
 `input_output_aliases`: a prefill pass (requests with q_len > 1, query blocks of `bq`
 tokens) and then a decode pass (requests with q_len == 1, one token). Both have the grid
-(S, G): one program per (request slot, KV head), the other pass's requests and padding
-slots skipped with `pl.when` before any DMA. The program loops over its request's query
-blocks; a block holds the R = N / G query heads of each of its tokens that share KV head
-g, folded into bq * R rows (a decode token is R rows, never a padded token block).
+(S, programs): one program per (request slot, group of KV heads), the other pass's
+requests and padding slots skipped with `pl.when` before any DMA. The program loops over
+its request's query blocks; a block holds, for each of its KV heads, the R = N / G query
+heads of each of its tokens, folded into bq * R rows (a decode token is R rows).
 Page indices and lengths are scalar-prefetched into SMEM (page table flattened to 1-D).
 Queries, outputs and KV pages stay in HBM (`pl.ANY`) and move by manual DMA: per KV block
-(`pages_per_block` whole pages) the K and V rows of head g are copied into one of two
-VMEM slots, the next block's copy started before the current block is computed. The KV
-loop covers only the blocks the causal mask and the sliding window can see; an online
-softmax (running max, sum and accumulator in f32) combines them.
+(`pages_per_block` whole pages) the program's words of each page are copied into one of
+two VMEM slots, the next block's copy started before the current block is computed. The
+KV loop covers only the blocks the causal mask and the sliding window can see; an online
+softmax (running max, sum and accumulator in f32) per KV head combines them.
+
+KV layout (`kv_layout.py`): pages are [P, K, W, packing, H], the K and V rows of a head
+packed into 32-bit words. A program copies whole words (W is not a tiled axis, so every
+copy is tile-aligned for every dtype) and unpacks K and V from the words as uint32 with
+shifts: float32 takes two words per head (K, V), bfloat16 one word per head (K low half,
+V high half), 8-bit one word per two heads (bytes K0, V0, K1, V1). So a program serves
+`heads_per_program` = max(1, packing // 2) KV heads and reads no byte it does not use.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from jaxinfer.pallas import kv_layout
 
 # --- Tuning (block sizes only; nothing below assumes particular values) ---------------
 PREFILL_QUERY_ROWS = 128  # target query rows (tokens x R heads) per prefill block
@@ -65,30 +74,36 @@ class _Config:
     mask_value: float
     k_scale: float | None
     v_scale: float | None
+    heads_per_program: int  # KV heads one program serves: max(1, packing // 2)
+    words_per_program: int  # words of each token it copies: max(1, 2 // packing)
 
     @property
     def kv_block(self) -> int:
         return self.pages_per_block * self.page_size
 
 
+def heads_per_program(kv_dtype: jnp.dtype) -> int:
+    """KV heads whose K and V share the words one program copies (see module doc)."""
+    return max(1, kv_layout.packing(kv_dtype) // 2)
+
+
 class _Refs(NamedTuple):
     page_table: Any  # SMEM i32[S * pages_per_seq]
-    queries: Any  # HBM f[T + bq, G, R, H]
-    kv_pages: Any  # HBM [P, K, 2G, H]
-    out: Any  # HBM f[T + bq, G, R, H]
-    q_buf: Any  # VMEM f[bq, R, H]
-    o_buf: Any  # VMEM f[bq, R, H]
-    k_buf: Any  # VMEM [2, kv_block, H]
-    v_buf: Any  # VMEM [2, kv_block, H]
+    queries: Any  # HBM f[T + bq, Gp, R, H], Gp = programs * heads_per_program
+    kv_pages: Any  # HBM [P, K, W, packing, H]
+    out: Any  # HBM f[T + bq, Gp, R, H]
+    q_buf: Any  # VMEM f[bq, heads_per_program, R, H]
+    o_buf: Any  # VMEM f[bq, heads_per_program, R, H]
+    kv_buf: Any  # VMEM [2 slots, words_per_program, kv_block, packing, H]
     kv_sems: Any  # DMA semaphores [2], one per KV slot
     io_sems: Any  # DMA semaphores [2]: query copy, output copy
 
 
 class _Request(NamedTuple):
-    """Scalars of the request slot and KV head a program works on."""
+    """Scalars of the request slot and KV-head group a program works on."""
 
     slot: jax.Array
-    head: jax.Array
+    group: jax.Array  # program index along the heads: heads [group * hpp, + hpp)
     q_start: jax.Array
     q_len: jax.Array
     kv_len: jax.Array
@@ -103,7 +118,7 @@ class _KeyRange(NamedTuple):
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, 2G, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, H]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -115,54 +130,65 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (inputs pre-validated).
 
+    `num_kv_heads` defaults to every combined head of the pages (W * packing / 2).
     `interpret=True` runs in the TPU interpreter with out-of-bounds reads raising; an
     `InterpretParams` is used as given (e.g. with `detect_races=True`).
     """
     tokens, num_heads, head_dim = queries.shape
-    _, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    page_size = kv_pages.shape[1]
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
     heads_per_kv = num_heads // num_kv_heads
+    per_program = heads_per_program(kv_pages.dtype)
+    programs = -(-num_kv_heads // per_program)
     pages_per_seq = page_indices.shape[1]
     q_block, pages_per_block = block_sizes(heads_per_kv, page_size, pages_per_seq)
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else max(mask_value, _F32_LOWEST)
     common = dict(heads_per_kv=heads_per_kv, page_size=page_size,
                   pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
                   sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-                  mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale)
-    # Token-major, heads grouped by KV head, `q_block` padding tokens at the end so a
-    # fixed-size block copy starting at any real token stays in bounds.
+                  mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale,
+                  heads_per_program=per_program,
+                  words_per_program=max(1, 2 // kv_layout.packing(kv_pages.dtype)))
+    # Token-major, heads grouped by KV head (padded to whole programs), `q_block` padding
+    # tokens at the end so a fixed-size block copy starting at any real token stays in
+    # bounds.
     grouped = queries.reshape(tokens, num_kv_heads, heads_per_kv, head_dim)
-    grouped = jnp.pad(grouped, ((0, q_block), (0, 0), (0, 0), (0, 0)))
+    grouped = jnp.pad(grouped, ((0, q_block), (0, programs * per_program - num_kv_heads),
+                                (0, 0), (0, 0)))
     out = jnp.zeros_like(grouped)
     scalars = (kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs)
     for decode in (False, True):
         cfg = _Config(decode=decode, q_block=1 if decode else q_block, **common)
         out = _attention_pass(cfg, scalars, grouped, kv_pages, out, interpret=interpret)
-    return out[:tokens].reshape(tokens, num_heads, head_dim)
+    out = out[:tokens, :num_kv_heads]
+    return out.reshape(tokens, num_heads, head_dim)
 
 
 def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.Array,
                     kv_pages: jax.Array, out: jax.Array, *,
                     interpret: bool | pltpu.InterpretParams) -> jax.Array:
     """One pallas_call writing its requests' rows of `out` (aliased in place)."""
-    _, num_kv_heads, heads_per_kv, head_dim = grouped.shape
+    _, padded_heads, heads_per_kv, head_dim = grouped.shape
     num_slots = scalars[0].shape[0]
-    block = (cfg.q_block, heads_per_kv, head_dim)
+    block = (cfg.q_block, cfg.heads_per_program, heads_per_kv, head_dim)
+    packing = kv_pages.shape[3]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [
         pltpu.VMEM(block, grouped.dtype),  # q_buf
         pltpu.VMEM(block, grouped.dtype),  # o_buf
-        pltpu.VMEM((2, cfg.kv_block, head_dim), kv_pages.dtype),  # k_buf
-        pltpu.VMEM((2, cfg.kv_block, head_dim), kv_pages.dtype),  # v_buf
+        pltpu.VMEM((2, cfg.words_per_program, cfg.kv_block, packing, head_dim),
+                   kv_pages.dtype),  # kv_buf
         pltpu.SemaphoreType.DMA((2,)),  # kv_sems
         pltpu.SemaphoreType.DMA((2,)),  # io_sems
     ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(num_slots, num_kv_heads),
+        num_scalar_prefetch=len(scalars),
+        grid=(num_slots, padded_heads // cfg.heads_per_program),
         in_specs=[hbm, hbm, hbm], out_specs=hbm, scratch_shapes=scratch)
     kernel = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg),
@@ -185,19 +211,18 @@ def _interpret_params(interpret: bool | pltpu.InterpretParams) -> Any:
 
 def _kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_ref: Any,
             q_hbm: Any, kv_hbm: Any, aliased_out: Any, o_hbm: Any, q_buf: Any, o_buf: Any,
-            k_buf: Any, v_buf: Any, kv_sems: Any, io_sems: Any, *, cfg: _Config) -> None:
-    """Program (request slot, KV head): every query block of the request, if ours."""
+            kv_buf: Any, kv_sems: Any, io_sems: Any, *, cfg: _Config) -> None:
+    """Program (request slot, KV-head group): every query block of the request, if ours."""
     del aliased_out  # the same buffer as `o_hbm`
-    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, k_buf,
-                 v_buf, kv_sems, io_sems)
-    slot, head = pl.program_id(0), pl.program_id(1)
+    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, kv_buf, kv_sems, io_sems)
+    slot, group = pl.program_id(0), pl.program_id(1)
     q_start = cu_q_lens_ref[slot]
     q_len = cu_q_lens_ref[slot + 1] - q_start
     ours = (q_len == 1) if cfg.decode else (q_len > 1)
 
     @pl.when(jnp.logical_and(slot < num_seqs_ref[0], ours))
     def _run() -> None:
-        req = _Request(slot, head, q_start, q_len, kv_lens_ref[slot])
+        req = _Request(slot, group, q_start, q_len, kv_lens_ref[slot])
         num_blocks = 1 if cfg.decode else _cdiv(q_len, cfg.q_block)
 
         def body(j: jax.Array, carry: int) -> int:
@@ -208,7 +233,7 @@ def _kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_
 
 
 def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None:
-    """Attention of query block j of `req` for one KV head, written to `refs.out`.
+    """Attention of query block j of `req` for the program's KV heads, into `refs.out`.
 
     The copies move whole blocks of `q_block` tokens, so the last block of a request
     may spill past its end: it reads later tokens' queries (or the padding at the end of
@@ -219,7 +244,8 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
     """
     first = j * cfg.q_block  # index of the block's first token within the request
     t0 = req.q_start + first
-    q_copy = pltpu.make_async_copy(refs.queries.at[pl.ds(t0, cfg.q_block), req.head],
+    heads = pl.ds(req.group * cfg.heads_per_program, cfg.heads_per_program)
+    q_copy = pltpu.make_async_copy(refs.queries.at[pl.ds(t0, cfg.q_block), heads],
                                    refs.q_buf, refs.io_sems.at[0])
     q_copy.start()
     first_pos = req.kv_len - req.q_len + first  # KV position of the block's first query
@@ -235,9 +261,11 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
         _kv_copies(refs, req, keys, kb_lo, 0, cfg, lambda c: c.start())
 
     q_copy.wait()
-    q = _fold(refs.q_buf[...])  # f[bq * R, H], row = token * R + head
+    # f[bq * R, H] per KV head of the program, row = token * R + query head
+    qs = [_fold(refs.q_buf[:, h]) for h in range(cfg.heads_per_program)]
 
-    def body(kb: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    def body(kb: jax.Array, carry: tuple[tuple[jax.Array, ...], ...]
+             ) -> tuple[tuple[jax.Array, ...], ...]:
         slot = lax.rem(kb - kb_lo, 2)
 
         @pl.when(kb + 1 < kb_hi)
@@ -245,18 +273,24 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
             _kv_copies(refs, req, keys, kb + 1, 1 - slot, cfg, lambda c: c.start())
 
         _kv_copies(refs, req, keys, kb, slot, cfg, lambda c: c.wait())
-        return _online_softmax(q, refs.k_buf[slot], refs.v_buf[slot], carry,
-                               kb * cfg.kv_block, first_pos, keys, cfg)
+        words = [pltpu.bitcast(refs.kv_buf[slot, w], jnp.uint32).reshape(cfg.kv_block, -1)
+                 for w in range(cfg.words_per_program)]  # u32[kv_block, H] each
+        return tuple(
+            _online_softmax(q, *_unpack_kv(words, h, refs.kv_buf.dtype), carry[h],
+                            kb * cfg.kv_block, first_pos, keys, cfg)
+            for h, q in enumerate(qs))
 
-    rows, head_dim = q.shape
+    rows, head_dim = qs[0].shape
     init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(kb_lo, kb_hi, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)
-    token = lax.div(lax.broadcasted_iota(jnp.int32, out.shape, 0), cfg.heads_per_kv)
-    out = jnp.where(token < req.q_len - first, out, 0.0)  # spilled rows -> zeros
-    refs.o_buf[...] = out.reshape(refs.o_buf.shape).astype(refs.o_buf.dtype)
-    o_copy = pltpu.make_async_copy(refs.o_buf, refs.out.at[pl.ds(t0, cfg.q_block), req.head],
+    carry = lax.fori_loop(kb_lo, kb_hi, body, (init,) * cfg.heads_per_program)
+    for h, (_, l, acc) in enumerate(carry):
+        out = acc / jnp.where(l == 0.0, 1.0, l)
+        token = lax.div(lax.broadcasted_iota(jnp.int32, out.shape, 0), cfg.heads_per_kv)
+        out = jnp.where(token < req.q_len - first, out, 0.0)  # spilled rows -> zeros
+        refs.o_buf[:, h] = out.reshape(refs.o_buf.shape[0], *refs.o_buf.shape[2:]).astype(
+            refs.o_buf.dtype)
+    o_copy = pltpu.make_async_copy(refs.o_buf, refs.out.at[pl.ds(t0, cfg.q_block), heads],
                                    refs.io_sems.at[1])
     o_copy.start()
     o_copy.wait()
@@ -264,7 +298,7 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
 
 def _kv_copies(refs: _Refs, req: _Request, keys: _KeyRange, kb: jax.Array, slot: jax.Array,
                cfg: _Config, action: Callable[[Any], None]) -> None:
-    """Start or wait for the copies of KV block kb (K and V of head g) into `slot`.
+    """Start or wait for the copies of KV block kb (the program's words) into `slot`.
 
     Only pages holding keys in [keys.lo, keys.hi) are copied; the rest of the slot keeps
     stale data, which `_online_softmax` masks out (scores and V rows).
@@ -279,12 +313,31 @@ def _kv_copies(refs: _Refs, req: _Request, keys: _KeyRange, kb: jax.Array, slot:
 
 def _copy_page(refs: _Refs, req: _Request, page: jax.Array, p: int, slot: jax.Array,
                cfg: _Config, action: Callable[[Any], None]) -> None:
-    """Start or wait for the K and V copies of the request's page into row block p."""
+    """Start or wait for the copies of the program's words of one page into row block p."""
     physical = refs.page_table[req.slot * cfg.pages_per_seq + page]
     rows = pl.ds(p * cfg.page_size, cfg.page_size)
-    for half, buf in ((0, refs.k_buf), (1, refs.v_buf)):
-        src = refs.kv_pages.at[physical, :, 2 * req.head + half, :]  # [K, H]
-        action(pltpu.make_async_copy(src, buf.at[slot, rows, :], refs.kv_sems.at[slot]))
+    for w in range(cfg.words_per_program):
+        src = refs.kv_pages.at[physical, :, req.group * cfg.words_per_program + w]  # [K, pk, H]
+        action(pltpu.make_async_copy(src, refs.kv_buf.at[slot, w, rows], refs.kv_sems.at[slot]))
+
+
+def _unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
+               ) -> tuple[jax.Array, jax.Array]:
+    """K and V of the program's `head`-th KV head from its u32 words, as stored (f32 for
+    32/16-bit pages, the 8-bit dtype for 8-bit pages). See the module doc for the packing.
+    """
+    if len(words) == 2:  # float32: one word each
+        return pltpu.bitcast(words[0], jnp.float32), pltpu.bitcast(words[1], jnp.float32)
+    (word,) = words
+    if jnp.dtype(dtype).itemsize == 2:  # bfloat16: K low half, V high half; exact in f32
+        k = pltpu.bitcast(lax.shift_left(word, jnp.uint32(16)), jnp.float32)
+        return k, pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
+
+    def byte(index: int) -> jax.Array:
+        shifted = lax.shift_right_logical(word, jnp.uint32(8 * index))
+        return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
+
+    return byte(2 * head), byte(2 * head + 1)
 
 
 def _online_softmax(

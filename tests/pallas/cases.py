@@ -3,7 +3,10 @@
 `make_case(seq_lens=[(q_len, kv_len), ...])` lays the requests out over a
 permuted page pool whose unused pages and slots are NaN, with padding tokens
 and padding request slots, and returns the positional arguments of
-`ragged_paged_attention`. `check(out, ref, real, dtype)` compares real rows
+`ragged_paged_attention` (pages in the packed layout of `kv_layout.py`; padded
+combined heads of 8-bit pages hold 99, which no kernel may read).
+`combined(args)` gives the same arguments with [P, K, 2G, H] pages for JAX's
+`ref_ragged_paged_attention`. `check(out, ref, real, dtype)` compares real rows
 with the tolerance of `TOL[dtype]` and checks padding rows are finite.
 """
 
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.pallas import kv_layout
 
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 
@@ -49,9 +54,18 @@ def make_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=32, page_size=1
     if jnp.issubdtype(kv_dtype, jnp.integer):
         kv_pages = np.clip(np.round(kv_pages * 32), -127, 127)  # NaN stays NaN -> cast below
         kv_pages = np.where(np.isnan(kv_pages), 127, kv_pages)
-    return (jnp.asarray(queries, dtype), jnp.asarray(kv_pages, kv_dtype), jnp.asarray(kv_lens),
-            jnp.asarray(page_indices), jnp.asarray(cu_q_lens, jnp.int32),
+    shape = kv_layout.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
+    padding = shape[2] * shape[3] - 2 * num_kv_heads
+    kv_pages = np.pad(kv_pages, ((0, 0), (0, 0), (0, padding), (0, 0)), constant_values=99)
+    return (jnp.asarray(queries, dtype), jnp.asarray(kv_pages, kv_dtype).reshape(shape),
+            jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens, jnp.int32),
             jnp.array([len(seq_lens)], jnp.int32))
+
+
+def combined(args):
+    """The arguments with [P, K, 2G, H] pages (padding dropped), JAX's layout."""
+    queries, kv_pages, *meta = args
+    return (queries, kv_layout.combined_view(kv_pages), *meta)
 
 
 def check(out, ref, real: int, dtype) -> None:

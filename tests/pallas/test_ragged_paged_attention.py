@@ -44,9 +44,10 @@ def _replace(index, value):
     (0, jnp.zeros((24, 8, 16)), "kv_pages head_dim 32 != queries head_dim 16"),
     (0, jnp.zeros((24, 7, 32)), "queries heads 7 must be a multiple of kv heads 2"),
     (0, jnp.zeros((24, 8, 32), jnp.int32), "queries dtype int32 must be float32 or bfloat16"),
-    (1, jnp.zeros((9, 16, 4, 32), jnp.float16), "kv_pages dtype float16 must be one of"),
-    (1, jnp.zeros((9, 16, 3, 32)), "kv_pages combined-head axis 3 must be even"),
-    (1, jnp.zeros((9, 16, 32)), r"kv_pages must be \[P, K, 2G, H\]"),
+    (1, jnp.zeros((9, 16, 4, 1, 32), jnp.float16), "kv_pages dtype float16 must be one of"),
+    (1, jnp.zeros((9, 16, 2, 2, 32)), r"must be \[P, K, W, packing=1, H\] for float32"),
+    (1, jnp.zeros((9, 16, 4, 32)), r"kv_pages must be \[P, K, W, packing=1, H\]"),
+    (1, jnp.zeros((9, 16, 3, 2, 32), jnp.bfloat16), "queries heads 8 must be a multiple of kv heads 3"),
     (2, jnp.zeros((6,), jnp.float32), "kv_lens dtype float32 must be int32"),
     (2, jnp.zeros((6, 1), jnp.int32), r"kv_lens must be \[S\]"),
     (3, jnp.zeros((5, 5), jnp.int32), r"page_indices must be \[S=6, pages_per_seq\]"),
@@ -68,6 +69,11 @@ def test_validator_names_the_argument(index, value, message):
 def test_validator_names_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
         ragged_paged_attention(*_args(), **settings)
+
+
+def test_validator_checks_num_kv_heads_against_the_words():
+    with pytest.raises(ValueError, match="num_kv_heads=3 needs 6 words of 1 combined heads"):
+        ragged_paged_attention(*_args(), num_kv_heads=3)
 
 
 def test_quantized_pages_need_scales():

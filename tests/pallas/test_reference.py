@@ -6,17 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, make_case
+from cases import SCENARIOS, check, combined, make_case
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import reference
+from jaxinfer.pallas import kv_layout, reference
 
 
 def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, **layout):
     settings = settings or {}
     args = make_case(seq_lens, dtype=dtype, kv_dtype=kv_dtype, **layout)
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
-    theirs = ref_ragged_paged_attention(*args, **settings)
+    theirs = ref_ragged_paged_attention(*combined(args), **settings)
     real = sum(q for q, _ in seq_lens)
     check(ours, theirs, real, dtype)
     assert not np.asarray(ours[real:], np.float32).any()  # padding rows are zeros
@@ -47,27 +47,53 @@ def test_reference_quantized_kv(kv_dtype):
               settings={"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2})
 
 
+def test_reference_skips_padded_heads_of_8bit_pages():
+    """Three KV heads in int8 pages: two words, the last two combined heads padding (99).
+    The result equals the float32 pages' of the same values, which have no padding."""
+    settings = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
+    layout = dict(num_heads=6, num_kv_heads=3)
+    q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8, **layout)
+    assert kv.shape[2:4] == (2, 4)
+    run = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings, num_kv_heads=3))
+    unpadded = kv_layout.combined_view(kv)[:, :, :6].astype(jnp.float32)[:, :, :, None]
+    expected = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(
+        q, unpadded, *meta)
+    np.testing.assert_allclose(run(q, kv, *meta), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_reference_blocks_tokens_when_gather_is_large(monkeypatch):
     monkeypatch.setattr(reference, "GATHER_BYTES_PER_BLOCK", 4096)
     _run_case(SCENARIOS["mixed"], pad_tokens=12)  # 72 tokens -> blocks of 8
 
 
 def test_write_kv_pages_interleaves_k_and_v():
-    pages = jnp.zeros((3, 4, 4, 2))
+    pages = jnp.zeros((3, 4, 4, 1, 2))  # float32: 2 heads, a word per combined head
     k = jnp.arange(2 * 2 * 2, dtype=jnp.float32).reshape(2, 2, 2) + 1
     v = -k
     out = reference.write_kv_pages(pages, k, v, jnp.array([9, 2]))  # page 2 slot 1, page 0 slot 2
+    out = out[:, :, :, 0]
     np.testing.assert_array_equal(out[2, 1, 0::2], k[0])
     np.testing.assert_array_equal(out[2, 1, 1::2], v[0])
     np.testing.assert_array_equal(out[0, 2, 0::2], k[1])
     assert int((out != 0).sum()) == 16
 
 
-def test_write_kv_pages_quantizes_with_scale():
-    pages = jnp.zeros((2, 4, 2, 8), jnp.int8)
+def test_write_kv_pages_packs_k_and_v_of_a_head_into_one_word():
+    pages = jnp.zeros((2, 4, 2, 2, 8), jnp.bfloat16)  # bfloat16: W = G = 2, packing 2
+    k = jnp.arange(16, dtype=jnp.float32).reshape(1, 2, 8) + 1
+    out = reference.write_kv_pages(pages, k, -k, jnp.array([6]))
+    for head in range(2):
+        np.testing.assert_array_equal(out[1, 2, head, 0], k[0, head].astype(jnp.bfloat16))
+        np.testing.assert_array_equal(out[1, 2, head, 1], -k[0, head].astype(jnp.bfloat16))
+
+
+def test_write_kv_pages_quantizes_with_scale_and_zeroes_padded_heads():
+    pages = jnp.full((2, 4, 1, 4, 8), 7, jnp.int8)  # int8, one KV head: a word of 4, 2 padded
     k = jnp.full((1, 1, 8), 0.5)
     out = reference.write_kv_pages(pages, k, -k, jnp.array([5]), k_scale=1 / 64, v_scale=1 / 64)
-    assert out[1, 1, 0].tolist() == [32] * 8 and out[1, 1, 1].tolist() == [-32] * 8
+    assert out[1, 1, 0, 0].tolist() == [32] * 8 and out[1, 1, 0, 1].tolist() == [-32] * 8
+    assert out[1, 1, 0, 2:].tolist() == [[0] * 8] * 2  # padded combined heads
+    assert int((out == 7).sum()) == out.size - 32  # nothing else written
 
 
 @pytest.mark.parametrize("name", ["mixed", "decode_only", "page_boundary"])
@@ -77,16 +103,17 @@ def test_reference_bf16_bits_in_uint16_pages_equal_bf16_pages(name):
     run = jax.jit(lambda q, kv, *m: reference.ragged_paged_attention(q, kv, *m, sm_scale=0.2))
     stored = run(q, bits, *meta)
     np.testing.assert_array_equal(np.asarray(stored), np.asarray(run(q, kv, *meta)))
-    theirs = ref_ragged_paged_attention(q, kv.astype(jnp.float32), *meta, sm_scale=0.2)
+    theirs = ref_ragged_paged_attention(*combined((q, kv.astype(jnp.float32), *meta)),
+                                        sm_scale=0.2)
     check(stored, theirs, sum(n for n, _ in SCENARIOS[name]), jnp.float32)
 
 
 def test_write_kv_pages_stores_bf16_bits_in_uint16_pages():
-    pages = jnp.zeros((2, 4, 2, 8), reference.BF16_STORAGE)
+    pages = jnp.zeros((2, 4, 1, 2, 8), reference.BF16_STORAGE)
     k = jnp.full((1, 1, 8), 1.0 / 3.0)
     out = reference.write_kv_pages(pages, k, -k, jnp.array([5]))
     assert out.dtype == reference.BF16_STORAGE
-    as_bf16 = jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+    as_bf16 = jax.lax.bitcast_convert_type(out, jnp.bfloat16)[:, :, 0]
     np.testing.assert_array_equal(np.asarray(as_bf16[1, 1, 0], np.float32),
                                   np.full(8, np.float32(jnp.bfloat16(1.0 / 3.0))))
     np.testing.assert_array_equal(np.asarray(as_bf16[1, 1, 1], np.float32),

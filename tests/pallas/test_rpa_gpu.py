@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, make_case
+from cases import SCENARIOS, check, combined, make_case
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import reference, rpa_gpu
+from jaxinfer.pallas import kv_layout, reference, rpa_gpu
 from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -44,6 +44,7 @@ def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, tuning=
 
 def _jax_reference(args, settings):
     """JAX's `ref_ragged_paged_attention`, jitted with the metadata as constants."""
+    args = combined(args)
     metadata = tuple(np.asarray(a) for a in args[2:])  # its Python loop needs concrete values
 
     def attend(queries, kv_pages):
@@ -178,7 +179,8 @@ def test_rpa_gpu_rejects_bad_head_dim_and_tuning():
 def _export_text(tokens, slots, dtype, kv_dtype, *, num_heads=32, num_kv_heads=8, head_dim=128,
                  page_size=16, pages_per_seq=128):
     shapes = [((tokens, num_heads, head_dim), dtype),
-              ((slots * pages_per_seq + 1, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
+              (kv_layout.kv_cache_shape(slots * pages_per_seq + 1, page_size, num_kv_heads,
+                                        head_dim, kv_dtype), kv_dtype),
               ((slots,), jnp.int32), ((slots, pages_per_seq), jnp.int32),
               ((slots + 1,), jnp.int32), ((1,), jnp.int32)]
     scales = {} if kv_dtype in (jnp.float32, jnp.bfloat16) else {"k_scale": 0.1, "v_scale": 0.1}

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, make_case
+from cases import SCENARIOS, check, combined, make_case
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import reference, rpa_tpu
+from jaxinfer.pallas import kv_layout, reference, rpa_tpu
 from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
 
 QUANT = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
@@ -40,8 +40,11 @@ def _kernel(args, settings):
 
 
 def _references(args, settings):
+    """Our jnp reference, and JAX's when the pages hold no padded heads."""
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
-    return ours, ref_ragged_paged_attention(*args, **settings)
+    if "num_kv_heads" in settings:
+        return (ours,)
+    return ours, ref_ragged_paged_attention(*combined(args), **settings)
 
 
 def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, **layout):
@@ -92,6 +95,16 @@ def test_rpa_tpu_bfloat16(small_blocks):
 ])
 def test_rpa_tpu_quantized_kv(dtype, kv_dtype):
     _run_case(SCENARIOS["mixed"], dtype=dtype, kv_dtype=kv_dtype, settings=QUANT)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 1), (6, 3), (8, 4)])
+def test_rpa_tpu_8bit_pages_pack_two_heads_per_word(num_heads, num_kv_heads):
+    """One program serves the two KV heads of a word; an odd head count pads the last
+    word (its padded heads hold 99 and are never read)."""
+    settings = dict(QUANT, num_kv_heads=num_kv_heads)
+    out = _run_case(SCENARIOS["page_boundary"], dtype=jnp.bfloat16, kv_dtype=jnp.int8,
+                    num_heads=num_heads, num_kv_heads=num_kv_heads, settings=settings)
+    assert out.shape[1] == num_heads
 
 
 @pytest.mark.parametrize("settings", [
@@ -146,7 +159,7 @@ def test_rpa_tpu_ignores_requests_past_num_seqs(small_blocks):
     args[2] = jnp.asarray(kv_lens)
     out = _kernel(args, {"sm_scale": 0.2})
     real = sum(q for q, _ in seq_lens[:3])
-    check(out, ref_ragged_paged_attention(*args, sm_scale=0.2), real, jnp.float32)
+    check(out, ref_ragged_paged_attention(*combined(args), sm_scale=0.2), real, jnp.float32)
 
 
 def test_rpa_tpu_no_dma_races(small_blocks):
@@ -174,8 +187,9 @@ def _export_shapes(dtype, kv_dtype):
     tokens, num_heads, num_kv_heads, head_dim = 256, 32, 8, 128
     page_size, slots, pages_per_seq = 16, 64, 128
     sds = jax.ShapeDtypeStruct
-    return (sds((tokens, num_heads, head_dim), dtype),
-            sds((slots * pages_per_seq + 1, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
+    kv_shape = kv_layout.kv_cache_shape(slots * pages_per_seq + 1, page_size, num_kv_heads,
+                                        head_dim, kv_dtype)
+    return (sds((tokens, num_heads, head_dim), dtype), sds(kv_shape, kv_dtype),
             sds((slots,), jnp.int32), sds((slots, pages_per_seq), jnp.int32),
             sds((slots + 1,), jnp.int32), sds((1,), jnp.int32))
 
