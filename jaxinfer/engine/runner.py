@@ -98,8 +98,7 @@ class Runner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache = init_kv_cache(cfg, num_pages=num_pages, page_size=page_size,
                                       dtype=jnp.dtype(kv_dtype))
-        self._step = jax.jit(functools.partial(
-            model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS), donate_argnums=(1,))
+        self._step = jax.jit(step_function(cfg), donate_argnums=(1,))
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                donate_argnums=(1,))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
@@ -131,8 +130,8 @@ class Runner:
 
     def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
         if bucket not in self._compiled:
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                self._inputs([], bucket))
+            spec = input_spec(bucket, page_size=self.page_size,
+                              max_model_len=self.max_model_len)
             with self._lower_lock:
                 lowered = self._step.lower(self.params, self.kv_cache, spec)
             self._compiled[bucket] = lowered.compile()
@@ -172,6 +171,38 @@ class Runner:
                                        num_slots=next_power_of_two(len(chunks)))
         self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
         return np.asarray(out)[:total]
+
+
+def step_function(cfg: ModelConfig) -> functools.partial:
+    """The step the runner compiles: (params, kv_cache, inputs) -> (kv_cache, packed)."""
+    return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS)
+
+
+def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int
+               ) -> model_step.StepInputs:
+    """ShapeDtypeStructs of a bucket's step inputs (an empty plan, padded)."""
+    token_ids, md = build_metadata([], page_size=page_size,
+                                   pages_per_seq=-(-max_model_len // page_size),
+                                   num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+    sampling = sampling_inputs([], num_slots=bucket.num_slots,
+                               history_width=max_model_len, eos_token_ids=frozenset())
+    inputs = model_step.StepInputs(token_ids=token_ids, md=md, sampling=sampling)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
+
+
+def compile_step_for(cfg: ModelConfig, params: object, kv_cache: object,
+                     inputs: model_step.StepInputs, sharding: jax.sharding.Sharding
+                     ) -> jax.stages.Compiled:
+    """Compile the step ahead of time for the device(s) of `sharding` from specs alone
+    (ShapeDtypeStructs: nothing is allocated), e.g. a TPU topology on a CPU machine.
+    `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
+    default backend."""
+    if cfg.attention_impl == "auto":
+        raise ValueError("compile_step_for needs cfg.attention_impl set for the target "
+                         "('tpu', 'gpu' or 'reference'), not 'auto'")
+    step = jax.jit(step_function(cfg), in_shardings=sharding, out_shardings=sharding,
+                   donate_argnums=(1,))
+    return step.lower(params, kv_cache, inputs).compile()
 
 
 def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 5) -> float:

@@ -61,10 +61,8 @@ def write_kv_pages(
     kv = jnp.pad(kv, ((0, 0), (0, words * packing - 2 * num_kv_heads), (0, 0)))
     if kv_pages.dtype == BF16_STORAGE:
         kv = jax.lax.bitcast_convert_type(kv, BF16_STORAGE)
-    flat = kv_pages.reshape(num_pages * page_size, words, packing, head_dim)
-    flat = flat.at[slot_mapping].set(kv.reshape(tokens, words, packing, head_dim),
-                                     mode="drop")
-    return flat.reshape(kv_pages.shape)
+    return kv_pages.at[slot_mapping // page_size, slot_mapping % page_size].set(
+        kv.reshape(tokens, words, packing, head_dim), mode="drop")
 
 
 def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:

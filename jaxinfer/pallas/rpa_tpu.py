@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -164,13 +165,14 @@ def ragged_paged_attention(
     scalars = (kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs)
     for decode in (False, True):
         cfg = _Config(decode=decode, q_block=1 if decode else q_block, **common)
-        out = _attention_pass(cfg, scalars, grouped, kv_pages, out, interpret=interpret)
+        out = _attention_pass(cfg, scalars, grouped, kv_pages, out, tokens=tokens,
+                              interpret=interpret)
     out = out[:tokens, :num_kv_heads]
     return out.reshape(tokens, num_heads, head_dim)
 
 
 def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.Array,
-                    kv_pages: jax.Array, out: jax.Array, *,
+                    kv_pages: jax.Array, out: jax.Array, *, tokens: int,
                     interpret: bool | pltpu.InterpretParams) -> jax.Array:
     """One pallas_call writing its requests' rows of `out` (aliased in place)."""
     _, padded_heads, heads_per_kv, head_dim = grouped.shape
@@ -195,12 +197,33 @@ def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.A
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         grid_spec=grid_spec,
         input_output_aliases={len(scalars) + 2: 0},  # `out` is updated in place
+        cost_estimate=_cost_estimate(cfg, grouped, kv_pages, tokens=tokens,
+                                     num_slots=num_slots),
         # "arbitrary" (sequential) on both axes: see the note on spills in `_query_block`.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=_interpret_params(interpret),
         name="rpa_decode" if cfg.decode else "rpa_prefill",
     )
     return kernel(*scalars, grouped, kv_pages, out)
+
+
+def _cost_estimate(cfg: _Config, grouped: jax.Array, kv_pages: jax.Array, *, tokens: int,
+                   num_slots: int) -> pl.CostEstimate:
+    """What XLA cannot see inside the kernel, as a bound: every request of the pass at
+    the page table's full width (max_model_len), its KV read once per query block.
+    The decode pass serves at most min(S, T) requests of one token; the prefill pass
+    at most T tokens in ceil(T / bq) blocks."""
+    heads, head_dim = grouped.shape[1] * grouped.shape[2], grouped.shape[3]
+    context = cfg.pages_per_seq * cfg.page_size
+    kv_token_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.dtype.itemsize
+    if cfg.decode:
+        queries = blocks = min(num_slots, tokens)
+    else:
+        queries, blocks = tokens, -(-tokens // cfg.q_block)
+    q_bytes = 2 * queries * heads * head_dim * grouped.dtype.itemsize  # read and written
+    return pl.CostEstimate(flops=4 * queries * heads * head_dim * context,
+                           transcendentals=queries * heads * context,
+                           bytes_accessed=blocks * context * kv_token_bytes + q_bytes)
 
 
 def _interpret_params(interpret: bool | pltpu.InterpretParams) -> Any:

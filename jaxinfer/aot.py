@@ -1,0 +1,191 @@
+"""Ahead-of-time compilation of the engine's step for a TPU slice, from any machine.
+
+`compile_report(cfg, device="v5e-1", ...)` answers "will this model and these engine
+settings fit and compile on that TPU?" without a TPU: libtpu's compiler runs on the host
+(`pip install "jax[tpu]"`; JAX started with `jax_platforms=cpu` and
+`TPU_SKIP_MDS_QUERY=1`, see `tpu_compile_environment`). It sizes the KV page pool with
+the memory planner as the engine would on that chip, builds every parameter, the KV cache
+and each bucket's inputs as `ShapeDtypeStruct`s (nothing is allocated), compiles the
+step for every bucket through `runner.compile_step_for` with the Mosaic attention
+kernel and the chip's KV storage dtype (bf16 pages stay bf16; the CPU's uint16 storage
+is never used), and reports per bucket the compiled memory (`memory_analysis()`), FLOPs
+and bytes accessed (`cost_analysis()`) and the roofline time they imply at the chip's
+published peak FLOP/s and HBM bandwidth: an estimate, not a measurement.
+
+XLA cannot see inside a Mosaic kernel; the attention kernel gives it a `pl.CostEstimate`
+(every request of the bucket at max_model_len: a bound), which `cost_analysis()` sums
+with the rest of the step. A configuration that does not fit fails in the compiler and
+is reported with the compiler's own message. One chip is used: tensor parallelism over
+a slice's chips comes with the tensor-parallel work. Imports jax, config, planner,
+model, engine.runner and engine.buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import accelerators, planner
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import runner
+from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.model.attention import kv_cache_spec
+from jaxinfer.model.transformer import param_shapes
+
+KV_FRACTION = 0.9  # of the chip's HBM less the weights, as the engine sizes its pool
+
+
+def tpu_compile_environment() -> None:
+    """Settings libtpu's compiler needs on a machine without a TPU; call before JAX
+    starts a backend. It leaves the CPU as JAX's default platform."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    jax.config.update("jax_platforms", "cpu")
+
+
+def target_devices(acc: accelerators.Accelerator) -> list[Any]:
+    """The abstract devices of the slice (libtpu's topology description)."""
+    from jax.experimental import topologies
+
+    kwargs = {}
+    if acc.chips_per_host is not None:
+        kwargs["chips_per_host_bounds"] = list(acc.chips_per_host)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=acc.topology, **kwargs)
+    return list(topo.devices)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The engine settings that shape the compiled step (mirror of the CLI flags)."""
+
+    dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    page_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # default: KV_FRACTION of HBM less weights
+
+
+def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
+             ) -> planner.MemoryPlan:
+    """The memory plan on one chip of `acc` (raises ValueError when nothing fits)."""
+    common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
+                  max_num_seqs=s.max_num_seqs, page_size=s.page_size,
+                  bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9)
+    if s.kv_cache_memory_bytes is not None:
+        return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
+    weights = planner.weight_bytes(cfg, s.dtype)
+    budget = weights + int((acc.chip.hbm_bytes - weights) * KV_FRACTION)
+    return planner.plan(cfg, memory_bytes=budget, **common)
+
+
+def step_specs(cfg: ModelConfig, plan: planner.MemoryPlan, s: Settings, device: Any
+               ) -> tuple[Any, Any]:
+    """(params, kv_cache) as ShapeDtypeStructs on `device`, in the TPU's storage dtypes."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shapes = param_shapes(cfg)
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype),
+                                                             sharding=sharding),
+                          shapes, is_leaf=lambda x: isinstance(x, tuple))
+    kv = kv_cache_spec(cfg, num_pages=plan.num_pages, page_size=s.page_size,
+                       dtype=jnp.dtype(s.kv_dtype), backend="tpu")
+    kv = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in kv]
+    return params, kv
+
+
+def compile_bucket(cfg: ModelConfig, params: Any, kv: Any, bucket: Bucket, s: Settings,
+                   device: Any) -> jax.stages.Compiled:
+    """The step of one bucket compiled for `device` with the Mosaic attention kernel."""
+    tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
+    inputs = runner.input_spec(bucket, page_size=s.page_size, max_model_len=s.max_model_len)
+    return runner.compile_step_for(tpu_cfg, params, kv, inputs,
+                                   jax.sharding.SingleDeviceSharding(device))
+
+
+def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
+               int8: bool = False) -> dict[str, Any]:
+    """Memory, cost and roofline estimate of one compiled bucket."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    peak = acc.chip.int8_ops if int8 else acc.chip.bf16_flops
+    compute_s, memory_s = flops / peak, moved / acc.chip.hbm_bytes_per_s
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+             + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    return {"argument_bytes": mem.argument_size_in_bytes,
+            "output_bytes": mem.output_size_in_bytes,
+            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+            "total_bytes": total, "hbm_fraction": round(total / acc.chip.hbm_bytes, 4),
+            "flops": flops, "bytes_accessed": moved,
+            "roofline_estimate_ms": round(1e3 * max(compute_s, memory_s), 3),
+            "bound": "compute" if compute_s > memory_s else "memory"}
+
+
+def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
+    """"all", or "ends" (smallest, largest, and one mixed bucket in between)."""
+    every = buckets.all()
+    if which == "all":
+        return every
+    if which != "ends":
+        raise ValueError(f"buckets={which!r} must be 'all' or 'ends'")
+    mixed = [b for b in every if b.num_slots > 1 and b.num_tokens > b.num_slots]
+    middle = mixed[len(mixed) // 2] if mixed else every[len(every) // 2]
+    return sorted({every[0], middle, every[-1]})
+
+
+def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
+                   buckets: str = "all") -> dict[str, Any]:
+    """Compile every (or the `ends`) bucket's step for one chip of `device`; a dict with
+    the plan, one row per bucket, and the compiler's message for buckets that failed."""
+    acc = accelerators.get(device)
+    report: dict[str, Any] = {
+        "device": acc.name, "topology": acc.topology, "chips_in_slice": acc.chips,
+        "chips_used": 1, "chip_hbm_bytes": acc.chip.hbm_bytes,
+        "peak_bf16_flops": acc.chip.bf16_flops, "hbm_bytes_per_s": acc.chip.hbm_bytes_per_s,
+        "settings": dataclasses.asdict(settings)}
+    try:
+        plan = plan_for(cfg, acc, settings)
+    except ValueError as err:
+        return report | {"fits": False, "error": str(err)}
+    report["plan"] = plan.summary()
+    chip = target_devices(acc)[0]
+    params, kv = step_specs(cfg, plan, settings, chip)
+    rows = []
+    for bucket in pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
+                                         max_num_seqs=settings.max_num_seqs), buckets):
+        began = time.perf_counter()
+        row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots}
+        try:
+            compiled = compile_bucket(cfg, params, kv, bucket, settings, chip)
+        except Exception as err:  # the compiler's own message, e.g. out of HBM
+            rows.append(row | {"compiled": False, "error": _first_lines(str(err))})
+            continue
+        row |= {"compiled": True, "compile_s": round(time.perf_counter() - began, 1)}
+        row |= bucket_row(compiled, acc)
+        row["mosaic_kernels"] = compiled.as_text().count("tpu_custom_call")
+        rows.append(row)
+    planned = plan.weight_bytes + plan.kv_cache_bytes
+    report["buckets"] = rows
+    report["fits"] = all(r["compiled"] for r in rows)
+    report["planned_argument_bytes"] = planned
+    return report
+
+
+def _first_lines(message: str, lines: int = 3) -> str:
+    return "\n".join(message.strip().splitlines()[:lines])
+
+
+def agreement(planned: int, compiled: int) -> float:
+    """|compiled - planned| / planned."""
+    return abs(compiled - planned) / max(planned, 1)
+
+
+def tree_nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
