@@ -4,7 +4,8 @@ One table, `ACCELERATORS`, maps the names `gcloud` takes for `--accelerator-type
 (`v5litepod-4`, `v6e-8`, `v5p-8`; `v5e-4` is accepted for `v5litepod-4`) to the JAX
 topology name that libtpu's ahead-of-time compiler takes (`v5e:2x2`), the number of
 chips, and each chip's HBM, peak bf16 / int8 throughput and HBM bandwidth as Google
-publishes them (cloud.google.com/tpu/docs/v5e, /v6e, /v5p). The `aot` command, and the
+publishes them (cloud.google.com/tpu/docs/v5e, /v6e, /v5p), and the HBM a program may
+use as libtpu 0.0.42.1's compiler reports it (15.75 / 31.25 / 95.74 GiB). The `aot` command, and the
 tensor-parallel presets after it, read only this table. A v5p-N counts TensorCores
 (two per chip), so v5p-8 is 4 chips; v5e and v6e count chips. Standard library only.
 """
@@ -21,18 +22,22 @@ class Chip:
     """One TPU generation's chip, as published."""
 
     generation: str  # JAX topology prefix: "v5e", "v6e", "v5p"
-    hbm_bytes: int
+    hbm_bytes: int  # published capacity
+    usable_hbm_bytes: int  # what libtpu's compiler lets a program use (its OOM message)
     bf16_flops: float  # peak dense bf16 FLOP/s
     int8_ops: float  # peak int8 OP/s
     hbm_bytes_per_s: float
 
 
 CHIPS = {
-    "v5e": Chip(generation="v5e", hbm_bytes=16 * GIB, bf16_flops=197e12, int8_ops=394e12,
+    "v5e": Chip(generation="v5e", hbm_bytes=16 * GIB, usable_hbm_bytes=int(15.75 * GIB),
+                bf16_flops=197e12, int8_ops=394e12,
                 hbm_bytes_per_s=819e9),
-    "v6e": Chip(generation="v6e", hbm_bytes=32 * GIB, bf16_flops=918e12, int8_ops=1836e12,
+    "v6e": Chip(generation="v6e", hbm_bytes=32 * GIB, usable_hbm_bytes=int(31.25 * GIB),
+                bf16_flops=918e12, int8_ops=1836e12,
                 hbm_bytes_per_s=1640e9),
-    "v5p": Chip(generation="v5p", hbm_bytes=95 * GIB, bf16_flops=459e12, int8_ops=918e12,
+    "v5p": Chip(generation="v5p", hbm_bytes=95 * GIB, usable_hbm_bytes=int(95.74 * GIB),
+                bf16_flops=459e12, int8_ops=918e12,
                 hbm_bytes_per_s=2765e9),
 }
 

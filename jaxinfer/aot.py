@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -35,10 +36,11 @@ from jaxinfer import accelerators, planner
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.engine import DEVICE_KV_FRACTION
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
 
-KV_FRACTION = 0.9  # of the chip's HBM less the weights, as the engine sizes its pool
+KV_PARAM = re.compile(r"%kv_cache_\d+_\S* = (\w+\[[\d,]+\])")  # in the compiled HLO
 
 
 def tpu_compile_environment() -> None:
@@ -69,19 +71,19 @@ class Settings:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     page_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # default: KV_FRACTION of HBM less weights
+    kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
 
 
 def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
              ) -> planner.MemoryPlan:
-    """The memory plan on one chip of `acc` (raises ValueError when nothing fits)."""
+    """The memory plan on one chip of `acc` (raises ValueError when nothing fits): the
+    engine's rule, weights plus pool within DEVICE_KV_FRACTION of the usable HBM."""
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
-    weights = planner.weight_bytes(cfg, s.dtype)
-    budget = weights + int((acc.chip.hbm_bytes - weights) * KV_FRACTION)
+    budget = int(acc.chip.usable_hbm_bytes * DEVICE_KV_FRACTION)
     return planner.plan(cfg, memory_bytes=budget, **common)
 
 
@@ -99,13 +101,15 @@ def step_specs(cfg: ModelConfig, plan: planner.MemoryPlan, s: Settings, device: 
     return params, kv
 
 
-def compile_bucket(cfg: ModelConfig, params: Any, kv: Any, bucket: Bucket, s: Settings,
-                   device: Any) -> jax.stages.Compiled:
-    """The step of one bucket compiled for `device` with the Mosaic attention kernel."""
+def compile_buckets(cfg: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
+                    s: Settings, device: Any) -> list[jax.stages.Compiled | Exception]:
+    """Each bucket's step compiled for `device` with the Mosaic attention kernel (the
+    compiler's exception in place of a bucket it refused)."""
     tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
-    inputs = runner.input_spec(bucket, page_size=s.page_size, max_model_len=s.max_model_len)
-    return runner.compile_step_for(tpu_cfg, params, kv, inputs,
-                                   jax.sharding.SingleDeviceSharding(device))
+    inputs = [runner.input_spec(b, page_size=s.page_size, max_model_len=s.max_model_len)
+              for b in buckets]
+    return runner.compile_steps_for(tpu_cfg, params, kv, inputs,
+                                    jax.sharding.SingleDeviceSharding(device))
 
 
 def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
@@ -122,7 +126,8 @@ def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
     return {"argument_bytes": mem.argument_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes,
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "total_bytes": total, "hbm_fraction": round(total / acc.chip.hbm_bytes, 4),
+            "total_bytes": total,
+            "usable_hbm_fraction": round(total / acc.chip.usable_hbm_bytes, 4),
             "flops": flops, "bytes_accessed": moved,
             "roofline_estimate_ms": round(1e3 * max(compute_s, memory_s), 3),
             "bound": "compute" if compute_s > memory_s else "memory"}
@@ -148,6 +153,7 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report: dict[str, Any] = {
         "device": acc.name, "topology": acc.topology, "chips_in_slice": acc.chips,
         "chips_used": 1, "chip_hbm_bytes": acc.chip.hbm_bytes,
+        "chip_usable_hbm_bytes": acc.chip.usable_hbm_bytes,
         "peak_bf16_flops": acc.chip.bf16_flops, "hbm_bytes_per_s": acc.chip.hbm_bytes_per_s,
         "settings": dataclasses.asdict(settings)}
     try:
@@ -157,19 +163,21 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report["plan"] = plan.summary()
     chip = target_devices(acc)[0]
     params, kv = step_specs(cfg, plan, settings, chip)
+    chosen = pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
+                                    max_num_seqs=settings.max_num_seqs), buckets)
+    began = time.perf_counter()
+    results = compile_buckets(cfg, params, kv, chosen, settings, chip)
+    report["compile_s"] = round(time.perf_counter() - began, 1)
     rows = []
-    for bucket in pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
-                                         max_num_seqs=settings.max_num_seqs), buckets):
-        began = time.perf_counter()
+    for bucket, compiled in zip(chosen, results, strict=True):
         row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots}
-        try:
-            compiled = compile_bucket(cfg, params, kv, bucket, settings, chip)
-        except Exception as err:  # the compiler's own message, e.g. out of HBM
-            rows.append(row | {"compiled": False, "error": _first_lines(str(err))})
+        if isinstance(compiled, Exception):  # the compiler's own message, e.g. out of HBM
+            rows.append(row | {"compiled": False, "error": _first_lines(str(compiled))})
             continue
-        row |= {"compiled": True, "compile_s": round(time.perf_counter() - began, 1)}
-        row |= bucket_row(compiled, acc)
-        row["mosaic_kernels"] = compiled.as_text().count("tpu_custom_call")
+        text = compiled.as_text()
+        row |= {"compiled": True} | bucket_row(compiled, acc)
+        row |= {"mosaic_kernels": text.count("tpu_custom_call"),
+                "kv_pages": sorted(set(KV_PARAM.findall(text)))}
         rows.append(row)
     planned = plan.weight_bytes + plan.kv_cache_bytes
     report["buckets"] = rows

@@ -31,7 +31,7 @@ from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
-DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory, less the weights, by default
+DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory: weights plus KV pool, by default
 
 
 class Engine:

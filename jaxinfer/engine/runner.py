@@ -190,19 +190,30 @@ def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
 
 
-def compile_step_for(cfg: ModelConfig, params: object, kv_cache: object,
-                     inputs: model_step.StepInputs, sharding: jax.sharding.Sharding
-                     ) -> jax.stages.Compiled:
+def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
+                      inputs: Sequence[model_step.StepInputs], sharding: jax.sharding.Sharding,
+                      threads: int = COMPILE_THREADS) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the device(s) of `sharding` from specs alone
-    (ShapeDtypeStructs: nothing is allocated), e.g. a TPU topology on a CPU machine.
+    (ShapeDtypeStructs: nothing is allocated), e.g. a TPU topology on a CPU machine; one
+    result per input spec, the exception where the compiler refused (out of memory, say).
+    Lowering is serial (tracing is not thread-safe); compiles run on `threads` threads.
     `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
     default backend."""
     if cfg.attention_impl == "auto":
-        raise ValueError("compile_step_for needs cfg.attention_impl set for the target "
+        raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
     step = jax.jit(step_function(cfg), in_shardings=sharding, out_shardings=sharding,
                    donate_argnums=(1,))
-    return step.lower(params, kv_cache, inputs).compile()
+    lowered = [step.lower(params, kv_cache, spec) for spec in inputs]
+
+    def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
+        try:
+            return item.compile()
+        except Exception as err:  # reported per bucket by the caller
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(compile_one, lowered))
 
 
 def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 5) -> float:

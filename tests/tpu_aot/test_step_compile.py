@@ -1,0 +1,88 @@
+"""The whole engine step compiles for one v5e chip, with the Mosaic kernel and bf16 pages.
+
+Params, KV cache and inputs are ShapeDtypeStructs (nothing allocated); the KV pool is
+sized by the memory planner as the engine would size it on the chip. Models: a
+Qwen3-0.6B shape, and Llama-3.1-8B's layer shapes with as many layers as fit one 16 GiB
+chip (the whole 8B needs tensor parallelism). The default run compiles the smallest,
+the largest and one mixed bucket of each; `slow` compiles every bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxinfer import accelerators, aot, planner
+from jaxinfer.config import load_preset
+from jaxinfer.engine.buckets import BucketSet
+
+SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=64,
+                        max_num_batched_tokens=512, max_model_len=2048, page_size=16)
+WEIGHT_FRACTION = 0.8  # of the chip's HBM: the rest holds the KV pool and temporaries
+
+
+def llama_layers_that_fit() -> tuple[object, int]:
+    cfg = load_preset("llama3.1-8b")
+    hbm = accelerators.get("v5e-1").chip.usable_hbm_bytes
+    layers = cfg.num_layers
+    while planner.weight_bytes(dataclasses.replace(cfg, num_layers=layers),
+                               "bfloat16") > WEIGHT_FRACTION * hbm:
+        layers -= 1
+    return dataclasses.replace(cfg, num_layers=layers), layers
+
+
+MODELS = {"qwen3-0.6b": lambda: load_preset("qwen3-0.6b"),
+          "llama3.1-8b-layers": lambda: llama_layers_that_fit()[0]}
+
+
+def _check_report(report: dict, cfg) -> None:
+    assert report["fits"], report
+    rows = report["buckets"]
+    assert all(r["compiled"] for r in rows)
+    plan = report["plan"]
+    kv_shape = f"bf16[{plan['num_pages']},16,{cfg.num_kv_heads},2,{cfg.head_dim}]"
+    for row in rows:
+        assert row["mosaic_kernels"] == 2 * cfg.num_layers  # prefill + decode pass a layer
+        assert row["kv_pages"] == [kv_shape]  # bf16 pages, packed layout, no uint16
+        assert aot.agreement(report["planned_argument_bytes"], row["argument_bytes"]) < 0.01
+        assert row["total_bytes"] <= report["chip_usable_hbm_bytes"]
+        assert row["roofline_estimate_ms"] > 0 and row["flops"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_step_compiles_for_v5e_smallest_mixed_largest(model):
+    cfg = MODELS[model]()
+    report = aot.compile_report(cfg, device="v5e-1", settings=SETTINGS, buckets="ends")
+    assert len(report["buckets"]) == 3
+    _check_report(report, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_step_compiles_for_v5e_every_bucket(model):
+    cfg = MODELS[model]()
+    report = aot.compile_report(cfg, device="v5e-1", settings=SETTINGS, buckets="all")
+    every = BucketSet(max_num_batched_tokens=SETTINGS.max_num_batched_tokens,
+                      max_num_seqs=SETTINGS.max_num_seqs).all()
+    assert len(report["buckets"]) == len(every)
+    _check_report(report, cfg)
+
+
+def test_llama_layers_that_fit_leave_room_for_kv():
+    cfg, layers = llama_layers_that_fit()
+    assert 20 <= layers < 32  # the whole 8B (16.06 GB) does not fit a 16 GiB chip
+
+
+def test_oversized_kv_pool_is_reported_with_the_compilers_message():
+    """Llama-3.1-8B bf16 with KV for 64 requests of 8,192 tokens on one v5e chip: the
+    weights alone fit, the pool does not. One bucket is enough to show it."""
+    cfg = load_preset("llama3.1-8b")
+    kv_bytes = 64 * 8192 * planner.kv_bytes_per_token(cfg, "bfloat16")
+    settings = dataclasses.replace(SETTINGS, max_model_len=8192, max_num_seqs=1,
+                                   max_num_batched_tokens=16, kv_cache_memory_bytes=kv_bytes)
+    report = aot.compile_report(cfg, device="v5e-1", settings=settings, buckets="all")
+    assert not report["fits"]
+    (row,) = report["buckets"]
+    assert not row["compiled"]
+    assert "RESOURCE_EXHAUSTED" in row["error"] and "HBM" in row["error"]
