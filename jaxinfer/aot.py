@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import accelerators, planner
+from jaxinfer.accelerators import GIB
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.buckets import Bucket, BucketSet
@@ -184,6 +185,31 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report["fits"] = all(r["compiled"] for r in rows)
     report["planned_argument_bytes"] = planned
     return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The per-bucket table `python -m jaxinfer aot` prints before the JSON."""
+    head = (f"{report['device']} ({report['topology']}, compiled for {report['chips_used']} "
+            f"of {report['chips_in_slice']} chips; usable HBM "
+            f"{report['chip_usable_hbm_bytes'] / GIB:.2f} GiB)")
+    if "plan" not in report:
+        return f"{head}\ndoes not fit: {report['error']}"
+    plan = report["plan"]
+    lines = [head, f"plan: weights {plan['weight_gb']} GB + KV pool {plan['kv_cache_gb']} GB "
+             f"({plan['num_pages']} pages, {plan['kv_tokens']} tokens)",
+             "roofline = max(FLOPs / peak, bytes / HBM bandwidth): an ESTIMATE, attention "
+             "counted at max_model_len",
+             f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
+             f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} bound"]
+    for r in report["buckets"]:
+        if not r["compiled"]:
+            lines.append(f"{r['tokens']:>6} {r['slots']:>5} does not compile: {r['error']}")
+            continue
+        lines.append(f"{r['tokens']:>6} {r['slots']:>5} {r['argument_bytes'] / 1e9:8.3f} "
+                     f"{r['temp_bytes'] / 1e9:8.3f} {100 * r['usable_hbm_fraction']:6.1f} "
+                     f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:9.2f} "
+                     f"{r['roofline_estimate_ms']:11.3f} {r['bound']}")
+    return "\n".join(lines)
 
 
 def _first_lines(message: str, lines: int = 3) -> str:

@@ -2,8 +2,9 @@
 
 Commands: `generate` (complete a prompt; defaults to the bundled demo model),
 `batch` (offline JSONL runner), `convert` (HF directory -> orbax), `plan` (the
-memory plan and decode roofline) and `audit` (prompt overlap: the prefill a
-prefix cache would save; no weights loaded). Engine
+memory plan and decode roofline), `audit` (prompt overlap: the prefill a
+prefix cache would save; no weights loaded) and `aot` (compile the step for a
+TPU slice with libtpu's compiler, no TPU needed; see aot.py). Engine
 flags mirror `EngineConfig`. The only module that reads FLAGS and configures
 logging.
 """
@@ -19,7 +20,7 @@ from absl import app, flags
 from jaxinfer.config import DEFAULT_MODEL
 
 FLAGS = flags.FLAGS
-COMMANDS = ("generate", "batch", "convert", "plan", "audit")
+COMMANDS = ("generate", "batch", "convert", "plan", "audit", "aot")
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax); default: bundled demo")
@@ -34,6 +35,9 @@ flags.DEFINE_string("output", None, "JSONL results for `batch`; orbax dir for `c
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
 flags.DEFINE_float("memory_gb", None, "`plan`: memory for weights + KV cache, in GB")
 flags.DEFINE_float("bandwidth_gb_per_s", None, "`plan`: memory bandwidth; default: measured")
+flags.DEFINE_string("device", "v5e-1", "`aot`: TPU accelerator type (v5e-1, v6e-8, v5p-8...)")
+flags.DEFINE_enum("buckets", "all", ["all", "ends"],
+                  "`aot`: every bucket, or the smallest, a mixed one and the largest")
 # Engine settings: EngineConfig fields.
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights dtype")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
@@ -132,12 +136,38 @@ def audit() -> None:
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
 
 
+def aot() -> None:
+    from jaxinfer import aot as aot_lib
+
+    aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
+    import pathlib
+
+    from jaxinfer import checkpoint
+    from jaxinfer.config import load_preset
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)  # a model directory or a preset
+    cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+    kv_dtype = FLAGS.dtype if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype
+    settings = aot_lib.Settings(
+        dtype=FLAGS.dtype, kv_dtype=kv_dtype, max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        max_model_len=FLAGS.max_model_len or cfg.max_position_embeddings,
+        page_size=FLAGS.page_size, kv_cache_memory_bytes=FLAGS.kv_cache_memory_bytes)
+    try:
+        report = aot_lib.compile_report(cfg, device=FLAGS.device, settings=settings,
+                                        buckets=FLAGS.buckets)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from err
+    sys.stdout.write(aot_lib.format_table(report) + "\n")
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m jaxinfer {{{'|'.join(COMMANDS)}}} --flags")
     logging.getLogger("jax").setLevel(logging.WARNING)
     {"generate": generate, "batch": batch, "convert": convert, "plan": plan,
-     "audit": audit}[argv[1]]()
+     "audit": audit, "aot": aot}[argv[1]]()
 
 
 def run() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from jaxinfer import testing
 
 FAMILIES = tuple(testing.FAMILIES)
+# The TPU ahead-of-time checks run in .venv-tpu (`make test-tpu-aot`), never here.
+collect_ignore = [] if importlib.util.find_spec("libtpu") else ["tpu_aot"]
 
 
 @pytest.fixture(scope="session")
