@@ -1,12 +1,17 @@
-"""Ragged paged attention on CPU: the jnp reference path under jit, decode batches.
+"""Ragged paged attention on decode batches: an implementation against a baseline.
 
 For each (requests, context) it times one decode step (one query token per
-request over its paged KV), computes the bytes the step must read (K and V of
-every attended token, plus queries and outputs) and the achieved GB/s, and
-puts it next to this machine's memory read bandwidth measured in the same run
-(a jitted sum over a 1 GiB array). Prints one JSON object.
+request over its paged KV) with `--impl` (default: the default backend's kernel,
+i.e. the reference on CPU, the Triton kernel on a GPU) and with `--baseline_impl`
+(default: the jnp reference), computes the bytes the step must read (K and V of
+every attended token, plus queries and outputs) and the achieved GB/s, and puts
+it next to the device's memory read bandwidth measured in the same run (a jitted
+sum over a 1 GiB array). Prints one JSON object. Shapes default to a
+Llama-3.1-8B layer (32 query heads, 8 KV heads, head_dim 128).
 
     python benchmarks/bench_attention.py [--requests=1,4,16,64] [--contexts=512,1024,2048,4096]
+    python benchmarks/bench_attention.py --dtype=bfloat16 --requests=1,8,32,64 \
+        --contexts=1024,4096,8192        # on a GPU: Triton kernel vs XLA reference
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer.pallas import reference
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas import kv_layout, reference
+from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
 flags.DEFINE_list("requests", ["1", "4", "16", "64"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096"], "KV length of every request")
@@ -33,6 +38,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "KV dtype (bfloat16 pages are stored as uint16 bits on CPU, as the engine "
                   "does; queries are then float32)")
 flags.DEFINE_integer("repeats", 5, "timed calls per point (median reported)")
+flags.DEFINE_enum("impl", "auto", ["auto", "reference", "gpu", "tpu"], "implementation timed")
+flags.DEFINE_enum("baseline_impl", "reference", ["none", "reference", "gpu", "tpu"],
+                  "implementation timed next to it on the same inputs")
 FLAGS = flags.FLAGS
 
 
@@ -57,7 +65,8 @@ def decode_case(num_requests: int, context: int, dtype: jnp.dtype) -> tuple:
     rng = np.random.default_rng(0)
     pages_per_seq = context // FLAGS.page_size
     num_pages = num_requests * pages_per_seq + 1
-    shape = (num_pages, FLAGS.page_size, 2 * FLAGS.num_kv_heads, FLAGS.head_dim)
+    shape = kv_layout.kv_cache_shape(num_pages, FLAGS.page_size, FLAGS.num_kv_heads,
+                                     FLAGS.head_dim, dtype)
     kv_pages = jax.random.normal(jax.random.key(0), shape, dtype)
     if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         kv_pages = jax.lax.bitcast_convert_type(kv_pages, reference.BF16_STORAGE)
@@ -76,12 +85,9 @@ def bytes_read(num_requests: int, context: int, itemsize: int) -> int:
     return kv + q_and_out
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    dtype = jnp.dtype(FLAGS.dtype)
-    bandwidth = memory_bandwidth(FLAGS.repeats)
+def time_rows(impl: str, dtype: jnp.dtype, bandwidth: float) -> list[dict]:
     attend = jax.jit(lambda *a: ragged_paged_attention(
-        *a, sm_scale=FLAGS.head_dim ** -0.5, impl="reference"))
+        *a, sm_scale=FLAGS.head_dim ** -0.5, impl=impl))
     rows = []
     for num_requests in map(int, FLAGS.requests):
         for context in map(int, FLAGS.contexts):
@@ -93,13 +99,30 @@ def main(argv: list[str]) -> None:
                          "gb_per_s": round(moved / seconds / 1e9, 2),
                          "fraction_of_bandwidth": round(moved / seconds / 1e9 / bandwidth, 3)})
             del args
-    print(json.dumps({
-        "benchmark": "ragged_paged_attention decode, impl=reference, jit, CPU",
-        "backend": jax.default_backend(), "dtype": dtype.name,
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    dtype = jnp.dtype(FLAGS.dtype)
+    bandwidth = memory_bandwidth(FLAGS.repeats)
+    impl = resolve_impl(FLAGS.impl)
+    result = {
+        "benchmark": "ragged_paged_attention decode, jit", "impl": impl,
+        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+        "dtype": dtype.name,
         "shape": {"num_heads": FLAGS.num_heads, "num_kv_heads": FLAGS.num_kv_heads,
                   "head_dim": FLAGS.head_dim, "page_size": FLAGS.page_size},
-        "memory_read_gb_per_s": round(bandwidth, 2), "repeats": FLAGS.repeats,
-        "rows": rows}, indent=1))
+        "memory_read_gb_per_s": round(bandwidth, 2),
+        "bandwidth_measured_by": "median time of a jitted float32 sum over 1 GiB",
+        "repeats": FLAGS.repeats, "rows": time_rows(impl, dtype, bandwidth)}
+    if FLAGS.baseline_impl not in ("none", impl):
+        result["baseline_impl"] = FLAGS.baseline_impl
+        base = time_rows(FLAGS.baseline_impl, dtype, bandwidth)
+        for row, other in zip(result["rows"], base, strict=True):
+            row["baseline_ms"] = other["ms"]
+            row["speedup_over_baseline"] = round(other["ms"] / row["ms"], 2)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Output tokens/s: continuous batching vs our static mode vs transformers' generate.
 
-A random-weight model of SmolLM-135M's shape (hidden 576, 30 layers, 9 heads,
-3 KV heads, MLP 1536, vocab 49152) is saved as an HF directory; the same
+A random-weight model of a preset's shape (default SmolLM-135M: hidden 576, 30
+layers, 9 heads, 3 KV heads, MLP 1536, vocab 49152; `--preset=llama3.1-8b` on a
+GPU) is saved as an HF directory (in `--save_dtype`); the same
 weights run in jaxinfer (continuous, and `scheduler="static"` in batches of
 16) and in transformers' `generate` in static batches of 16 (torch, left
 padding). Workload: 128 requests, prompts uniform in 32..512 tokens, outputs
@@ -10,6 +11,8 @@ next to the roofline bound (weight bytes per token over measured bandwidth).
 Warm-up is timed apart and excluded from the rates. Prints one JSON object.
 
     python benchmarks/bench_throughput.py [--dtypes=float32,bfloat16] [--num_requests=128]
+    python benchmarks/bench_throughput.py --preset=llama3.1-8b --dtypes=bfloat16 \
+        --save_dtype=bfloat16 --skip=transformers --max_num_seqs=32 --compile_threads=8
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import sys
 import tempfile
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams, testing
+from jaxinfer.config import load_preset
+from jaxinfer.engine import runner
 
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes to run")
 flags.DEFINE_integer("num_requests", 128, "requests in the workload")
@@ -31,13 +37,17 @@ flags.DEFINE_integer("max_num_seqs", 64, "continuous batching: requests in fligh
 flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
 flags.DEFINE_list("skip", [], "runs to skip: continuous, static, transformers, batch1")
 flags.DEFINE_integer("seed", 0, "workload seed")
+flags.DEFINE_string("preset", "smollm-135m", "model shape (configs/*.toml), random weights")
+flags.DEFINE_enum("save_dtype", "float32", ["float32", "bfloat16"], "dtype of the saved model")
+flags.DEFINE_integer("compile_threads", runner.COMPILE_THREADS, "warm-up compile threads")
 FLAGS = flags.FLAGS
 MAX_MODEL_LEN = 1024
 
 
 def workload() -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(FLAGS.seed)
-    prompts = [rng.integers(1, 49152, size=int(rng.integers(32, 513))).tolist()
+    vocab = load_preset(FLAGS.preset).vocab_size
+    prompts = [rng.integers(1, vocab, size=int(rng.integers(32, 513))).tolist()
                for _ in range(FLAGS.num_requests)]
     outputs = [int(rng.integers(16, 257)) for _ in range(FLAGS.num_requests)]
     return prompts, outputs
@@ -107,14 +117,17 @@ def run_batch1(model_dir: str, dtype: str) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    runner.COMPILE_THREADS = FLAGS.compile_threads
     prompts, outputs = workload()
-    result = {"model": "random SmolLM-135M shape", "num_requests": len(prompts),
+    result = {"model": f"random {FLAGS.preset} shape", "num_requests": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "requested_output_tokens": sum(outputs),
               "static_batch": FLAGS.static_batch, "max_num_seqs": FLAGS.max_num_seqs,
-              "runs": {}}
+              "backend": jax.default_backend(),
+              "device": str(jax.devices()[0].device_kind), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(testing.make_random_model(tmp, "smollm-135m",
-                                                  max_position_embeddings=2048))
+        model_dir = str(testing.make_random_model(tmp, FLAGS.preset,
+                                                  max_position_embeddings=2048,
+                                                  dtype=FLAGS.save_dtype))
         for dtype in FLAGS.dtypes:
             runs = {}
             for name in ("continuous", "static"):

@@ -87,9 +87,10 @@ def _byte_of(char: str) -> int:
 
 
 def make_random_model(path: str | os.PathLike, preset: str, *, seed: int = 0,
-                      max_position_embeddings: int | None = None) -> pathlib.Path:
-    """An HF directory with random weights of a preset's shape (no torch needed) and a
-    word-level tokenizer whose ids cover the vocabulary ("<17>" is id 17)."""
+                      max_position_embeddings: int | None = None,
+                      dtype: str = "float32") -> pathlib.Path:
+    """An HF directory with random weights of a preset's shape (no torch needed), saved in
+    `dtype`, and a word-level tokenizer whose ids cover the vocabulary ("<17>" is id 17)."""
     import dataclasses
     import json
 
@@ -104,8 +105,10 @@ def make_random_model(path: str | os.PathLike, preset: str, *, seed: int = 0,
     if max_position_embeddings:
         cfg = dataclasses.replace(cfg, max_position_embeddings=max_position_embeddings)
     root = pathlib.Path(path)
-    params = transformer.init_params(cfg, jax.random.key(seed))
-    checkpoint.save_hf(root, cfg, params, extra_config={"eos_token_id": 0, "bos_token_id": 0})
+    params = transformer.init_params(cfg, jax.random.key(seed), dtype=dtype)
+    checkpoint.save_hf(root, cfg, params, dtype=dtype,
+                       extra_config={"eos_token_id": 0, "bos_token_id": 0})
+    del params
     vocab = {f"<{i}>": i for i in range(cfg.vocab_size)}
     Tokenizer(models.WordLevel(vocab, unk_token="<0>")).save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<0>"}))

@@ -9,6 +9,11 @@ accumulation. Each model is saved as an ordinary HF directory (config.json,
 model.safetensors in bfloat16, tokenizer files) that transformers loads too.
 
     python tools/train_demo.py --out=checkpoints --main_steps=1200 --draft_steps=1200
+
+`--size=large` trains the larger pair (7.8 M + 1.6 M parameters) that is bundled now; it
+was trained on an H100 (`tools/gpu_session.sh`) from this machine's Python 3.11.7
+standard library carried there as a tarball (`--corpus_dir`), so the corpus, split and
+tokenizer are those of this machine.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ flags.DEFINE_integer("draft_steps", 1200, "optimizer steps for the draft model")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_integer("eval_windows", 64, "held-out windows for the reported loss")
 flags.DEFINE_integer("seed", 0, "random seed")
+flags.DEFINE_string("corpus_dir", None, "directory of .py files; default: this Python's stdlib")
+flags.DEFINE_enum("size", "small", ["small", "large"], "model shapes (see model_configs)")
 
 EOS = "<|endoftext|>"
 HELD_OUT_EVERY = 20
@@ -50,9 +57,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
 
-def model_configs(vocab: int, seq_len: int) -> dict[str, ModelConfig]:
+def model_configs(vocab: int, seq_len: int, size: str = "small") -> dict[str, ModelConfig]:
     common = dict(architecture="llama", vocab_size=vocab, tie_word_embeddings=True,
                   max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=10000.0)
+    if size == "large":
+        return {
+            "demo": ModelConfig(hidden_size=320, intermediate_size=864, num_layers=6,
+                                num_heads=5, num_kv_heads=1, head_dim=64, **common),
+            "demo-draft": ModelConfig(hidden_size=192, intermediate_size=512, num_layers=2,
+                                      num_heads=3, num_kv_heads=1, head_dim=64, **common),
+        }
     return {
         "demo": ModelConfig(hidden_size=192, intermediate_size=512, num_layers=4,
                             num_heads=3, num_kv_heads=1, head_dim=64, **common),
@@ -63,7 +77,7 @@ def model_configs(vocab: int, seq_len: int) -> dict[str, ModelConfig]:
 
 def corpus_files() -> tuple[list[pathlib.Path], list[pathlib.Path]]:
     """(train, held-out) stdlib .py files, split by a hash of the relative path."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    root = pathlib.Path(FLAGS.corpus_dir or sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if "site-packages" not in p.parts and p.stat().st_size < 500_000)
     held = [p for p in files if zlib.crc32(str(p.relative_to(root)).encode()) % HELD_OUT_EVERY
@@ -170,17 +184,19 @@ def main(argv: list[str]) -> None:
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     tok = train_tokenizer(train_texts, FLAGS.vocab)
     train_data, held_data = encode_stream(tok, train_texts), encode_stream(tok, held_texts)
-    corpus = {"python": sys.version.split()[0], "train_files": len(train_files),
+    python = "3.11.7 (carried)" if FLAGS.corpus_dir else sys.version.split()[0]
+    corpus = {"python": python, "train_files": len(train_files),
               "held_out_files": len(held_files), "train_tokens_in_corpus": len(train_data),
               "held_out_tokens": len(held_data), "tokenizer_seconds": round(time.time() - t0)}
     print(json.dumps(corpus), file=sys.stderr)
     steps = {"demo": FLAGS.main_steps, "demo-draft": FLAGS.draft_steps}
-    for name, cfg in model_configs(FLAGS.vocab, FLAGS.seq_len).items():
+    for name, cfg in model_configs(FLAGS.vocab, FLAGS.seq_len, FLAGS.size).items():
         params, report = train(cfg, train_data, steps[name], name)
         num_params = sum(x.size for x in jax.tree.leaves(params))
         report |= {"parameters": int(num_params), "corpus": corpus,
                    "held_out_loss": round(held_out_loss(cfg, params, held_data), 4),
-                   "batch": FLAGS.batch, "seq_len": FLAGS.seq_len, "lr": FLAGS.lr}
+                   "batch": FLAGS.batch, "seq_len": FLAGS.seq_len, "lr": FLAGS.lr,
+                   "device": jax.devices()[0].device_kind}
         save(pathlib.Path(FLAGS.out) / name, cfg, params, tok, report)
         print(json.dumps({name: report}), flush=True)
 

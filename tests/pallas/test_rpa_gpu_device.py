@@ -1,0 +1,52 @@
+"""The Triton kernel run for real on a GPU against the jnp reference (skipped elsewhere).
+
+Marked `accelerator`: run with `pytest -m accelerator tests/pallas/test_rpa_gpu_device.py`
+on a machine with a CUDA GPU (README: measured on an H100). Each case compiles the
+kernel with Triton (interpret=False) and compares with `impl="reference"` on the same
+inputs, including NaN-filled unused pages, padding tokens and padding requests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from cases import SCENARIOS, check, make_case
+
+from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+
+pytestmark = [
+    pytest.mark.accelerator,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU"),
+]
+QUANT = {"k_scale": 1 / 32, "v_scale": 1 / 32}
+
+
+def _run(seq_lens, settings, **layout):
+    args = make_case(seq_lens, **layout)
+    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="gpu"))
+    reference = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="reference"))
+    out = kernel(*args)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    check(out, reference(*args), sum(q for q, _ in seq_lens), args[0].dtype)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rpa_gpu_on_device_scenarios(name, dtype):
+    _run(SCENARIOS[name], {"sm_scale": 32 ** -0.5}, dtype=dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_rpa_gpu_on_device_quantized_pages(kv_dtype):
+    _run(SCENARIOS["mixed"], dict(QUANT, sm_scale=0.2), dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+
+
+def test_rpa_gpu_on_device_llama_layer_shapes():
+    """Llama-3.1-8B layer heads, long decodes (split KV) and a prefill chunk."""
+    _run([(1, 2000), (128, 700), (1, 1500), (1, 9)], {"sm_scale": 128 ** -0.5},
+         dtype=jnp.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def test_rpa_gpu_on_device_window_and_soft_cap():
+    _run(SCENARIOS["mixed"], {"sm_scale": 0.3, "sliding_window": 9, "soft_cap": 20.0})
