@@ -17,6 +17,7 @@ Warm-up is timed apart and excluded from the rates. Prints one JSON object.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
@@ -133,10 +134,12 @@ def main(argv: list[str]) -> None:
             for name in ("continuous", "static"):
                 if name not in FLAGS.skip:
                     runs[name] = run_jaxinfer(model_dir, dtype, name, prompts, outputs)
+                    gc.collect()  # the engine's device memory before the next one loads
                     print(json.dumps({dtype: {name: runs[name]}}), file=sys.stderr, flush=True)
             if "transformers" not in FLAGS.skip:
                 runs["transformers"] = run_transformers(model_dir, dtype, prompts, outputs)
             if "batch1" not in FLAGS.skip:
+                gc.collect()
                 runs["batch1"] = run_batch1(model_dir, dtype)
             rate = {k: v.get("output_tokens_per_s") for k, v in runs.items()}
             if rate.get("continuous"):
