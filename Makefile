@@ -49,7 +49,8 @@ test-tpu-aot-slow: $(TPU_VENV)/.base
 	$(TPU_AOT) -m slow
 
 demo-model: $(VENV)/.base
-	$(PY) tools/train_demo.py --out=checkpoints --main_steps=1500 --draft_steps=2000
+	$(PY) tools/train_demo.py --out=checkpoints --size=large --batch=32 \
+	    --main_steps=3000 --draft_steps=3000 --lr=2e-3
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) .pytest_cache
