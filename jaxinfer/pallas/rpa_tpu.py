@@ -2,7 +2,7 @@
 
 `ragged_paged_attention(...)` keeps the contract of JAX's `ref_ragged_paged_attention`
 (see `ragged_paged_attention.py`, which validates inputs and dispatches here). Imports
-only jax and numpy.
+jax, numpy and its siblings `kv_layout` and `tpu_words`.
 
 Design. Two `pallas_call`s share one zero-initialised output through
 `input_output_aliases`: a prefill pass (requests with q_len > 1, query blocks of `bq`
@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas import kv_layout, tpu_words
 
 # --- Tuning (block sizes only; nothing below assumes particular values) ---------------
 PREFILL_QUERY_ROWS = 128  # target query rows (tokens x R heads) per prefill block
@@ -299,7 +299,7 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
         words = [pltpu.bitcast(refs.kv_buf[slot, w], jnp.uint32).reshape(cfg.kv_block, -1)
                  for w in range(cfg.words_per_program)]  # u32[kv_block, H] each
         return tuple(
-            _online_softmax(q, *_unpack_kv(words, h, refs.kv_buf.dtype), carry[h],
+            _online_softmax(q, *tpu_words.unpack_kv(words, h, refs.kv_buf.dtype), carry[h],
                             kb * cfg.kv_block, first_pos, keys, cfg)
             for h, q in enumerate(qs))
 
@@ -342,25 +342,6 @@ def _copy_page(refs: _Refs, req: _Request, page: jax.Array, p: int, slot: jax.Ar
     for w in range(cfg.words_per_program):
         src = refs.kv_pages.at[physical, :, req.group * cfg.words_per_program + w]  # [K, pk, H]
         action(pltpu.make_async_copy(src, refs.kv_buf.at[slot, w, rows], refs.kv_sems.at[slot]))
-
-
-def _unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
-               ) -> tuple[jax.Array, jax.Array]:
-    """K and V of the program's `head`-th KV head from its u32 words, as stored (f32 for
-    32/16-bit pages, the 8-bit dtype for 8-bit pages). See the module doc for the packing.
-    """
-    if len(words) == 2:  # float32: one word each
-        return pltpu.bitcast(words[0], jnp.float32), pltpu.bitcast(words[1], jnp.float32)
-    (word,) = words
-    if jnp.dtype(dtype).itemsize == 2:  # bfloat16: K low half, V high half; exact in f32
-        k = pltpu.bitcast(lax.shift_left(word, jnp.uint32(16)), jnp.float32)
-        return k, pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
-
-    def byte(index: int) -> jax.Array:
-        shifted = lax.shift_right_logical(word, jnp.uint32(8 * index))
-        return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
-
-    return byte(2 * head), byte(2 * head + 1)
 
 
 def _online_softmax(

@@ -1,0 +1,35 @@
+"""K and V out of the 32-bit words the TPU kernel copies (see `kv_layout.py`).
+
+The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
+uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
+(K in the low half, V in the high half), or four 8-bit ones (K0, V0, K1, V1 from the
+low byte up). Unpacking with shifts keeps every load and vector op 32-bit, which
+Mosaic compiles on v5e, v5p and v6e, and which the TPU interpreter runs on CPU.
+Imports only jax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+
+def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
+              ) -> tuple[jax.Array, jax.Array]:
+    """K and V of the program's `head`-th KV head from its u32 words, as stored (f32 for
+    32/16-bit pages, the 8-bit dtype for 8-bit pages). See the module doc for the packing.
+    """
+    if len(words) == 2:  # float32: one word each
+        return pltpu.bitcast(words[0], jnp.float32), pltpu.bitcast(words[1], jnp.float32)
+    (word,) = words
+    if jnp.dtype(dtype).itemsize == 2:  # bfloat16: K low half, V high half; exact in f32
+        k = pltpu.bitcast(lax.shift_left(word, jnp.uint32(16)), jnp.float32)
+        return k, pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
+
+    def byte(index: int) -> jax.Array:
+        shifted = lax.shift_right_logical(word, jnp.uint32(8 * index))
+        return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
+
+    return byte(2 * head), byte(2 * head + 1)
