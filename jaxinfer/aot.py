@@ -166,6 +166,7 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     params, kv = step_specs(cfg, plan, settings, chip)
     chosen = pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
                                     max_num_seqs=settings.max_num_seqs), buckets)
+    planned = plan.weight_bytes + plan.kv_cache_bytes
     began = time.perf_counter()
     results = compile_buckets(cfg, params, kv, chosen, settings, chip)
     report["compile_s"] = round(time.perf_counter() - began, 1)
@@ -178,9 +179,9 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
         text = compiled.as_text()
         row |= {"compiled": True} | bucket_row(compiled, acc)
         row |= {"mosaic_kernels": text.count("tpu_custom_call"),
-                "kv_pages": sorted(set(KV_PARAM.findall(text)))}
+                "kv_pages": sorted(set(KV_PARAM.findall(text))),
+                "args_vs_plan": round(agreement(planned, row["argument_bytes"]), 5)}
         rows.append(row)
-    planned = plan.weight_bytes + plan.kv_cache_bytes
     report["buckets"] = rows
     report["fits"] = all(r["compiled"] for r in rows)
     report["planned_argument_bytes"] = planned
@@ -195,8 +196,10 @@ def format_table(report: dict[str, Any]) -> str:
     if "plan" not in report:
         return f"{head}\ndoes not fit: {report['error']}"
     plan = report["plan"]
+    worst = max((r["args_vs_plan"] for r in report["buckets"] if r["compiled"]), default=0)
     lines = [head, f"plan: weights {plan['weight_gb']} GB + KV pool {plan['kv_cache_gb']} GB "
-             f"({plan['num_pages']} pages, {plan['kv_tokens']} tokens)",
+             f"({plan['num_pages']} pages, {plan['kv_tokens']} tokens); compiled arguments "
+             f"within {100 * worst:.2f}% of it",
              "roofline = max(FLOPs / peak, bytes / HBM bandwidth): an ESTIMATE, attention "
              "counted at max_model_len",
              f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
