@@ -6,7 +6,7 @@ settings fit and compile on that TPU?" without a TPU: libtpu's compiler runs on 
 `TPU_SKIP_MDS_QUERY=1`, see `tpu_compile_environment`). It sizes the KV page pool with
 the memory planner as the engine would on that chip, builds every parameter, the KV cache
 and each bucket's inputs as `ShapeDtypeStruct`s (nothing is allocated), compiles the
-step for every bucket through `runner.compile_step_for` with the Mosaic attention
+step for every bucket through `runner.compile_steps_for` with the Mosaic attention
 kernel and the chip's KV storage dtype (bf16 pages stay bf16; the CPU's uint16 storage
 is never used), and reports per bucket the compiled memory (`memory_analysis()`), FLOPs
 and bytes accessed (`cost_analysis()`) and the roofline time they imply at the chip's
@@ -23,7 +23,6 @@ model, engine.runner and engine.buckets.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import time
@@ -222,7 +221,3 @@ def _first_lines(message: str, lines: int = 3) -> str:
 def agreement(planned: int, compiled: int) -> float:
     """|compiled - planned| / planned."""
     return abs(compiled - planned) / max(planned, 1)
-
-
-def tree_nbytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

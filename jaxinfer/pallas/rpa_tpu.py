@@ -285,7 +285,7 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
 
     q_copy.wait()
     # f[bq * R, H] per KV head of the program, row = token * R + query head
-    qs = [_fold(refs.q_buf[:, h]) for h in range(cfg.heads_per_program)]
+    qs = [tpu_words.fold(refs.q_buf[:, h]) for h in range(cfg.heads_per_program)]
 
     def body(kb: jax.Array, carry: tuple[tuple[jax.Array, ...], ...]
              ) -> tuple[tuple[jax.Array, ...], ...]:
@@ -307,14 +307,21 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
     init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     carry = lax.fori_loop(kb_lo, kb_hi, body, (init,) * cfg.heads_per_program)
+    _write_block(refs, carry, req.q_len - first, refs.out.at[pl.ds(t0, cfg.q_block), heads],
+                 cfg)
+
+
+def _write_block(refs: _Refs, carry: tuple[tuple[jax.Array, ...], ...], valid: jax.Array,
+                 dst: Any, cfg: _Config) -> None:
+    """Normalise each head's accumulator, zero rows of tokens past `valid` (spilled rows),
+    and copy the block to `dst`, waiting for the copy."""
     for h, (_, l, acc) in enumerate(carry):
         out = acc / jnp.where(l == 0.0, 1.0, l)
         token = lax.div(lax.broadcasted_iota(jnp.int32, out.shape, 0), cfg.heads_per_kv)
-        out = jnp.where(token < req.q_len - first, out, 0.0)  # spilled rows -> zeros
+        out = jnp.where(token < valid, out, 0.0)
         refs.o_buf[:, h] = out.reshape(refs.o_buf.shape[0], *refs.o_buf.shape[2:]).astype(
             refs.o_buf.dtype)
-    o_copy = pltpu.make_async_copy(refs.o_buf, refs.out.at[pl.ds(t0, cfg.q_block), heads],
-                                   refs.io_sems.at[1])
+    o_copy = pltpu.make_async_copy(refs.o_buf, dst, refs.io_sems.at[1])
     o_copy.start()
     o_copy.wait()
 
@@ -356,8 +363,8 @@ def _online_softmax(
 ) -> tuple[jax.Array, ...]:
     """Fold one KV block into the running softmax of the query rows."""
     m_prev, l_prev, acc_prev = carry
-    k = _dequantize(k, cfg.k_scale, q.dtype)
-    v = _dequantize(v, cfg.v_scale, q.dtype)
+    k = tpu_words.dequantize(k, cfg.k_scale, q.dtype)
+    v = tpu_words.dequantize(v, cfg.v_scale, q.dtype)
     key_row = kv_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
     v = jnp.where((key_row >= keys.lo) & (key_row < keys.hi), v, 0)  # stale slots: NaN*0
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -383,20 +390,3 @@ def _online_softmax(
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
     """Ceil division of a non-negative scalar (lax.div: no sign fix-ups to lower)."""
     return lax.div(a + (b - 1), b)
-
-
-def _fold(x: jax.Array) -> jax.Array:
-    """f[bq, R, H] -> f[bq * R, H] (through f32 when R splits packed rows)."""
-    tokens, heads, head_dim = x.shape
-    if tokens == 1:
-        return x.reshape(heads, head_dim)
-    packing = 4 // x.dtype.itemsize
-    if heads % packing:
-        return x.astype(jnp.float32).reshape(tokens * heads, head_dim).astype(x.dtype)
-    return x.reshape(tokens * heads, head_dim)
-
-
-def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
-    if scale is None:
-        return x.astype(dtype)
-    return (x.astype(jnp.float32) * scale).astype(dtype)

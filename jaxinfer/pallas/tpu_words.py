@@ -3,9 +3,10 @@
 The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
 uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
 (K in the low half, V in the high half), or four 8-bit ones (K0, V0, K1, V1 from the
-low byte up). Unpacking with shifts keeps every load and vector op 32-bit, which
-Mosaic compiles on v5e, v5p and v6e, and which the TPU interpreter runs on CPU.
-Imports only jax.
+low byte up); `dequantize` then applies the page scale. Unpacking with shifts keeps
+every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
+the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
+way. Imports only jax.
 """
 
 from __future__ import annotations
@@ -33,3 +34,21 @@ def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
         return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
 
     return byte(2 * head), byte(2 * head + 1)
+
+
+def dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
+    """Unpacked K or V in the queries' dtype, times its scale (8-bit pages)."""
+    if scale is None:
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def fold(x: jax.Array) -> jax.Array:
+    """f[bq, R, H] -> f[bq * R, H] (through f32 when R splits packed rows)."""
+    tokens, heads, head_dim = x.shape
+    if tokens == 1:
+        return x.reshape(heads, head_dim)
+    packing = 4 // x.dtype.itemsize
+    if heads % packing:
+        return x.astype(jnp.float32).reshape(tokens * heads, head_dim).astype(x.dtype)
+    return x.reshape(tokens * heads, head_dim)
