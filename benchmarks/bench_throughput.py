@@ -29,7 +29,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.config import load_preset
-from jaxinfer.engine import runner
+from jaxinfer.engine.runner import runner
 
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes to run")
 flags.DEFINE_integer("num_requests", 128, "requests in the workload")

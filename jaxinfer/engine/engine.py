@@ -25,8 +25,8 @@ from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState
 from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
-from jaxinfer.engine.step_inputs import STOP_WIDTH
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

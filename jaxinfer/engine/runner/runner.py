@@ -27,8 +27,8 @@ from tqdm import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.runner.inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.engine.step_inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
 from jaxinfer.model import sampler
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
