@@ -1,10 +1,19 @@
 """Padding ladders: every step is padded to one of a bounded set of shapes.
 
-A `Bucket` is (tokens, request slots); the page-table width is fixed by
-max_model_len. Token counts climb powers of two from 16 up to 512, then
-linear steps of 512, never past `max_num_batched_tokens` (which is itself the
-top rung); slot counts climb powers of two up to `max_num_seqs`. Warm-up
-compiles every bucket, so nothing compiles mid-run. Plain Python.
+A `Bucket` is (tokens, request slots, decode?); the page-table width is fixed by
+max_model_len. Two kinds:
+
+- decode buckets hold steps where every request has exactly one token (the steady
+  state of generation): T = S, with S climbing powers of two up to `max_num_seqs`
+  (T never below `min_tokens`, the fewest rows the weights' matmuls run fast at:
+  2 for bfloat16 on XLA:CPU). Attention compiles its per-token path alone for them.
+- mixed buckets hold every other step (prefill chunks, with or without decodes):
+  token counts climb powers of two from 16 up to 512, then linear steps of 512, never
+  past `max_num_batched_tokens` (itself the top rung); slot counts climb powers of
+  `MIXED_SLOT_GROWTH` up to `max_num_seqs` (padding slots in a step that already
+  runs a prompt chunk costs little, and each rung is one more program to compile).
+
+Warm-up compiles every bucket, so nothing compiles mid-run. Plain Python.
 """
 
 from __future__ import annotations
@@ -14,12 +23,14 @@ import dataclasses
 
 MIN_TOKENS = 16
 LINEAR_FROM = 512  # past this, token rungs grow linearly by this step
+MIXED_SLOT_GROWTH = 4  # slot rungs of mixed buckets: 1, 4, 16, ... max_num_seqs
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Bucket:
     num_tokens: int  # T: padded tokens in the step
     num_slots: int  # S: padded request rows (page table rows, logits rows)
+    decode: bool = False  # every request has one token: token i belongs to request i
 
 
 def token_ladder(max_num_batched_tokens: int) -> list[int]:
@@ -30,33 +41,48 @@ def token_ladder(max_num_batched_tokens: int) -> list[int]:
     return rungs + [max_num_batched_tokens]
 
 
-def slot_ladder(max_num_seqs: int) -> list[int]:
+def slot_ladder(max_num_seqs: int, growth: int = 2) -> list[int]:
     rungs, size = [], 1
     while size < max_num_seqs:
         rungs.append(size)
-        size *= 2
+        size *= growth
     return rungs + [max_num_seqs]
 
 
 class BucketSet:
     """All buckets for one engine configuration, and the pick for a step."""
 
-    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 min_tokens: int = 1) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}: each "
                              "scheduled request takes at least one token")
         self.tokens = token_ladder(max_num_batched_tokens)
-        self.slots = slot_ladder(max_num_seqs)
+        self.slots = slot_ladder(max_num_seqs, MIXED_SLOT_GROWTH)
+        self.decode_slots = slot_ladder(max_num_seqs)
+        self.min_tokens = min_tokens
 
     def all(self) -> list[Bucket]:
-        """Every bucket a step can pick (slots never exceed tokens)."""
-        return [Bucket(t, s) for t in self.tokens for s in self.slots if s <= t]
+        """Every bucket a step can pick: decode buckets, then mixed ones (slots never
+        exceed tokens)."""
+        return self.decode() + [Bucket(t, s) for t in self.tokens for s in self.slots
+                                if s <= t]
 
-    def pick(self, num_tokens: int, num_requests: int) -> Bucket:
-        """The smallest bucket holding `num_tokens` tokens of `num_requests` requests."""
+    def decode(self) -> list[Bucket]:
+        return [Bucket(max(s, self.min_tokens), s, True) for s in self.decode_slots]
+
+    def pick(self, num_tokens: int, num_requests: int, *, decode: bool = False) -> Bucket:
+        """The smallest bucket holding `num_tokens` tokens of `num_requests` requests;
+        `decode`: every request has exactly one token (so num_tokens == num_requests)."""
         if num_tokens > self.tokens[-1] or num_requests > self.slots[-1]:
             raise ValueError(f"{num_tokens} tokens / {num_requests} requests exceed the "
                              f"largest bucket ({self.tokens[-1]}, {self.slots[-1]})")
+        if decode:
+            if num_tokens != num_requests:
+                raise ValueError(f"a decode step has one token per request, not "
+                                 f"{num_tokens} tokens for {num_requests} requests")
+            slots = self.decode_slots[bisect.bisect_left(self.decode_slots, num_requests)]
+            return Bucket(max(slots, self.min_tokens), slots, True)
         slots = self.slots[bisect.bisect_left(self.slots, num_requests)]
         tokens = self.tokens[bisect.bisect_left(self.tokens, max(num_tokens, slots))]
         return Bucket(tokens, slots)

@@ -51,7 +51,8 @@ class Engine:
         self.memory_plan = self._plan_memory()
         num_pages = self.memory_plan.num_pages
         buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_num_seqs)
+                            max_num_seqs=config.max_num_seqs,
+                            min_tokens=runner_lib.min_step_tokens(config.dtype))
         runner_lib.enable_compilation_cache(config.compilation_cache_dir)
         self.runner = runner_lib.Runner(
             self.model_config, params, num_pages=num_pages, page_size=config.page_size,

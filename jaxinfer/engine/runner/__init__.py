@@ -23,6 +23,7 @@ from jaxinfer.engine.runner.runner import (
     enable_compilation_cache,
     input_spec,
     measure_memory_bandwidth,
+    min_step_tokens,
     resolve_kv_dtype,
     step_function,
     tree_bytes,
@@ -31,6 +32,6 @@ from jaxinfer.engine.runner.runner import (
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "Runner", "Sample", "build_metadata",
     "compile_count", "compile_steps_for", "device_memory_limit", "enable_compilation_cache",
-    "input_spec", "measure_memory_bandwidth", "next_power_of_two", "resolve_kv_dtype",
-    "sampling_inputs", "step_function", "tree_bytes",
+    "input_spec", "measure_memory_bandwidth", "min_step_tokens", "next_power_of_two",
+    "resolve_kv_dtype", "sampling_inputs", "step_function", "tree_bytes",
 ]
