@@ -9,9 +9,11 @@ max_model_len. Two kinds:
   2 for bfloat16 on XLA:CPU). Attention compiles its per-token path alone for them.
 - mixed buckets hold every other step (prefill chunks, with or without decodes):
   token counts climb powers of two from 16 up to 512, then linear steps of 512, never
-  past `max_num_batched_tokens` (itself the top rung); slot counts climb powers of
-  `MIXED_SLOT_GROWTH` up to `max_num_seqs` (padding slots in a step that already
-  runs a prompt chunk costs little, and each rung is one more program to compile).
+  past `max_num_batched_tokens` (itself the top rung), all with `max_num_seqs` slots.
+  Padding slots costs a step that runs a prompt chunk little (LM-head rows and
+  sampling rows: ~6% of a 512-token step on the SmolLM shape on CPU), while every slot
+  rung would be one more program per token rung to compile at warm-up; in a continuous
+  workload most mixed steps carry many decoding requests anyway.
 
 Warm-up compiles every bucket, so nothing compiles mid-run. Plain Python.
 """
@@ -23,7 +25,6 @@ import dataclasses
 
 MIN_TOKENS = 16
 LINEAR_FROM = 512  # past this, token rungs grow linearly by this step
-MIXED_SLOT_GROWTH = 4  # slot rungs of mixed buckets: 1, 4, 16, ... max_num_seqs
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -41,11 +42,11 @@ def token_ladder(max_num_batched_tokens: int) -> list[int]:
     return rungs + [max_num_batched_tokens]
 
 
-def slot_ladder(max_num_seqs: int, growth: int = 2) -> list[int]:
+def slot_ladder(max_num_seqs: int) -> list[int]:
     rungs, size = [], 1
     while size < max_num_seqs:
         rungs.append(size)
-        size *= growth
+        size *= 2
     return rungs + [max_num_seqs]
 
 
@@ -58,15 +59,13 @@ class BucketSet:
             raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}: each "
                              "scheduled request takes at least one token")
         self.tokens = token_ladder(max_num_batched_tokens)
-        self.slots = slot_ladder(max_num_seqs, MIXED_SLOT_GROWTH)
+        self.max_num_seqs = max_num_seqs
         self.decode_slots = slot_ladder(max_num_seqs)
         self.min_tokens = min_tokens
 
     def all(self) -> list[Bucket]:
-        """Every bucket a step can pick: decode buckets, then mixed ones (slots never
-        exceed tokens)."""
-        return self.decode() + [Bucket(t, s) for t in self.tokens for s in self.slots
-                                if s <= t]
+        """Every bucket a step can pick: decode buckets, then mixed ones."""
+        return self.decode() + [Bucket(t, self.max_num_seqs) for t in self.tokens]
 
     def decode(self) -> list[Bucket]:
         return [Bucket(max(s, self.min_tokens), s, True) for s in self.decode_slots]
@@ -74,15 +73,14 @@ class BucketSet:
     def pick(self, num_tokens: int, num_requests: int, *, decode: bool = False) -> Bucket:
         """The smallest bucket holding `num_tokens` tokens of `num_requests` requests;
         `decode`: every request has exactly one token (so num_tokens == num_requests)."""
-        if num_tokens > self.tokens[-1] or num_requests > self.slots[-1]:
+        if num_tokens > self.tokens[-1] or num_requests > self.max_num_seqs:
             raise ValueError(f"{num_tokens} tokens / {num_requests} requests exceed the "
-                             f"largest bucket ({self.tokens[-1]}, {self.slots[-1]})")
+                             f"largest bucket ({self.tokens[-1]}, {self.max_num_seqs})")
         if decode:
             if num_tokens != num_requests:
                 raise ValueError(f"a decode step has one token per request, not "
                                  f"{num_tokens} tokens for {num_requests} requests")
             slots = self.decode_slots[bisect.bisect_left(self.decode_slots, num_requests)]
             return Bucket(max(slots, self.min_tokens), slots, True)
-        slots = self.slots[bisect.bisect_left(self.slots, num_requests)]
-        tokens = self.tokens[bisect.bisect_left(self.tokens, max(num_tokens, slots))]
-        return Bucket(tokens, slots)
+        return Bucket(self.tokens[bisect.bisect_left(self.tokens, num_tokens)],
+                      self.max_num_seqs)

@@ -20,13 +20,13 @@ def test_decode_buckets_respect_min_tokens():
     assert buckets.pick(1, 1, decode=True) == Bucket(2, 1, True)
 
 
-def test_mixed_buckets_grow_slots_by_four():
+def test_mixed_buckets_climb_tokens_with_every_slot():
     buckets = BucketSet(max_num_batched_tokens=512, max_num_seqs=64)
     mixed = [b for b in buckets.all() if not b.decode]
-    assert sorted({b.num_slots for b in mixed}) == [1, 4, 16, 64]
-    assert buckets.pick(300, 5) == Bucket(512, 16)
-    assert buckets.pick(17, 3) == Bucket(32, 4)
-    assert len(buckets.all()) == 7 + len(mixed) == 7 + 22
+    assert mixed == [Bucket(t, 64) for t in (16, 32, 64, 128, 256, 512)]
+    assert buckets.pick(300, 5) == Bucket(512, 64)
+    assert buckets.pick(17, 3) == Bucket(32, 64)
+    assert len(buckets.all()) == 7 + 6  # the old (tokens x slots) ladder had 39
 
 
 def test_pick_refuses_what_no_bucket_holds():
