@@ -26,6 +26,7 @@ from collections.abc import Callable
 from absl import app, flags
 
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.engine.request import SamplingParams
 
 FLAGS = flags.FLAGS
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
@@ -91,14 +92,18 @@ def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
     return LLM(**kwargs, warm_up=warm_up, **settings)
 
 
+def sampling_params(defaults: SamplingParams) -> SamplingParams:
+    """`defaults` (the checkpoint's) with --max_tokens and each sampling flag given."""
+    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
+    return dataclasses.replace(defaults, max_tokens=FLAGS.max_tokens, **given)
+
+
 def generate() -> None:
     # The prompt is checked before warm-up: a bad one fails now, not after compiling.
     llm = make_llm(**COMMANDS["generate"].defaults, warm_up=False)
     llm.engine.prompt_token_ids(FLAGS.prompt)
     llm.engine.warm_up()
-    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
-    params = dataclasses.replace(llm.engine.default_params, max_tokens=FLAGS.max_tokens,
-                                 **given)
+    params = sampling_params(llm.engine.default_params)
     (out,) = llm.generate(FLAGS.prompt, params)
     sys.stdout.write(FLAGS.prompt + out.text + "\n")
     logging.info("%d prompt tokens, %d generated, finish_reason=%s, %s",
