@@ -1,12 +1,13 @@
 """loading.py through the engine: generation_config.json defaults, checkpoints without a
 tokenizer (skip_tokenizer_init), attention_impl chosen by the engine, the bandwidth
-probe run once per process."""
+probe run once per process, an Engine that leaves JAX's compilation cache alone."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint, loading
@@ -87,9 +88,12 @@ def test_attention_impl_is_the_engines_choice_not_the_checkpoints(hf_model_dirs,
         EngineConfig(attention_impl="cuda")
 
 
-def test_a_second_engine_does_not_probe_the_bandwidth_again(hf_model_dirs):
+def test_a_second_engine_does_not_probe_the_bandwidth_again(hf_model_dirs, tmp_path):
     first = Engine(hf_model_dirs["qwen2"], EngineConfig(**SMALL), warm_up=False)
     probes = runner.probe_count()
-    second = Engine(hf_model_dirs["qwen3"], EngineConfig(**SMALL), warm_up=False)
+    cache_dir = jax.config.jax_compilation_cache_dir
+    second = Engine(hf_model_dirs["qwen3"], EngineConfig(**SMALL | {
+        "compilation_cache_dir": str(tmp_path)}), warm_up=False)
     assert runner.probe_count() == probes == 1
     assert second.metrics.bandwidth_gb_per_s == first.metrics.bandwidth_gb_per_s > 0
+    assert jax.config.jax_compilation_cache_dir == cache_dir  # an Engine leaves it alone
