@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer.pallas import kv_layout, reference
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention, resolve_impl
+from jaxinfer.pallas.dispatch import ragged_paged_attention, resolve_impl
 
 flags.DEFINE_list("requests", ["1", "4", "16", "64"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096"], "KV length of every request")

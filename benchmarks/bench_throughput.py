@@ -6,9 +6,13 @@ GPU) is saved as an HF directory (in `--save_dtype`); the same
 weights run in jaxinfer (continuous, and `scheduler="static"` in batches of
 16) and in transformers' `generate` in static batches of 16 (torch, left
 padding). Workload: 128 requests, prompts uniform in 32..512 tokens, outputs
-uniform in 16..256, fixed seed, `ignore_eos`. Also batch-1 decode tokens/s
-next to the roofline bound (weight bytes per token over measured bandwidth).
-Warm-up is timed apart and excluded from the rates. Prints one JSON object.
+uniform in 16..256, fixed seed, `ignore_eos`. Also batch-1 decode: the step time
+next to the time of a jitted batch-1 matmul pass over the model's own weights in
+float32, measured in the same run (the weight-read bound; the bfloat16 bound is that
+time times bf16 bytes over f32 bytes, see benchmarks/bounds.py), and the roofline
+from the engine's bandwidth probe. Warm-up (cold: the persistent compilation cache is
+off) is timed apart and excluded from the rates. Prints one JSON object.
+`benchmarks/compare_commits.sh BASE` runs it against another commit's package.
 
     python benchmarks/bench_throughput.py [--dtypes=float32,bfloat16] [--num_requests=128]
     python benchmarks/bench_throughput.py --preset=llama3.1-8b --dtypes=bfloat16 \
@@ -23,13 +27,16 @@ import sys
 import tempfile
 import time
 
+import bounds
 import jax
 import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.config import load_preset
-from jaxinfer.engine.runner import runner
+from jaxinfer.engine import runner
+
+runner = getattr(runner, "runner", runner)  # the runner module (a package since issue 10)
 
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes to run")
 flags.DEFINE_integer("num_requests", 128, "requests in the workload")
@@ -59,7 +66,8 @@ def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outp
     seqs = FLAGS.max_num_seqs if scheduler == "continuous" else FLAGS.static_batch
     started = time.perf_counter()
     llm = LLM(model_dir, dtype=dtype, scheduler=scheduler, max_num_seqs=seqs,
-              max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN)
+              max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+              compilation_cache_dir="")
     warm = time.perf_counter() - started
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
     started = time.perf_counter()
@@ -69,6 +77,7 @@ def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outp
     metrics = llm.metrics()
     return {"output_tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 1),
             "generated_tokens": generated, "warmup_seconds": round(warm, 1),
+            "compile_seconds": round(metrics.get("warmup_seconds", 0.0), 1),
             "buckets": metrics["buckets"], "compiles_after_warmup":
             metrics["compiles_after_warmup"], "mean_requests_per_step":
             metrics["mean_requests_per_step"], "padding_waste": metrics["padding_waste"],
@@ -100,7 +109,7 @@ def run_transformers(model_dir: str, dtype: str, prompts: list, outputs: list) -
 
 def run_batch1(model_dir: str, dtype: str) -> dict:
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=64,
-              max_model_len=MAX_MODEL_LEN)
+              max_model_len=MAX_MODEL_LEN, compilation_cache_dir="")
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     llm.generate([[1] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
     started = time.perf_counter()
@@ -110,7 +119,12 @@ def run_batch1(model_dir: str, dtype: str) -> dict:
     bandwidth = llm.engine.metrics.bandwidth_gb_per_s
     bound = bandwidth * 1e9 / weight_bytes
     rate = len(out.token_ids) / seconds
-    return {"decode_tokens_per_s": round(rate, 1), "weight_bytes": weight_bytes,
+    pass_s, _ = bounds.weight_pass_seconds(llm.engine.runner.params)
+    if dtype == "bfloat16":
+        pass_s /= 2  # bf16 bytes over f32 bytes (benchmarks/bounds.py)
+    return {"decode_tokens_per_s": round(rate, 1), "decode_step_ms": round(1e3 / rate, 2),
+            "weight_pass_ms": round(1e3 * pass_s, 2),
+            "step_over_weight_pass": round(1 / rate / pass_s, 2), "weight_bytes": weight_bytes,
             "memory_bandwidth_gb_per_s": round(bandwidth, 1),
             "roofline_tokens_per_s": round(bound, 1), "fraction_of_roofline":
             round(rate / bound, 3)}

@@ -106,10 +106,9 @@ def compile_buckets(cfg: ModelConfig, params: Any, kv: Any, buckets: list[Bucket
     """Each bucket's step compiled for `device` with the Mosaic attention kernel (the
     compiler's exception in place of a bucket it refused)."""
     tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
-    inputs = [runner.input_spec(b, page_size=s.page_size, max_model_len=s.max_model_len)
-              for b in buckets]
-    return runner.compile_steps_for(tpu_cfg, params, kv, inputs,
-                                    jax.sharding.SingleDeviceSharding(device))
+    return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
+                                    max_model_len=s.max_model_len,
+                                    sharding=jax.sharding.SingleDeviceSharding(device))
 
 
 def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
@@ -134,7 +133,8 @@ def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
 
 
 def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
-    """"all", or "ends" (smallest, largest, and one mixed bucket in between)."""
+    """"all", or "ends" (the smallest decode bucket, the largest bucket, and one mixed
+    bucket in between)."""
     every = buckets.all()
     if which == "all":
         return every
@@ -171,7 +171,8 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report["compile_s"] = round(time.perf_counter() - began, 1)
     rows = []
     for bucket, compiled in zip(chosen, results, strict=True):
-        row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots}
+        row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots,
+                               "decode": bucket.decode}
         if isinstance(compiled, Exception):  # the compiler's own message, e.g. out of HBM
             rows.append(row | {"compiled": False, "error": _first_lines(str(compiled))})
             continue

@@ -4,7 +4,9 @@ An HF directory holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), tokenizer files and generation_config.json.
 Loading needs no torch and never executes code from the checkpoint. An orbax
 checkpoint is the same directory with `params/` (orbax) in place of the
-safetensors files. Imports numpy, jax, orbax, config, model, safetensors_file.
+safetensors files. Checkpoints keep HF's separate q/k/v and gate/up tensors; params
+(and so orbax checkpoints) hold them fused (model/fusion.py). Imports numpy, jax,
+orbax, config, model, safetensors_file.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 
 from jaxinfer import safetensors_file
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import Params, param_shapes
+from jaxinfer.model import fusion
+from jaxinfer.model.transformer import Params, hf_layer_shapes, param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,9 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
-    """HF tensor name -> (path into our params, stored transposed?)."""
+    """HF tensor name -> (path into the unfused params (`hf_shapes`), transposed?)."""
     out = {}
-    shapes = param_shapes(cfg)
+    shapes = hf_shapes(cfg)
     for key in ("embed", "final_norm", "lm_head"):
         if key in shapes:
             name, transposed = TOP_NAMES[key]
@@ -57,6 +60,17 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
             name, transposed = LAYER_NAMES[key]
             out[f"model.layers.{i}.{name}"] = (("layers", i, key), transposed)
     return out
+
+
+def hf_shapes(cfg: ModelConfig) -> Params:
+    """`param_shapes` with each layer's projections apart, as checkpoints store them."""
+    return param_shapes(cfg) | {"layers": [hf_layer_shapes(cfg)
+                                           for _ in range(cfg.num_layers)]}
+
+
+def fuse(params: Params, cfg: ModelConfig) -> Params:
+    """Params read with HF's separate projections -> the fused params pytree."""
+    return params | {"layers": [fusion.fuse_layer(layer, cfg) for layer in params["layers"]]}
 
 
 def load_config(model_dir: str | os.PathLike) -> ModelConfig:
@@ -82,7 +96,8 @@ def load_params(model_dir: str | os.PathLike, cfg: ModelConfig,
 
 def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
                    dtype: str = "float32") -> Params:
-    """Read safetensors tensors into our params pytree, checking names and shapes."""
+    """Read safetensors tensors into our params pytree, checking names and shapes; q/k/v
+    and gate/up are fused on the host (model/fusion.py) before going to the device."""
     _check_dtype(dtype)
     tensors = _read_tensors(_model_dir(model_dir))
     expected = hf_names(cfg)
@@ -94,7 +109,7 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected tensor(s) {unexpected[:5]}; the config "
                          f"does not describe this checkpoint")
-    shapes = param_shapes(cfg)
+    shapes = hf_shapes(cfg)
     params = jax.tree.map(lambda _: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     for name, (path, transposed) in expected.items():
         array = tensors[name]
@@ -107,9 +122,8 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
         if array.dtype.name not in FLOAT_DTYPES:
             raise ValueError(f"{model_dir}: tensor {name} has unsupported dtype "
                              f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
-        value = np.asarray(array).T if transposed else np.asarray(array)
-        _set(params, path, jnp.asarray(value, dtype=dtype))
-    return params
+        _set(params, path, np.asarray(array).T if transposed else np.asarray(array))
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), fuse(params, cfg))
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -142,6 +156,8 @@ def save_hf(model_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
     root = pathlib.Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     tensors = {}
+    params = params | {"layers": [fusion.unfuse_layer(jax.device_get(layer), cfg)
+                                  for layer in params["layers"]]}
     for name, (path, transposed) in hf_names(cfg).items():
         value = np.asarray(jax.device_get(_get(params, path)).astype(dtype))
         tensors[name] = value.T if transposed else value

@@ -19,7 +19,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "llama3")
-ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/ragged_paged_attention
+ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
 PRESET_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 

@@ -68,7 +68,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
         model_config, params, num_pages=memory_plan.num_pages, page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs),
+                          max_num_seqs=config.max_num_seqs,
+                          min_tokens=runner_lib.min_step_tokens(config.dtype)),
         attention_impl=config.attention_impl)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import checkpoint, safetensors_file, testing
-from jaxinfer.model import transformer
+from jaxinfer.model import fusion, transformer
 
 
 def _copy(src, dst):
@@ -27,11 +27,46 @@ def test_load_hf_params_match_torch_weights(hf_model_dirs, hf_models):
     cfg = checkpoint.load_config(hf_model_dirs["qwen2"])
     params = checkpoint.load_params(hf_model_dirs["qwen2"], cfg)
     state = hf_models["qwen2"].state_dict()
-    np.testing.assert_array_equal(params["layers"][1]["wq"],
+    layers = [fusion.unfuse_layer(jax.device_get(layer), cfg) for layer in params["layers"]]
+    np.testing.assert_array_equal(layers[1]["wq"],
                                   state["model.layers.1.self_attn.q_proj.weight"].numpy().T)
-    np.testing.assert_array_equal(params["layers"][0]["bk"],
+    np.testing.assert_array_equal(layers[0]["bk"],
                                   state["model.layers.0.self_attn.k_proj.bias"].numpy())
+    np.testing.assert_array_equal(layers[1]["w_up"],
+                                  state["model.layers.1.mlp.up_proj.weight"].numpy().T)
     assert "lm_head" not in params  # tied
+
+
+def test_fused_qkv_is_grouped_by_kv_head(hf_model_dirs, hf_models):
+    """Each KV head's query heads, then its k, then its v: a split of the fused axis into
+    G parts gives KV head g with exactly its own query heads (tensor parallelism)."""
+    cfg = checkpoint.load_config(hf_model_dirs["qwen2"])
+    params = checkpoint.load_params(hf_model_dirs["qwen2"], cfg)
+    state = hf_models["qwen2"].state_dict()
+    prefix = "model.layers.0.self_attn."
+    wq, wk, wv = (state[f"{prefix}{n}_proj.weight"].numpy().T for n in "qkv")
+    h, g = cfg.head_dim, cfg.num_kv_heads
+    r = cfg.num_heads // g
+    groups = np.split(np.asarray(params["layers"][0]["wqkv"]), g, axis=1)
+    for i, group in enumerate(groups):
+        np.testing.assert_array_equal(group[:, :r * h], wq[:, i * r * h:(i + 1) * r * h])
+        np.testing.assert_array_equal(group[:, r * h:(r + 1) * h], wk[:, i * h:(i + 1) * h])
+        np.testing.assert_array_equal(group[:, (r + 1) * h:], wv[:, i * h:(i + 1) * h])
+
+
+def test_fused_gate_up_interleaves_blocks(hf_model_dirs, hf_models):
+    cfg = checkpoint.load_config(hf_model_dirs["llama"])
+    params = checkpoint.load_params(hf_model_dirs["llama"], cfg)
+    state = hf_models["llama"].state_dict()
+    gate = state["model.layers.1.mlp.gate_proj.weight"].numpy().T
+    up = state["model.layers.1.mlp.up_proj.weight"].numpy().T
+    b = fusion.mlp_block(cfg.intermediate_size)
+    fused = np.asarray(params["layers"][1]["w_gate_up"])
+    for j in range(cfg.intermediate_size // b):
+        np.testing.assert_array_equal(fused[:, 2 * j * b:(2 * j + 1) * b],
+                                      gate[:, j * b:(j + 1) * b])
+        np.testing.assert_array_equal(fused[:, (2 * j + 1) * b:(2 * j + 2) * b],
+                                      up[:, j * b:(j + 1) * b])
 
 
 def test_load_sharded_checkpoint_equals_single_file(tmp_path, hf_model_dirs, hf_models):

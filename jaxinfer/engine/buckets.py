@@ -1,10 +1,21 @@
 """Padding ladders: every step is padded to one of a bounded set of shapes.
 
-A `Bucket` is (tokens, request slots); the page-table width is fixed by
-max_model_len. Token counts climb powers of two from 16 up to 512, then
-linear steps of 512, never past `max_num_batched_tokens` (which is itself the
-top rung); slot counts climb powers of two up to `max_num_seqs`. Warm-up
-compiles every bucket, so nothing compiles mid-run. Plain Python.
+A `Bucket` is (tokens, request slots, decode?); the page-table width is fixed by
+max_model_len. Two kinds:
+
+- decode buckets hold steps where every request has exactly one token (the steady
+  state of generation): T = S, with S climbing powers of two up to `max_num_seqs`
+  (T never below `min_tokens`, the fewest rows the weights' matmuls run fast at:
+  2 for bfloat16 on XLA:CPU). Attention compiles its per-token path alone for them.
+- mixed buckets hold every other step (prefill chunks, with or without decodes):
+  token counts climb powers of two from 16 up to 512, then linear steps of 512, never
+  past `max_num_batched_tokens` (itself the top rung), all with `max_num_seqs` slots.
+  Padding slots costs a step that runs a prompt chunk little (LM-head rows and
+  sampling rows: ~6% of a 512-token step on the SmolLM shape on CPU), while every slot
+  rung would be one more program per token rung to compile at warm-up; in a continuous
+  workload most mixed steps carry many decoding requests anyway.
+
+Warm-up compiles every bucket, so nothing compiles mid-run. Plain Python.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ LINEAR_FROM = 512  # past this, token rungs grow linearly by this step
 class Bucket:
     num_tokens: int  # T: padded tokens in the step
     num_slots: int  # S: padded request rows (page table rows, logits rows)
+    decode: bool = False  # every request has one token: token i belongs to request i
 
 
 def token_ladder(max_num_batched_tokens: int) -> list[int]:
@@ -41,22 +53,34 @@ def slot_ladder(max_num_seqs: int) -> list[int]:
 class BucketSet:
     """All buckets for one engine configuration, and the pick for a step."""
 
-    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 min_tokens: int = 1) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}: each "
                              "scheduled request takes at least one token")
         self.tokens = token_ladder(max_num_batched_tokens)
-        self.slots = slot_ladder(max_num_seqs)
+        self.max_num_seqs = max_num_seqs
+        self.decode_slots = slot_ladder(max_num_seqs)
+        self.min_tokens = min_tokens
 
     def all(self) -> list[Bucket]:
-        """Every bucket a step can pick (slots never exceed tokens)."""
-        return [Bucket(t, s) for t in self.tokens for s in self.slots if s <= t]
+        """Every bucket a step can pick: decode buckets, then mixed ones."""
+        return self.decode() + [Bucket(t, self.max_num_seqs) for t in self.tokens]
 
-    def pick(self, num_tokens: int, num_requests: int) -> Bucket:
-        """The smallest bucket holding `num_tokens` tokens of `num_requests` requests."""
-        if num_tokens > self.tokens[-1] or num_requests > self.slots[-1]:
+    def decode(self) -> list[Bucket]:
+        return [Bucket(max(s, self.min_tokens), s, True) for s in self.decode_slots]
+
+    def pick(self, num_tokens: int, num_requests: int, *, decode: bool = False) -> Bucket:
+        """The smallest bucket holding `num_tokens` tokens of `num_requests` requests;
+        `decode`: every request has exactly one token (so num_tokens == num_requests)."""
+        if num_tokens > self.tokens[-1] or num_requests > self.max_num_seqs:
             raise ValueError(f"{num_tokens} tokens / {num_requests} requests exceed the "
-                             f"largest bucket ({self.tokens[-1]}, {self.slots[-1]})")
-        slots = self.slots[bisect.bisect_left(self.slots, num_requests)]
-        tokens = self.tokens[bisect.bisect_left(self.tokens, max(num_tokens, slots))]
-        return Bucket(tokens, slots)
+                             f"largest bucket ({self.tokens[-1]}, {self.max_num_seqs})")
+        if decode:
+            if num_tokens != num_requests:
+                raise ValueError(f"a decode step has one token per request, not "
+                                 f"{num_tokens} tokens for {num_requests} requests")
+            slots = self.decode_slots[bisect.bisect_left(self.decode_slots, num_requests)]
+            return Bucket(max(slots, self.min_tokens), slots, True)
+        return Bucket(self.tokens[bisect.bisect_left(self.tokens, num_tokens)],
+                      self.max_num_seqs)

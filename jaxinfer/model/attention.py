@@ -5,7 +5,7 @@ The KV cache is a list with one array per layer, each [P, K, W, packing, H]
 even, V at odd, JAX's `ref_ragged_paged_attention` order), packed into 32-bit
 words so TPU copies of one head's words are tile-aligned. Page 0 is the trash
 page that padding tokens write into. Imports jax, jaxinfer.config,
-jaxinfer.pallas, layers.
+jaxinfer.pallas, model.layers and model.fusion.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import layers
-from jaxinfer.pallas import kv_layout, reference
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.model import fusion, layers
+from jaxinfer.pallas import kv_layout, ragged_paged_attention, reference
 
 KVCache = list[jax.Array]  # L x [P, K, W, packing, H]
 
@@ -65,35 +64,38 @@ def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
                                       dtype=dtype)]
 
 
+def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
+                rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    """q f32[..., N, H], k and v f32[..., G, H] of normed x f[..., D]: one fused matmul
+    (grouped by KV head, model/fusion.py), q/k norms when configured, then RoPE."""
+    q, k, v = fusion.split_qkv(layers.linear(x, layer["wqkv"], layer.get("bqkv")), cfg)
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    return layers.apply_rope(q, rope), layers.apply_rope(k, rope), v
+
+
 def attention_block(
     layer: dict[str, jax.Array],
     x: jax.Array,  # f32[T, D], already normed
     kv_pages: jax.Array,  # [P, K, W, packing, H]
     md: AttentionMetadata,
     cfg: ModelConfig,
+    *,
+    rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, 1, H] (layers.rope_tables)
+    decode_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
-    q = layers.linear(x, layer["wq"], layer.get("bq"))
-    k = layers.linear(x, layer["wk"], layer.get("bk"))
-    v = layers.linear(x, layer["wv"], layer.get("bv"))
-    q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    inv_freq = layers.rope_inv_freq(cfg)
-    q = layers.apply_rope(q, md.positions, inv_freq)
-    k = layers.apply_rope(k, md.positions, inv_freq)
+    q, k, v = project_qkv(layer, x, cfg, rope)
     kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
     stored_bits = kv_pages.dtype == reference.BF16_STORAGE
     out = ragged_paged_attention(
         q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens,
         md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=cfg.head_dim ** -0.5,
         sliding_window=cfg.sliding_window, num_kv_heads=cfg.num_kv_heads,
-        impl=cfg.attention_impl,
-        interpret=cfg.attention_interpret)
+        impl=cfg.attention_impl, interpret=cfg.attention_interpret,
+        decode_only=decode_only)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
     return layers.linear(out, layer["wo"]), kv_pages
 
@@ -105,20 +107,10 @@ def dense_causal_attention(
 ) -> jax.Array:
     """Full causal self-attention without a cache (training, reference checks)."""
     batch, tokens, _ = x.shape
-    q = layers.linear(x, layer["wq"], layer.get("bq")).reshape(
-        batch, tokens, cfg.num_heads, cfg.head_dim)
-    k = layers.linear(x, layer["wk"], layer.get("bk")).reshape(
-        batch, tokens, cfg.num_kv_heads, cfg.head_dim)
-    v = layers.linear(x, layer["wv"], layer.get("bv")).reshape(
-        batch, tokens, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    inv_freq = layers.rope_inv_freq(cfg)
-    positions = jnp.arange(tokens, dtype=jnp.int32)
-    rope = jax.vmap(lambda t: layers.apply_rope(t, positions, inv_freq))
-    dtype = layer["wq"].dtype
+    rope = layers.rope_tables(jnp.arange(tokens, dtype=jnp.int32), layers.rope_inv_freq(cfg))
+    q, k, v = project_qkv(layer, x, cfg, rope)
+    dtype = layer["wqkv"].dtype
     out = jax.nn.dot_product_attention(
-        rope(q).astype(dtype), rope(k).astype(dtype), v.astype(dtype), is_causal=True,
+        q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
         local_window_size=None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0))
     return layers.linear(out.reshape(batch, tokens, -1), layer["wo"])

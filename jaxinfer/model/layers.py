@@ -3,7 +3,7 @@
 Matmuls take weights in their storage dtype (float32 or bfloat16) and
 accumulate in float32 (`preferred_element_type`), the fast path on CPU and the
 accurate one everywhere; activations between blocks stay float32.
-Imports jax, numpy and jaxinfer.config only.
+Imports jax, numpy, jaxinfer.config and model.fusion.
 """
 
 from __future__ import annotations
@@ -15,6 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion
+
+
+def min_matmul_rows(dtype: jnp.dtype) -> int:
+    """Fewest rows for a fast matmul with weights of `dtype` on XLA:CPU: a bf16 dot of one
+    row converts the whole weight to f32 first (~13x slower, measured on the SmolLM
+    shape); two rows take the fused bf16 path. f32 needs no padding: extra rows only add
+    compute (16 rows cost 2x one row at batch 1)."""
+    return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 1
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -36,10 +45,13 @@ def embed(table: jax.Array, token_ids: jax.Array) -> jax.Array:
 
 
 def mlp(layer: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = linear(x, layer["w_gate"])
-    up = linear(x, layer["w_up"])
-    return linear(jax.nn.silu(gate) * up, layer["w_down"])
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one fused matmul whose
+    columns interleave them in blocks (model/fusion.py): [..., F / B, 2, B]."""
+    f = layer["w_down"].shape[0]
+    block = fusion.mlp_block(f)
+    gate_up = linear(x, layer["w_gate_up"]).reshape(*x.shape[:-1], f // block, 2, block)
+    hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    return linear(hidden.reshape(*x.shape[:-1], f), layer["w_down"])
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -61,11 +73,18 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE of x f[T, heads, H] at positions i32[T] -> f32."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # f32[T, 1, H]
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[..., 1, H] of positions i32[...]: computed once per step and
+    shared by every layer."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE of x f[..., heads, H] with `rope_tables` of its positions -> f32."""
+    cos, sin = rope
     x = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+    return x * cos + rotated * sin

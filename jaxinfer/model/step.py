@@ -25,10 +25,12 @@ class StepInputs:
 
 
 def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
-         cfg: ModelConfig, num_logprobs: int) -> tuple[KVCache, jax.Array]:
-    """Forward, then sample each row; returns (kv_cache, i32[S, 2 + 2 * num_logprobs])."""
+         cfg: ModelConfig, num_logprobs: int, decode_only: bool = False
+         ) -> tuple[KVCache, jax.Array]:
+    """Forward, then sample each row; returns (kv_cache, i32[S, 2 + 2 * num_logprobs]).
+    `decode_only`: every request has one token (a decode bucket; see transformer)."""
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg)
+                                           cfg=cfg, decode_only=decode_only)
     out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs)
     return kv_cache, sampler.pack(out)
 

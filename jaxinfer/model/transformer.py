@@ -2,10 +2,17 @@
 
 Params are a dict pytree whose structure is fixed by the `ModelConfig`:
   embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
-  layers: L dicts of attn_norm [D], wq [D, N*H], wk/wv [D, G*H], wo [N*H, D],
-  bq/bk/bv (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
-  w_gate/w_up [D, F], w_down [F, D].
-Linear weights are stored [in, out]. Imports jax, config, and model modules.
+  layers: L dicts of attn_norm [D], wqkv [D, (N + 2G) * H], wo [N*H, D],
+  bqkv [(N + 2G) * H] (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
+  w_gate_up [D, 2F], w_down [F, D].
+Linear weights are stored [in, out]. q/k/v and gate/up are fused, so a layer runs four
+matmuls: `wqkv` is grouped by KV head (each KV head's query heads, then its k, then its
+v) and `w_gate_up` interleaves gate and up in blocks, so a tensor-parallel split of the
+fused axis takes whole groups (model/fusion.py). Checkpoints keep HF's separate names
+(`hf_layer_shapes`); the loader fuses. The layers are an unrolled Python loop: a
+`lax.scan` over stacked layers compiles ~5x faster but steps ~2x slower on XLA:CPU,
+which copies each layer's weight slice before its dot (measured; see
+benchmarks/profile_step.py and the README). Imports jax, config, and model modules.
 """
 
 from __future__ import annotations
@@ -23,20 +30,29 @@ from jaxinfer.model.attention import (
 )
 
 Params = dict
-# The LM head runs on at least this many rows: with fewer, XLA:CPU lowers a bf16 x bf16
-# dot to a conversion of the whole weight to f32 and an f32 dot (measured 27 ms per
-# step at 1 row on the SmolLM shape); 16 rows take the fast fused bf16 path.
-MIN_HEAD_ROWS = 16
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The shape of every parameter, in the params pytree structure."""
+def hf_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's parameters as checkpoints name them (q/k/v, gate/up apart)."""
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
     layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
              "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
     if cfg.qkv_bias:
         layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    if cfg.qk_norm:
+        layer |= {"q_norm": (h,), "k_norm": (h,)}
+    return layer
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The shape of every parameter, in the params pytree structure (fused)."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * h
+    layer = {"attn_norm": (d,), "wqkv": (d, qkv), "wo": (cfg.num_heads * h, d),
+             "mlp_norm": (d,), "w_gate_up": (d, 2 * f), "w_down": (f, d)}
+    if cfg.qkv_bias:
+        layer["bqkv"] = (qkv,)
     if cfg.qk_norm:
         layer |= {"q_norm": (h,), "k_norm": (h,)}
     shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
@@ -72,13 +88,18 @@ def forward(
     md: AttentionMetadata,
     *,
     cfg: ModelConfig,
+    decode_only: bool = False,
 ) -> tuple[KVCache, jax.Array]:
-    """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V])."""
+    """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]).
+    `decode_only`: the caller promises one token per request (a decode bucket), so
+    attention takes its per-token path alone."""
     x = layers.embed(params["embed"], token_ids)  # f32[T, D]
+    rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
     new_cache = []
     for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg)
+        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
+                                         decode_only=decode_only)
         x = x + attn
         x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_cache.append(kv_pages)
@@ -98,9 +119,11 @@ def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> 
 def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and LM head (tied to the embedding when configured) -> f32[..., V]."""
     x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params.get("lm_head", params["embed"])
     rows = x.shape[0] if x.ndim == 2 else None
-    if rows is not None and rows < MIN_HEAD_ROWS:  # see MIN_HEAD_ROWS
-        x = jnp.pad(x, ((0, MIN_HEAD_ROWS - rows), (0, 0)))
+    min_rows = layers.min_matmul_rows(head.dtype)
+    if rows is not None and rows < min_rows:  # see layers.min_matmul_rows
+        x = jnp.pad(x, ((0, min_rows - rows), (0, 0)))
     if not cfg.tie_word_embeddings:
         logits = layers.linear(x, params["lm_head"])
     else:

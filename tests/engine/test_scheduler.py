@@ -153,10 +153,10 @@ def test_token_and_slot_ladders():
 
 def test_bucket_pick_and_all():
     buckets = BucketSet(max_num_batched_tokens=64, max_num_seqs=8)
-    assert buckets.pick(1, 1) == Bucket(16, 1)
-    assert buckets.pick(17, 3) == Bucket(32, 4)
+    assert buckets.pick(1, 1) == Bucket(16, 8)
+    assert buckets.pick(17, 3) == Bucket(32, 8)
     assert buckets.pick(64, 8) == Bucket(64, 8)
-    assert len(buckets.all()) == 3 * 4
+    assert len(buckets.all()) == 4 + 3  # decode slots 1, 2, 4, 8; mixed tokens 16, 32, 64
     with pytest.raises(ValueError, match="exceed the largest bucket"):
         buckets.pick(65, 1)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):

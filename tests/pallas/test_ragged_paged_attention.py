@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import pytest
 from cases import SCENARIOS, check, make_case
 
-from jaxinfer.pallas import reference
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention, resolve_impl
+from jaxinfer.pallas import ragged_paged_attention, reference, resolve_impl
 
 
 def _args(**layout):
@@ -81,3 +80,11 @@ def test_quantized_pages_need_scales():
     args = _args(kv_dtype=jnp.int8)
     with pytest.raises(ValueError, match="k_scale is required for int8 kv_pages"):
         ragged_paged_attention(*args)
+
+
+def test_package_exports_the_function_not_the_module():
+    import jaxinfer.pallas as pallas
+    from jaxinfer.pallas import dispatch
+
+    assert callable(pallas.ragged_paged_attention)
+    assert pallas.ragged_paged_attention is dispatch.ragged_paged_attention

@@ -15,7 +15,7 @@ from cases import SCENARIOS, check, combined, make_case
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, reference, rpa_gpu
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 LONG_DECODE = [(1, 256), (1, 200), (3, 130), (1, 9)]  # context <= 256, several KV blocks

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from cases import SCENARIOS, make_case
 
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 pytestmark = [
     pytest.mark.accelerator,

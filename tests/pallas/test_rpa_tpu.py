@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, reference, rpa_tpu
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 QUANT = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
 

@@ -18,7 +18,7 @@ import pytest
 from pairwise import covers_all_pairs, pairwise
 
 from jaxinfer.pallas import kv_layout
-from jaxinfer.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 MATRIX = {
     "dtype": ["float32", "bfloat16"],

@@ -31,7 +31,7 @@ from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.model import sampler
+from jaxinfer.model import layers, sampler
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
 
@@ -68,7 +68,8 @@ class Runner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache = init_kv_cache(cfg, num_pages=num_pages, page_size=page_size,
                                       dtype=jnp.dtype(kv_dtype))
-        self._step = jax.jit(step_function(cfg), donate_argnums=(1,))
+        self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
+                                       donate_argnums=(1,)) for decode in (False, True)}
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                donate_argnums=(1,))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
@@ -103,7 +104,7 @@ class Runner:
             spec = input_spec(bucket, page_size=self.page_size,
                               max_model_len=self.max_model_len)
             with self._lower_lock:
-                lowered = self._step.lower(self.params, self.kv_cache, spec)
+                lowered = self._steps[bucket.decode].lower(self.params, self.kv_cache, spec)
             self._compiled[bucket] = lowered.compile()
         return self._compiled[bucket]
 
@@ -121,7 +122,8 @@ class Runner:
 
     def execute(self, plan: StepPlan) -> tuple[Bucket, list[Sample | None]]:
         """Run one step; a Sample for each chunk that samples, None for the others."""
-        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks))
+        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks),
+                                   decode=all(c.num_tokens == 1 for c in plan.chunks))
         compiled = self._compile(bucket)
         self.kv_cache, packed = compiled(self.params, self.kv_cache,
                                          self._inputs(plan.chunks, bucket))
@@ -149,9 +151,16 @@ class Runner:
         return CompileCounter()
 
 
-def step_function(cfg: ModelConfig) -> functools.partial:
-    """The step the runner compiles: (params, kv_cache, inputs) -> (kv_cache, packed)."""
-    return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS)
+def step_function(cfg: ModelConfig, *, decode_only: bool = False) -> functools.partial:
+    """The step the runner compiles: (params, kv_cache, inputs) -> (kv_cache, packed);
+    `decode_only` for decode buckets (one token per request)."""
+    return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS,
+                             decode_only=decode_only)
+
+
+def min_step_tokens(dtype: str) -> int:
+    """Fewest token rows a step should run with weights of `dtype` (model.layers)."""
+    return layers.min_matmul_rows(jnp.dtype(dtype))
 
 
 def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int
@@ -167,20 +176,23 @@ def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int
 
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
-                      inputs: Sequence[model_step.StepInputs], sharding: jax.sharding.Sharding,
-                      threads: int = COMPILE_THREADS) -> list[jax.stages.Compiled | Exception]:
+                      buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
+                      sharding: jax.sharding.Sharding, threads: int = COMPILE_THREADS
+                      ) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the device(s) of `sharding` from specs alone
     (ShapeDtypeStructs: nothing is allocated), e.g. a TPU topology on a CPU machine; one
-    result per input spec, the exception where the compiler refused (out of memory, say).
+    result per bucket, the exception where the compiler refused (out of memory, say).
     Lowering is serial (tracing is not thread-safe); compiles run on `threads` threads.
     `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
     default backend."""
     if cfg.attention_impl == "auto":
         raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
-    step = jax.jit(step_function(cfg), in_shardings=sharding, out_shardings=sharding,
-                   donate_argnums=(1,))
-    lowered = [step.lower(params, kv_cache, spec) for spec in inputs]
+    steps = {decode: jax.jit(step_function(cfg, decode_only=decode), in_shardings=sharding,
+                             out_shardings=sharding, donate_argnums=(1,))
+             for decode in (False, True)}
+    lowered = [steps[b.decode].lower(params, kv_cache, input_spec(
+        b, page_size=page_size, max_model_len=max_model_len)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:

@@ -143,8 +143,11 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    decode_only: bool = False,
 ) -> jax.Array:  # f[T, N, H]
-    """Attention of each token over its own request's paged KV (see module doc)."""
+    """Attention of each token over its own request's paged KV (see module doc).
+    `decode_only`: a static promise that every request has one query token; the
+    reference then compiles its per-token path alone (the kernels need no hint)."""
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
                     num_kv_heads=num_kv_heads)
@@ -155,7 +158,7 @@ def ragged_paged_attention(
         raise ValueError(f"kv_pages dtype uint16 (bfloat16 bits, the CPU storage) is read "
                          f"by the reference only, not impl={impl!r}: give bfloat16 pages")
     if chosen == "reference":
-        return reference.ragged_paged_attention(*args, **settings)
+        return reference.ragged_paged_attention(*args, **settings, decode_only=decode_only)
     if chosen == "tpu":
         from jaxinfer.pallas import rpa_tpu
 

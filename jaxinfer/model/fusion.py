@@ -1,0 +1,92 @@
+"""Fused projection weights: one q/k/v matmul and one gate/up matmul per layer.
+
+Checkpoints name q, k, v, gate and up apart (HF); the params pytree holds them fused,
+built at load (`fuse_layer`) and split again to save HF files (`unfuse_layer`):
+
+- `wqkv` [D, (N + 2G) * H] is grouped by KV head: for KV head g, its R = N / G query
+  heads, then k_g, then v_g, i.e. [D, G, R + 2, H] in row-major order (`bqkv` alike).
+  Query head n = g * R + r is the head that attends with KV head n // R, as in HF's
+  `repeat_kv`.
+- `w_gate_up` [D, 2F] interleaves gate and up in blocks of `mlp_block(F)` columns:
+  [D, F / B, 2, B], gate at index 0 and up at 1 of the third axis.
+
+So a tensor-parallel split of the fused axis into n equal parts gives each shard whole
+KV-head groups (n dividing G) and whole gate/up block pairs (n dividing F / B); with
+fewer KV heads than shards, the loader replicates KV heads before fusing. Works on
+numpy arrays (loading, on the host) and jax arrays alike. Imports numpy and jax.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+MAX_MLP_BLOCK = 128  # gate/up columns per interleaved block, at most
+
+
+def mlp_block(intermediate_size: int) -> int:
+    """B: the largest divisor of F up to MAX_MLP_BLOCK (128 for every common F)."""
+    return max(b for b in range(1, MAX_MLP_BLOCK + 1) if intermediate_size % b == 0)
+
+
+def _xp(x: object) -> object:
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def fuse_qkv(q: object, k: object, v: object, cfg: ModelConfig) -> object:
+    """[..., N*H], [..., G*H], [..., G*H] -> [..., (N + 2G) * H] grouped by KV head."""
+    xp, lead = _xp(q), q.shape[:-1]
+    g, h = cfg.num_kv_heads, cfg.head_dim
+    parts = [q.reshape(*lead, g, cfg.num_heads // g, h), k.reshape(*lead, g, 1, h),
+             v.reshape(*lead, g, 1, h)]
+    return xp.concatenate(parts, axis=-2).reshape(*lead, -1)
+
+
+def split_qkv(qkv: object, cfg: ModelConfig) -> tuple[object, object, object]:
+    """The inverse of `fuse_qkv`, as [..., N, H], [..., G, H], [..., G, H]."""
+    g, h, r = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    grouped = qkv.reshape(*qkv.shape[:-1], g, r + 2, h)
+    q = grouped[..., :r, :].reshape(*qkv.shape[:-1], cfg.num_heads, h)
+    return q, grouped[..., r, :], grouped[..., r + 1, :]
+
+
+def fuse_gate_up(gate: object, up: object) -> object:
+    """[..., F] twice -> [..., 2F] interleaved in blocks of `mlp_block(F)`."""
+    xp, lead, f = _xp(gate), gate.shape[:-1], gate.shape[-1]
+    b = mlp_block(f)
+    pair = xp.stack([gate.reshape(*lead, f // b, b), up.reshape(*lead, f // b, b)], axis=-2)
+    return pair.reshape(*lead, 2 * f)
+
+
+def split_gate_up(gate_up: object) -> tuple[object, object]:
+    """The inverse of `fuse_gate_up`: gate [..., F] and up [..., F]."""
+    lead, f = gate_up.shape[:-1], gate_up.shape[-1] // 2
+    pair = gate_up.reshape(*lead, f // mlp_block(f), 2, mlp_block(f))
+    return pair[..., 0, :].reshape(*lead, f), pair[..., 1, :].reshape(*lead, f)
+
+
+def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
+    """A layer with HF's separate projections (wq, wk, wv, bq, bk, bv, w_gate, w_up;
+    weights [in, out]) -> the fused layer of the params pytree."""
+    out = {k: v for k, v in layer.items()
+           if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
+    out["wqkv"] = fuse_qkv(layer["wq"], layer["wk"], layer["wv"], cfg)
+    if "bq" in layer:
+        out["bqkv"] = fuse_qkv(layer["bq"], layer["bk"], layer["bv"], cfg)
+    out["w_gate_up"] = fuse_gate_up(layer["w_gate"], layer["w_up"])
+    return out
+
+
+def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
+    """The inverse of `fuse_layer`."""
+    out = {k: v for k, v in layer.items() if k not in ("wqkv", "bqkv", "w_gate_up")}
+    d = layer["wqkv"].shape[0]
+    q, k, v = split_qkv(layer["wqkv"], cfg)
+    out |= {"wq": q.reshape(d, -1), "wk": k.reshape(d, -1), "wv": v.reshape(d, -1)}
+    if "bqkv" in layer:
+        q, k, v = split_qkv(layer["bqkv"], cfg)
+        out |= {"bq": q.reshape(-1), "bk": k.reshape(-1), "bv": v.reshape(-1)}
+    out["w_gate"], out["w_up"] = split_gate_up(layer["w_gate_up"])
+    return out

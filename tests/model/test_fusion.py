@@ -1,0 +1,59 @@
+"""Fused q/k/v and gate/up weights: layout and exact round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion
+
+
+def _cfg(**kw: int) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=16, hidden_size=8, intermediate_size=384,
+                num_layers=1, num_heads=6, num_kv_heads=2, head_dim=4)
+    return ModelConfig(**(base | kw))
+
+
+def test_mlp_block_divides_intermediate_size():
+    assert fusion.mlp_block(1536) == 128
+    assert fusion.mlp_block(14336) == 128
+    assert fusion.mlp_block(100) == 100
+    assert fusion.mlp_block(1000) == 125
+
+
+def test_gate_up_blocks_interleave_and_round_trip():
+    rng = np.random.default_rng(0)
+    gate, up = rng.normal(size=(8, 384)), rng.normal(size=(8, 384))
+    fused = fusion.fuse_gate_up(gate, up)
+    assert fused.shape == (8, 768)
+    for j in range(3):  # blocks of 128: gate_j, then up_j
+        np.testing.assert_array_equal(fused[:, 256 * j:256 * j + 128], gate[:, 128 * j:][:, :128])
+        np.testing.assert_array_equal(fused[:, 256 * j + 128:256 * (j + 1)],
+                                      up[:, 128 * j:][:, :128])
+    back_gate, back_up = fusion.split_gate_up(fused)
+    np.testing.assert_array_equal(back_gate, gate)
+    np.testing.assert_array_equal(back_up, up)
+
+
+def test_layer_round_trip_with_biases():
+    cfg = dataclasses.replace(_cfg(), qkv_bias=True)
+    rng = np.random.default_rng(1)
+    layer = {"wq": rng.normal(size=(8, 24)), "wk": rng.normal(size=(8, 8)),
+             "wv": rng.normal(size=(8, 8)), "bq": rng.normal(size=24),
+             "bk": rng.normal(size=8), "bv": rng.normal(size=8),
+             "w_gate": rng.normal(size=(8, 384)), "w_up": rng.normal(size=(8, 384)),
+             "wo": rng.normal(size=(24, 8))}
+    fused = fusion.fuse_layer(layer, cfg)
+    assert sorted(fused) == ["bqkv", "w_gate_up", "wo", "wqkv"]
+    assert fused["wqkv"].shape == (8, (6 + 2 * 2) * 4)
+    # Shard 1 of 2 along the fused axis holds KV head 1: query heads 3..5, k_1, v_1.
+    shard = np.split(fused["wqkv"], 2, axis=1)[1]
+    np.testing.assert_array_equal(shard[:, :12], layer["wq"][:, 12:])
+    np.testing.assert_array_equal(shard[:, 12:16], layer["wk"][:, 4:])
+    np.testing.assert_array_equal(shard[:, 16:], layer["wv"][:, 4:])
+    back = fusion.unfuse_layer(fused, cfg)
+    assert sorted(back) == sorted(layer)
+    for name, value in layer.items():
+        np.testing.assert_array_equal(back[name], value)
