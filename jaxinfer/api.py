@@ -3,8 +3,11 @@
 `generate` runs every prompt through the continuous-batching engine and returns
 one RequestOutput per prompt, in order; `generate_stream` yields each prompt's
 output as it changes, with `outputs[i].delta_text` / `delta_token_ids` holding
-what the last step added. Every request is checked before any work starts.
-Imports config and the engine.
+what the last step added. Every request is checked before any work starts;
+prompts given no SamplingParams get the checkpoint's generation_config.json
+defaults (vLLM's generation_config="auto"). `LLM` is a face: it sets JAX's
+process-wide compilation cache (`compilation_cache_dir`) before making its
+engine. Imports config and the engine (its runner package for the cache).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 
@@ -23,11 +27,15 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """A model served by the engine; keyword arguments are EngineConfig fields."""
+    """A model served by the engine; keyword arguments are EngineConfig fields
+    (`skip_tokenizer_init=True` serves token-id prompts from a checkpoint without a
+    tokenizer: outputs carry token ids and empty text)."""
 
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, warm_up: bool = True,
                  **engine_settings: object) -> None:
-        self.engine = Engine(model, EngineConfig(**engine_settings), warm_up=warm_up)
+        config = EngineConfig(**engine_settings)
+        runner.use_compilation_cache(config.compilation_cache_dir)
+        self.engine = Engine(model, config, warm_up=warm_up)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
@@ -36,8 +44,9 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given. `priority`: one
-        int per prompt, lower runs first (as in vLLM)."""
+        """One finished RequestOutput per prompt, in the order given. No
+        `sampling_params`: the checkpoint's defaults (`engine.default_params`).
+        `priority`: one int per prompt, lower runs first (as in vLLM)."""
         ids = self._add_all(prompts, sampling_params, priority)
         while any(not self.engine.output(i).finished for i in ids):
             self.engine.step()
@@ -64,7 +73,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                  priority: Sequence[int] | None = None) -> list[str]:
         prompt_list = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompt_list))
+        params = _as_params_list(sampling_params, len(prompt_list),
+                                 self.engine.default_params)
         priority = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
@@ -96,9 +106,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
-                    count: int) -> list[SamplingParams]:
+                    count: int, default: SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

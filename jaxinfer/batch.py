@@ -1,7 +1,8 @@
 """The offline batch runner: JSONL requests in, JSONL results out, resumable.
 
 Each input line is a JSON object with `id`, then `prompt` (text or token ids)
-or `messages` (chat), and optional SamplingParams fields. Results are appended
+or `messages` (chat), and optional SamplingParams fields (those not given take
+the checkpoint's generation_config.json defaults). Results are appended
 as JSON lines and flushed as each request finishes; a line is written with one
 call, and a torn last line left by a crash is cut off on the next run.
 Re-running skips ids (and id-less bad lines) already in the output, so every
@@ -108,7 +109,8 @@ def _add(llm: LLM, engine_id: str, record: object) -> None:
         raise ValueError(f"unknown field(s) {sorted(unknown)}")
     if ("prompt" in record) == ("messages" in record):
         raise ValueError("give exactly one of 'prompt' or 'messages'")
-    params = SamplingParams(**{k: v for k, v in record.items() if k in PARAM_FIELDS})
+    given = {k: v for k, v in record.items() if k in PARAM_FIELDS}
+    params = dataclasses.replace(llm.engine.default_params, **given)
     llm.engine.add_request(engine_id, record.get("prompt"), params,
                            messages=record.get("messages"),
                            priority=record.get("priority", 0))

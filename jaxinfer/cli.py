@@ -1,84 +1,113 @@
 """Command line: `python -m jaxinfer <command> --flags`.
 
-Commands: `generate` (complete a prompt; defaults to the bundled demo model),
-`batch` (offline JSONL runner), `convert` (HF directory -> orbax), `plan` (the
-memory plan and decode roofline), `audit` (prompt overlap: the prefill a
-prefix cache would save; no weights loaded) and `aot` (compile the step for a
-TPU slice with libtpu's compiler, no TPU needed; see aot.py). Engine
-flags mirror `EngineConfig`. The only module that reads FLAGS and configures
-logging.
+`python -m jaxinfer --help` lists the commands (`COMMANDS`: generate, batch, convert,
+plan, audit, aot), `python -m jaxinfer <command> --help` that command's flags with
+their defaults. Engine flags are derived from `EngineConfig`'s fields (name,
+default, type, choices and help text), so they cannot drift from it. Sampling flags
+default to unset: the checkpoint's generation_config.json defaults apply and a flag
+given overrides only its field. Errors a user can fix (a bad flag value, a missing
+model directory, a prompt too long) print one line to stderr and exit non-zero (2:
+usage, 1: the rest); `--verbosity=1` logs their traceback. The only module that
+reads FLAGS and configures logging.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import sys
+import textwrap
+import types
+import typing
+from collections.abc import Callable
 
 from absl import app, flags
 
-from jaxinfer.config import DEFAULT_MODEL
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.engine.request import SamplingParams
 
 FLAGS = flags.FLAGS
-COMMANDS = ("generate", "batch", "convert", "plan", "audit", "aot")
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
+HELP_ARGS = frozenset({"--help", "-help", "-h", "--helpshort", "-?"})
 
-flags.DEFINE_string("model", None, "model directory (HF or orbax); default: bundled demo")
-flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text for `generate`")
-flags.DEFINE_integer("max_tokens", 64, "tokens to generate (`generate`)")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy (`generate`)")
-flags.DEFINE_integer("top_k", 0, "top-k sampling, 0 = off (`generate`)")
-flags.DEFINE_float("top_p", 1.0, "top-p sampling (`generate`)")
-flags.DEFINE_integer("seed", None, "sampling seed (`generate`)")
-flags.DEFINE_string("input", None, "JSONL requests for `batch` and `audit`")
-flags.DEFINE_string("output", None, "JSONL results for `batch`; orbax dir for `convert`")
+flags.DEFINE_string("model", None, "model directory (HF or orbax); plan and aot also take a "
+                    "preset name (configs/*.toml); default: the bundled demo model")
+flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text")
+flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
+flags.DEFINE_float("temperature", None, "0 = greedy; default: the checkpoint's")
+flags.DEFINE_float("top_p", None, "top-p (nucleus) sampling; default: the checkpoint's")
+flags.DEFINE_integer("top_k", None, "top-k sampling, 0 = off; default: the checkpoint's")
+flags.DEFINE_float("repetition_penalty", None, "1 = off; default: the checkpoint's")
+flags.DEFINE_string("input", None, "JSONL file of requests (batch) or prompts (audit)")
+flags.DEFINE_string("output", None, "JSONL results (batch); orbax directory (convert)")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
-flags.DEFINE_float("memory_gb", None, "`plan`: memory for weights + KV cache, in GB")
-flags.DEFINE_float("bandwidth_gb_per_s", None, "`plan`: memory bandwidth; default: measured")
-flags.DEFINE_string("device", "v5e-1", "`aot`: TPU accelerator type (v5e-1, v6e-8, v5p-8...)")
+flags.DEFINE_float("memory_gb", None, "memory for weights + KV cache, in GB")
+flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth for the decode roofline; "
+                   "default: no roofline")
+flags.DEFINE_string("device", "v5e-1", "TPU accelerator type (v5e-1, v6e-8, v5p-8...)")
 flags.DEFINE_enum("buckets", "all", ["all", "ends"],
-                  "`aot`: every bucket, or the smallest, a mixed one and the largest")
-# Engine settings: EngineConfig fields.
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights dtype")
-flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV pages dtype; auto = the weights' dtype")
-flags.DEFINE_integer("max_num_seqs", 32, "requests in flight")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
-flags.DEFINE_integer("max_model_len", None, "longest prompt + output; default: model's")
-flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size; default: from limits")
-flags.DEFINE_enum("scheduler", "continuous", ["continuous", "static"], "batching policy")
-flags.DEFINE_boolean("strict_compile", False, "fail on any compilation after warm-up")
-flags.DEFINE_string("compilation_cache_dir", None, "XLA cache; default ~/.cache/jaxinfer")
-flags.DEFINE_boolean("enable_prefix_caching", True, "reuse KV pages of shared prompt prefixes")
+                  "every bucket, or the smallest, a mixed one and the largest")
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
+
+def define_engine_flags() -> tuple[str, ...]:
+    """One flag per EngineConfig field, from its type, default, choices and help."""
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        kinds = set(typing.get_args(hints[field.name])) - {types.NoneType} or {
+            hints[field.name]}
+        help_text, choices = field.metadata["help"], field.metadata["choices"]
+        if choices:
+            flags.DEFINE_enum(field.name, field.default, list(choices), help_text)
+        elif kinds == {bool}:
+            flags.DEFINE_boolean(field.name, field.default, help_text)
+        elif kinds == {int}:
+            flags.DEFINE_integer(field.name, field.default, help_text)
+        elif kinds == {str}:
+            flags.DEFINE_string(field.name, field.default, help_text)
+        else:
+            raise TypeError(f"EngineConfig.{field.name}: no flag type for {kinds}")
+    return tuple(field.name for field in dataclasses.fields(EngineConfig))
+
+
+ENGINE_FLAGS = define_engine_flags()
 flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
 
-ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "page_size", "kv_cache_memory_bytes", "scheduler",
-                "strict_compile", "compilation_cache_dir", "enable_prefix_caching")
+
+def engine_config(**defaults: object) -> EngineConfig:
+    """EngineConfig from the engine flags; `defaults` replace flags the user did not give."""
+    settings = {name: FLAGS[name].value for name in ENGINE_FLAGS}
+    settings |= {k: v for k, v in defaults.items() if not FLAGS[k].present}
+    return EngineConfig(**settings)
 
 
-def make_llm(**defaults: object) -> object:
-    """An LLM from the engine flags; `defaults` replace flags the user did not give."""
+def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
+    """An LLM from the engine flags (see `engine_config`)."""
     from jaxinfer import LLM
 
-    settings = {name: getattr(FLAGS, name) for name in ENGINE_FLAGS}
-    settings |= {k: v for k, v in defaults.items() if not FLAGS[k].present}
+    settings = dataclasses.asdict(engine_config(**defaults))
     kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
-    return LLM(**kwargs, **settings)
+    return LLM(**kwargs, warm_up=warm_up, **settings)
+
+
+def sampling_params(defaults: SamplingParams) -> SamplingParams:
+    """`defaults` (the checkpoint's) with --max_tokens and each sampling flag given."""
+    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
+    return dataclasses.replace(defaults, max_tokens=FLAGS.max_tokens, **given)
 
 
 def generate() -> None:
-    from jaxinfer import SamplingParams
-
-    llm = make_llm(max_num_seqs=1)  # one prompt: one request slot, fewer buckets to compile
-    params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
-                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+    # The prompt is checked before warm-up: a bad one fails now, not after compiling.
+    llm = make_llm(**COMMANDS["generate"].defaults, warm_up=False)
+    llm.engine.prompt_token_ids(FLAGS.prompt)
+    llm.engine.warm_up()
+    params = sampling_params(llm.engine.default_params)
     (out,) = llm.generate(FLAGS.prompt, params)
     sys.stdout.write(FLAGS.prompt + out.text + "\n")
-    logging.info("%d prompt tokens, %d generated, finish_reason=%s",
-                 len(out.prompt_token_ids), len(out.token_ids), out.finish_reason)
+    logging.info("%d prompt tokens, %d generated, finish_reason=%s, %s",
+                 len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, params)
     if FLAGS.metrics:
         sys.stderr.write(json.dumps(llm.metrics()) + "\n")
 
@@ -101,28 +130,29 @@ def convert() -> None:
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
 
-def plan() -> None:
+def _model_config() -> object:
+    """The ModelConfig of --model: a model directory or a preset."""
     import pathlib
 
-    from jaxinfer import checkpoint, planner
+    from jaxinfer import checkpoint
     from jaxinfer.config import load_preset
-    from jaxinfer.engine import runner
 
-    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)  # a model directory or a preset
-    cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
-    kv_dtype = runner.resolve_kv_dtype(FLAGS.kv_cache_dtype, FLAGS.dtype)
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+
+
+def plan() -> None:
+    from jaxinfer import planner
+
+    settings = engine_config()
     budget = ({"memory_bytes": int(FLAGS.memory_gb * 1e9)} if FLAGS.memory_gb is not None
-              else {"kv_cache_bytes": FLAGS.kv_cache_memory_bytes})
+              else {"kv_cache_bytes": settings.kv_cache_memory_bytes})
     if None in budget.values():
         raise app.UsageError("plan needs --memory_gb=GB or --kv_cache_memory_bytes=BYTES")
-    bandwidth = FLAGS.bandwidth_gb_per_s or round(runner.measure_memory_bandwidth(), 1)
-    try:
-        result = planner.plan(cfg, dtype=FLAGS.dtype, kv_dtype=kv_dtype,
-                              max_model_len=FLAGS.max_model_len,
-                              max_num_seqs=FLAGS.max_num_seqs, page_size=FLAGS.page_size,
-                              bandwidth_gb_per_s=bandwidth, **budget)
-    except ValueError as err:
-        raise app.UsageError(str(err)) from err
+    result = planner.plan(_model_config(), dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                          max_model_len=settings.max_model_len,
+                          max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
+                          bandwidth_gb_per_s=FLAGS.bandwidth_gb_per_s, **budget)
     sys.stdout.write(json.dumps(result.summary(), indent=1) + "\n")
 
 
@@ -140,35 +170,107 @@ def aot() -> None:
     from jaxinfer import aot as aot_lib
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
-    import pathlib
-
-    from jaxinfer import checkpoint
-    from jaxinfer.config import load_preset
-
-    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)  # a model directory or a preset
-    cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
-    kv_dtype = FLAGS.dtype if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype
+    cfg, engine = _model_config(), engine_config()
     settings = aot_lib.Settings(
-        dtype=FLAGS.dtype, kv_dtype=kv_dtype, max_num_seqs=FLAGS.max_num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        max_model_len=FLAGS.max_model_len or cfg.max_position_embeddings,
-        page_size=FLAGS.page_size, kv_cache_memory_bytes=FLAGS.kv_cache_memory_bytes)
-    try:
-        report = aot_lib.compile_report(cfg, device=FLAGS.device, settings=settings,
-                                        buckets=FLAGS.buckets)
-    except ValueError as err:
-        raise app.UsageError(str(err)) from err
+        dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=engine.max_model_len or cfg.max_position_embeddings,
+        page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes)
+    report = aot_lib.compile_report(cfg, device=FLAGS.device, settings=settings,
+                                    buckets=FLAGS.buckets)
     sys.stdout.write(aot_lib.format_table(report) + "\n")
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+    """A command: what runs, its one-line summary, the flags it reads."""
+
+    run: Callable[[], None]
+    summary: str
+    flags: tuple[str, ...]
+    defaults: dict[str, object] = dataclasses.field(default_factory=dict)  # engine flags
+
+
+_PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
+               "kv_cache_memory_bytes")
+COMMANDS = {
+    "generate": Command(run=generate, summary="complete one prompt and print prompt + "
+                        "completion (default model: the bundled demo)",
+                        flags=("model", "prompt", "max_tokens", *SAMPLING_FLAGS, "metrics",
+                               *ENGINE_FLAGS),
+                        defaults={"max_num_seqs": 1}),  # one prompt: fewer buckets
+    "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
+                     "results (resumable)", flags=("model", "input", "output", *ENGINE_FLAGS)),
+    "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one",
+                       flags=("model", "output", "dtype")),
+    "plan": Command(run=plan, summary="print the memory plan (and decode roofline) of a "
+                    "model or preset; loads no weights",
+                    flags=("model", "memory_gb", "bandwidth_gb_per_s", *_PLAN_FLAGS)),
+    "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
+                     "prefix cache would save; loads no weights",
+                     flags=("model", "input", "page_size")),
+    "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
+                   "compiler (no TPU needed)",
+                   flags=("model", "device", "buckets", "max_num_batched_tokens",
+                          *_PLAN_FLAGS)),
+}
+
+
+def commands_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    return ("usage: python -m jaxinfer <command> [--flag=value ...]\n\ncommands:\n"
+            + "\n".join(lines)
+            + "\n\n`python -m jaxinfer <command> --help` lists a command's flags.\n")
+
+
+def command_help(name: str) -> str:
+    command = COMMANDS[name]
+    lines = [f"usage: python -m jaxinfer {name} [--flag=value ...]", "", command.summary,
+             "", "flags:"]
+    for flag_name in command.flags:
+        flag = FLAGS[flag_name]
+        choices = getattr(flag.parser, "enum_values", None)
+        kind = "|".join(choices) if choices else flag.flag_type()
+        value = command.defaults.get(flag_name, flag.default)
+        default = "unset" if value is None else json.dumps(value)
+        text = re.sub(r"^<[^>]*>: ", "", flag.help)  # absl prefixes enum help with choices
+        lines.append(f"  --{flag_name} ({kind}; default {default})")
+        lines += textwrap.wrap(text, width=88, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines) + "\n"
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    sys.stderr.write(f"jaxinfer: error: {' '.join(str(message).splitlines())}\n")
+    sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)", 2)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(f"usage: python -m jaxinfer {{{'|'.join(COMMANDS)}}} --flags")
+        _fail(f"give one command of {', '.join(COMMANDS)} (python -m jaxinfer --help)", 2)
     logging.getLogger("jax").setLevel(logging.WARNING)
-    {"generate": generate, "batch": batch, "convert": convert, "plan": plan,
-     "audit": audit, "aot": aot}[argv[1]]()
+    try:
+        COMMANDS[argv[1]].run()
+    except app.UsageError as e:
+        _fail(f"{argv[1]}: {e}", 2)
+    except (ValueError, OSError) as e:
+        logging.debug("%s failed", argv[1], exc_info=True)
+        _fail(f"{argv[1]}: {e}", 1)
 
 
-def run() -> None:
-    app.run(main)
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    if HELP_ARGS & set(argv[1:]):
+        command = next((arg for arg in argv[1:] if arg in COMMANDS), None)
+        sys.stdout.write(command_help(command) if command else commands_help())
+        sys.exit(0)
+    app.run(main, argv=argv, flags_parser=_parse_flags)

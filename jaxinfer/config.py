@@ -62,7 +62,9 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     max_position_embeddings: int = 2048
-    attention_impl: str = "auto"  # kernel choice; "auto": the backend's kernel or reference
+    attention_impl: str = "auto"
+    """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
+    it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
     attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
 
     def __post_init__(self) -> None:
@@ -210,32 +212,47 @@ def load_preset(name_or_path: str) -> ModelConfig:
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
+
+
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field: its help text and allowed values feed the CLI's flags."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """How the engine batches, pads and sizes its KV cache (mirrored by CLI flags)."""
+    """How the engine batches, pads and sizes its KV cache. The CLI derives one flag per
+    field from here: name, default, type, `choices` and `help` (see `_setting`)."""
 
-    dtype: str = "float32"  # weights
-    kv_cache_dtype: str = "auto"  # "auto": the weights' dtype
-    max_num_seqs: int = 32  # requests in flight
-    max_num_batched_tokens: int = 512  # tokens per step (the top token bucket)
-    max_model_len: int | None = None  # prompt + output; None: the model's maximum
-    page_size: int = 16  # tokens per KV page
-    kv_cache_memory_bytes: int | None = None  # None: sized from the device or the limits
-    scheduler: str = "continuous"  # or "static": the baseline benchmarks compare against
-    strict_compile: bool = False  # raise on any compilation after warm-up
-    compilation_cache_dir: str | None = None  # None: ~/.cache/jaxinfer/xla; "": off
-    seed: int = 0  # draws the seeds of requests that give none
-    enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
+    dtype: str = _setting("float32", "weights dtype", DTYPES)
+    kv_cache_dtype: str = _setting("auto", "KV pages dtype; auto: the weights' dtype",
+                                   KV_CACHE_DTYPES)
+    max_num_seqs: int = _setting(32, "requests in flight")
+    max_num_batched_tokens: int = _setting(512, "tokens per step (the top token bucket)")
+    max_model_len: int | None = _setting(None, "prompt + output; default: the model's maximum")
+    page_size: int = _setting(16, "tokens per KV page")
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "KV cache size; default: sized from the device memory or the limits")
+    scheduler: str = _setting("continuous", "batching policy; static: the benchmarks' "
+                              "baseline (fill a batch, run it to completion)", SCHEDULERS)
+    strict_compile: bool = _setting(False, "raise on any compilation after warm-up")
+    compilation_cache_dir: str | None = _setting(
+        None, "directory of JAX's persistent compilation cache, one per process (set by "
+        "LLM and the CLI, not by Engine); default: ~/.cache/jaxinfer/xla; empty: off")
+    seed: int = _setting(0, "draws the seeds of requests that give none")
+    enable_prefix_caching: bool = _setting(True, "reuse KV pages of shared prompt prefixes")
+    attention_impl: str = _setting("auto", "attention kernel; auto: the backend's kernel, "
+                                   "else the pure-jnp reference", ATTENTION_IMPLS)
+    skip_tokenizer_init: bool = _setting(
+        False, "load no tokenizer: prompts must be token ids, outputs carry no text")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
-        if self.kv_cache_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"{self.kv_cache_dtype=} must be 'auto' or one of {DTYPES}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"{self.scheduler=} must be one of {SCHEDULERS}")
+        for field in dataclasses.fields(self):
+            choices = field.metadata["choices"]
+            if choices and getattr(self, field.name) not in choices:
+                raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
+                                 f"of {choices}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -247,3 +264,9 @@ class EngineConfig:
             raise ValueError(f"{self.max_model_len=} must be > 1 or None")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pages' dtype, "auto" resolved to the weights' dtype. (On CPU bfloat16
+        pages are stored as their uint16 bits, see model/attention.py; bytes are equal.)"""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

@@ -5,8 +5,9 @@ a budget (bytes for the KV cache, or for weights plus KV) and returns a
 `MemoryPlan`: weight bytes, KV bytes per token, the pages that fit (page 0 is
 the trash page), concurrent requests at full context, and the decode roofline
 (tokens/s bounded by reading every weight once plus each request's KV per step,
-at a given memory bandwidth). The engine sizes its page pool with it, so the
-plan and the allocation agree to the byte. `python -m jaxinfer plan` prints it.
+at a given memory bandwidth; left out when none is given). The engine sizes its
+page pool with it (through loading.py), so the plan and the allocation agree to
+the byte. `python -m jaxinfer plan` prints it.
 Imports the model's parameter shapes (jax for dtype sizes) and config.
 """
 
@@ -39,15 +40,23 @@ class MemoryPlan:
     pages_per_request: int  # at max_model_len
     max_concurrent_requests: int  # at full context, every one at max_model_len
     max_num_seqs: int
-    bandwidth_gb_per_s: float
+    bandwidth_gb_per_s: float | None  # None: unknown, no roofline
 
-    def decode_roofline(self, batch: int, context: int) -> float:
-        """Tokens/s bound of a decode step of `batch` requests at `context` tokens each."""
+    def decode_roofline(self, batch: int, context: int) -> float | None:
+        """Tokens/s bound of a decode step of `batch` requests at `context` tokens each
+        (None when the bandwidth is unknown)."""
+        if self.bandwidth_gb_per_s is None:
+            return None
         step_bytes = self.weight_bytes + batch * context * self.kv_bytes_per_token
         return batch * self.bandwidth_gb_per_s * GB / step_bytes
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, float | int | None]:
         batch = max(1, min(self.max_num_seqs, self.max_concurrent_requests))
+
+        def rate(batch: int) -> float | None:
+            value = self.decode_roofline(batch, self.max_model_len)
+            return None if value is None else round(value, 1)
+
         return {
             "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
             "kv_bytes_per_token": self.kv_bytes_per_token, "page_size": self.page_size,
@@ -59,11 +68,9 @@ class MemoryPlan:
             "max_model_len": self.max_model_len,
             "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
             "bandwidth_gb_per_s": self.bandwidth_gb_per_s,
-            "decode_roofline_tokens_per_s_batch_1": round(
-                self.decode_roofline(1, self.max_model_len), 1),
+            "decode_roofline_tokens_per_s_batch_1": rate(1),
             "decode_roofline_batch": batch,
-            "decode_roofline_tokens_per_s": round(
-                self.decode_roofline(batch, self.max_model_len), 1),
+            "decode_roofline_tokens_per_s": rate(batch),
         }
 
 
@@ -83,9 +90,10 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,
          max_model_len: int | None = None, max_num_seqs: int = 32, page_size: int = 16,
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
-         bandwidth_gb_per_s: float = 24.0) -> MemoryPlan:
+         bandwidth_gb_per_s: float | None = None) -> MemoryPlan:
     """The plan for a KV budget: `kv_cache_bytes` for the cache alone, or `memory_bytes`
-    for weights plus cache (exactly one). Raises ValueError when not even one request
+    for weights plus cache (exactly one); `bandwidth_gb_per_s` (GB/s) for the decode
+    roofline, None leaves it out. Raises ValueError when not even one request
     of `max_model_len` fits, saying how much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")

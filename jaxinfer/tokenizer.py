@@ -278,6 +278,16 @@ def _eos_token_ids(backend: tokenizers.Tokenizer, special_tokens: Mapping[str, s
     return frozenset(ids)
 
 
+def eos_token_ids_from_configs(model_dir: str | os.PathLike) -> frozenset[int]:
+    """EOS ids from generation_config.json and config.json alone: the stop ids of a
+    checkpoint served without a tokenizer (`skip_tokenizer_init`)."""
+    root = pathlib.Path(model_dir)
+    ids = _config_ids(_read_json(root / "generation_config.json"), "eos_token_id",
+                      "generation_config.json")
+    ids += _config_ids(_read_json(root / "config.json"), "eos_token_id", "config.json")
+    return frozenset(ids)
+
+
 def _bos_token_id(backend: tokenizers.Tokenizer, special_tokens: Mapping[str, str],
         generation_config: Mapping[str, Any], model_config: Mapping[str, Any]) -> int | None:
     if "bos_token" in special_tokens:

@@ -26,7 +26,10 @@ def test_demo_greedy_matches_transformers(model_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = hf_tok(PROMPT)["input_ids"]
     with torch.no_grad():
+        # Plain greedy: transformers would apply generation_config.json's
+        # repetition_penalty even with do_sample=False.
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                           repetition_penalty=1.0,
                            pad_token_id=hf_tok.eos_token_id)[0, len(ids):].tolist()
     llm = LLM(model=model_dir, max_num_seqs=1, max_num_batched_tokens=32)
     (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0))
@@ -74,3 +77,11 @@ def test_cli_reports_unknown_model_dir(tmp_path):
     result = _cli("generate", f"--model={tmp_path / 'nope'}")
     assert result.returncode != 0
     assert "does not exist" in result.stderr
+
+
+def test_demo_generation_config_sets_sampled_defaults():
+    from jaxinfer import loading
+
+    for model_dir in (DEMO, DRAFT):
+        assert loading.default_sampling_params(model_dir) == SamplingParams(
+            temperature=0.6, top_p=0.95, repetition_penalty=1.1)

@@ -52,6 +52,9 @@ flags.DEFINE_enum("size", "small", ["small", "large"], "model shapes (see model_
 
 EOS = "<|endoftext|>"
 HELD_OUT_EVERY = 20
+# generation_config.json's sampling defaults, applied when a caller gives no
+# SamplingParams: chosen by reading samples of tools/demo_samples.py (checkpoints/README.md).
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}
 CHAT_TEMPLATE = (
     "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
@@ -172,7 +175,7 @@ def save(out: pathlib.Path, cfg: ModelConfig, params: dict, tok: Tokenizer,
                "bos_token": EOS, "model_max_length": cfg.max_position_embeddings,
                "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    gen = {"bos_token_id": eos, "eos_token_id": eos}
+    gen = {"bos_token_id": eos, "eos_token_id": eos, **SAMPLING_DEFAULTS}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,37 +1,38 @@
 """The engine loop the faces drive: add_request / step / abort / has_unfinished.
 
-Owns the tokenizer, the scheduler (with its page pool), the runner, per-request
-text state and the metrics. One `step()` schedules, runs one device call, and
-returns a RequestOutput (with this step's deltas) for every prompt that moved.
-Bad requests are refused in `add_request` with a specific error; the engine
-keeps serving the others. Imports checkpoint, tokenizer and the engine modules.
+The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV pool
+and builds the runner; the engine owns the scheduler (with its page pool), the
+runner it was given, per-request text state and the metrics. One `step()`
+schedules, runs one device call, and returns a RequestOutput (with this step's
+deltas) for every prompt that moved. Bad requests are refused in `add_request`
+with a specific error; the engine keeps serving the others. Never imports jax,
+numpy, the model or checkpoint (pyproject.toml's contract): it reaches the device
+through the runner package and `loading` only. Imports config, loading, tokenizer
+and the engine modules.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import os
-import pathlib
+import random
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
-from jaxinfer import checkpoint, planner
+from jaxinfer import loading
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import runner as runner_lib
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState
 from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.loading import DEVICE_KV_FRACTION  # noqa: F401  (aot.py reads it here)
 
 log = logging.getLogger(__name__)
-CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
-DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory: weights plus KV pool, by default
 
 
 class Engine:
@@ -41,70 +42,33 @@ class Engine:
                  *, warm_up: bool = True) -> None:
         config = config or EngineConfig()
         self.config = config
-        self.model_dir = pathlib.Path(model)
-        self.model_config = checkpoint.load_config(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.max_model_len = self._max_model_len()
-        params = checkpoint.load_params(self.model_dir, self.model_config, config.dtype)
-        self.kv_dtype = runner_lib.resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-        self.metrics = Metrics(bandwidth_gb_per_s=runner_lib.measure_memory_bandwidth())
-        self.memory_plan = self._plan_memory()
+        loaded = loading.load(model, config)
+        self.model_dir = loaded.model_dir
+        self.model_config = loaded.model_config
+        self.tokenizer = loaded.tokenizer  # None with skip_tokenizer_init
+        self.eos_token_ids = loaded.eos_token_ids
+        self.default_params = loaded.default_params  # for requests that give no params
+        self.max_model_len = loaded.max_model_len
+        self.memory_plan = loaded.memory_plan
+        self.runner = loaded.runner
+        self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
+        self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s)
         num_pages = self.memory_plan.num_pages
-        buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_num_seqs,
-                            min_tokens=runner_lib.min_step_tokens(config.dtype))
-        runner_lib.enable_compilation_cache(config.compilation_cache_dir)
-        self.runner = runner_lib.Runner(
-            self.model_config, params, num_pages=num_pages, page_size=config.page_size,
-            max_model_len=self.max_model_len, buckets=buckets, kv_dtype=self.kv_dtype,
-            eos_token_ids=self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             PagePool(num_pages, enable_caching=config.enable_prefix_caching),
             page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             policy=config.scheduler)
         if config.enable_prefix_caching:
             self.metrics.prefix_cache = self._prefix_cache_counts
-        self._rng = np.random.default_rng(config.seed)
+        self._rng = random.Random(config.seed)
         self._arrivals = 0
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[int, TextState] = {}  # id(Request) -> its text
         if warm_up:
             self.warm_up()
-
-    def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len={wanted} exceeds the model's "
-                             f"max_position_embeddings={limit}")
-        return wanted
-
-    def _plan_memory(self) -> planner.MemoryPlan:
-        """The page pool's plan: `kv_cache_memory_bytes` if given; else a fraction of an
-        accelerator's memory (weights included); else, on CPU, every slot at full length
-        within a fraction of RAM."""
-        config = self.config
-        common = dict(dtype=config.dtype, kv_dtype=self.kv_dtype,
-                      max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                      page_size=config.page_size,
-                      bandwidth_gb_per_s=round(self.metrics.bandwidth_gb_per_s, 1))
-        device_limit = runner_lib.device_memory_limit()
-        if config.kv_cache_memory_bytes is not None:
-            return planner.plan(self.model_config, kv_cache_bytes=config.kv_cache_memory_bytes,
-                                **common)
-        if device_limit:
-            return planner.plan(self.model_config,
-                                memory_bytes=int(device_limit * DEVICE_KV_FRACTION), **common)
-        page_bytes = config.page_size * planner.kv_bytes_per_token(self.model_config,
-                                                                   self.kv_dtype)
-        pages_per_seq = -(-self.max_model_len // config.page_size)
-        wanted = (config.max_num_seqs * pages_per_seq + 1) * page_bytes
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return planner.plan(self.model_config,
-                            kv_cache_bytes=min(wanted, int(physical * CPU_KV_FRACTION)), **common)
 
     def _prefix_cache_counts(self) -> dict[str, int]:
         pool = self.scheduler.pool
@@ -116,7 +80,7 @@ class Engine:
         result = self.runner.warm_up()
         self.metrics.warmup_seconds = result["seconds"]
         self.metrics.num_buckets = int(result["buckets"])
-        self.metrics.compiles_at_warmup = runner_lib.compile_count()
+        self.metrics.compiles_at_warmup = self.compiles.total
         log.info("warm-up: %d buckets in %.1fs", result["buckets"], result["seconds"])
         plan = self.memory_plan
         log.info("memory: planned %d weight + %d KV bytes (%d pages); allocated %d + %d",
@@ -129,24 +93,34 @@ class Engine:
     def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
                          messages: list[dict] | None = None) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
-        ids = self.tokenizer.prompt_ids(prompt, messages)
-        self._check_prompt(ids)
-        return [int(t) for t in ids]
+        if self.tokenizer is not None:
+            ids = self.tokenizer.prompt_ids(prompt, messages)
+        elif messages is not None or isinstance(prompt, str):
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): "
+                             "give prompts as token ids, not text or chat messages")
+        else:
+            ids = list(prompt if prompt is not None else [])
+        return self._check_prompt(ids)
 
-    def _check_prompt(self, ids: list) -> None:
+    def _check_prompt(self, ids: list) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+        tokens = [_token_id(t) for t in ids]
+        bad = [t for t, i in zip(ids, tokens, strict=True) if i is None or not 0 <= i < vocab]
         if bad:
             raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
                              f"{self.max_model_len} leaves no room to generate")
+        return tokens
 
     def check_params(self, params: SamplingParams) -> None:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own)."""
-        stops = len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True): "
+                             "use stop_token_ids")
+        stops = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and stops > STOP_WIDTH:
             raise ValueError(f"min_tokens with {stops} stop ids: at most {STOP_WIDTH} "
                              "(stop_token_ids plus EOS ids)")
@@ -154,16 +128,17 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                     priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions.
+        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions;
+        no `params`: `default_params` (the checkpoint's generation_config.json values).
         `prompt_token_ids`, from `prompt_token_ids()`, saves tokenizing `prompt` again."""
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = params if params is not None else self.default_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
         self.check_params(params)
         ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         children = []
         for index in range(params.n):
             request = Request(request_id=f"{request_id}#{index}", prompt_token_ids=list(ids),
@@ -171,8 +146,8 @@ class Engine:
                               seed=(seed + index) % 2**31, priority=priority,
                               group=request_id if params.n > 1 else "")
             self._arrivals += 1
-            self._texts[id(request)] = TextState(
-                self.tokenizer.detokenizer(ids), params.stop)
+            detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
+            self._texts[id(request)] = TextState(detokenizer, params.stop)
             children.append(request)
         self._requests[request_id] = children
         self._outputs[request_id] = RequestOutput(
@@ -213,7 +188,7 @@ class Engine:
                                    "(KV cache smaller than one request?)")
             return []
         started = time.perf_counter()
-        compiles = runner_lib.compile_count()
+        compiles = self.compiles.begin()
         bucket, samples = self.runner.execute(plan)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         self.scheduler.update(plan, [s.token_id if s else None for s in samples])
@@ -222,8 +197,8 @@ class Engine:
         self._record_metrics(plan, bucket, time.perf_counter() - started)
         return [self._sync(rid) for rid in changed]
 
-    def _check_compiles(self, before: int) -> None:
-        new = runner_lib.compile_count() - before
+    def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
+        new = self.compiles.end(span)
         if new:
             self.metrics.compiles_after_warmup += new
             log.warning("%d compilation(s) after warm-up", new)
@@ -280,3 +255,11 @@ class Engine:
             pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
             bytes_read=self.memory_plan.weight_bytes
             + attended * self.memory_plan.kv_bytes_per_token)
+
+
+def _token_id(token: object) -> int | None:
+    """A prompt entry as a token id (ints and numpy ints alike), or None if not one."""
+    try:
+        return operator.index(token)
+    except TypeError:
+        return None

@@ -2,7 +2,8 @@
 
 A stop string ends the request and is not part of its text. While streaming,
 the last `len(longest stop) - 1` characters are held back, since they may be
-the start of a stop string that the next tokens complete. Plain Python.
+the start of a stop string that the next tokens complete. Without a detokenizer
+(an engine made with `skip_tokenizer_init`) the text stays empty. Plain Python.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from jaxinfer.tokenizer import IncrementalDetokenizer
 class TextState:
     """The text of one completion as its tokens arrive."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer | None,
+                 stop: Sequence[str] = ()) -> None:
         self._detokenizer = detokenizer
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -25,7 +27,7 @@ class TextState:
 
     def add(self, token_ids: Sequence[int]) -> None:
         """Decode new tokens; looks for a stop string in the text they complete."""
-        if self.stop_string is not None:
+        if self.stop_string is not None or self._detokenizer is None:
             return
         before = len(self.text)
         self.text += self._detokenizer.add(token_ids)
@@ -40,7 +42,7 @@ class TextState:
 
     def finish(self) -> None:
         """The request ended: take the text of any bytes the detokenizer held back."""
-        if self.stop_string is None:
+        if self.stop_string is None and self._detokenizer is not None:
             self.text += self._detokenizer.flush()
 
     def delta(self, finished: bool) -> str:

@@ -2,10 +2,21 @@
 jax, numpy or the model (an import-linter contract in pyproject.toml says so).
 
 `runner.py` holds the device state and the compiled step per bucket; `inputs.py`
-turns a step's chunks into padded numpy arrays. The names the rest of the engine
-uses are re-exported here.
+turns a step's chunks into padded numpy arrays; `compiles.py` counts compilations
+per runner; `device.py` asks the device (bandwidth, memory) and sets JAX's
+process-wide compilation cache. The names the rest of the engine uses are
+re-exported here.
 """
 
+from jaxinfer.engine.runner.compiles import CompileCounter, CompileSpan
+from jaxinfer.engine.runner.device import (
+    device_memory_limit,
+    measure_memory_bandwidth,
+    memory_bandwidth,
+    probe_count,
+    tree_bytes,
+    use_compilation_cache,
+)
 from jaxinfer.engine.runner.inputs import (
     STOP_WIDTH,
     Chunk,
@@ -17,21 +28,15 @@ from jaxinfer.engine.runner.runner import (
     COMPILE_THREADS,
     Runner,
     Sample,
-    compile_count,
     compile_steps_for,
-    device_memory_limit,
-    enable_compilation_cache,
     input_spec,
-    measure_memory_bandwidth,
     min_step_tokens,
-    resolve_kv_dtype,
     step_function,
-    tree_bytes,
 )
 
 __all__ = [
-    "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "Runner", "Sample", "build_metadata",
-    "compile_count", "compile_steps_for", "device_memory_limit", "enable_compilation_cache",
-    "input_spec", "measure_memory_bandwidth", "min_step_tokens", "next_power_of_two",
-    "resolve_kv_dtype", "sampling_inputs", "step_function", "tree_bytes",
+    "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "CompileCounter", "CompileSpan", "Runner",
+    "Sample", "build_metadata", "compile_steps_for", "device_memory_limit", "input_spec",
+    "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens", "next_power_of_two",
+    "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",
 ]

@@ -3,9 +3,10 @@
 Holds the device params and the KV cache. `warm_up()` AOT-compiles the step
 for every bucket (KV cache donated) so nothing compiles mid-run; `execute()`
 pads a plan to its bucket, builds the step's numpy inputs, runs the compiled
-step and unpacks its one int32 result array. Compilations are counted through
-`jax.monitoring`, so a compile after warm-up is seen whoever caused it.
-Imports jax, model, config and the host-side engine modules.
+step and unpacks its one int32 result array. The runner's `compiles` counter
+(compiles.py) counts the compilations of the threads that drive it. Device
+questions (bandwidth, memory, the compilation cache) live in device.py.
+Imports jax, model, config, the host-side engine modules and its siblings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import pathlib
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +27,8 @@ from tqdm import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.runner.compiles import CompileCounter
+from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.model import layers, sampler
@@ -35,41 +37,7 @@ from jaxinfer.model.attention import init_kv_cache
 
 log = logging.getLogger(__name__)
 
-_COMPILES = [0]
-_COMPILES_LOCK = threading.Lock()
 COMPILE_THREADS = 2  # buckets compiled at once during warm-up
-
-
-def _count_compiles(event: str, duration: float, **kwargs: object) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        with _COMPILES_LOCK:
-            _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def compile_count() -> int:
-    """XLA compilations in this process so far (all of them, not only ours)."""
-    return _COMPILES[0]
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache in `path` (default ~/.cache/jaxinfer/xla)."""
-    if path == "":
-        return
-    path = path or str(pathlib.Path.home() / ".cache" / "jaxinfer" / "xla")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
-    """The KV dtype: "auto" is the weights' dtype. (On CPU bfloat16 pages are stored
-    as their uint16 bits, see model/attention.py; byte counts are the same.)"""
-    if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"{kv_cache_dtype=} must be 'auto', 'float32' or 'bfloat16'")
-    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +56,9 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  max_model_len: int, buckets: BucketSet | None = None,
                  kv_dtype: str = "float32",
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 attention_impl: str | None = None) -> None:
+        cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.params = params
         self.page_size = page_size
@@ -174,6 +144,12 @@ class Runner:
         self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
         return np.asarray(out)[:total]
 
+    @functools.cached_property
+    def compiles(self) -> CompileCounter:
+        """Counts the XLA compilations of the threads that use this runner (compiles.py);
+        made on first use, so use it before `warm_up()` to count warm-up's compiles."""
+        return CompileCounter()
+
 
 def step_function(cfg: ModelConfig, *, decode_only: bool = False) -> functools.partial:
     """The step the runner compiles: (params, kv_cache, inputs) -> (kv_cache, packed);
@@ -226,26 +202,3 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         return list(pool.map(compile_one, lowered))
-
-
-def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 5) -> float:
-    """GB/s of a jitted float32 sum over `num_bytes`: the device's read bandwidth."""
-    data = jnp.ones((num_bytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(data).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(data).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return num_bytes / sorted(times)[len(times) // 2] / 1e9
-
-
-def device_memory_limit() -> int | None:
-    """Bytes the default device may allocate, when the device reports it (not CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-def tree_bytes(tree: object) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))

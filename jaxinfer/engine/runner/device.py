@@ -1,0 +1,80 @@
+"""What the engine asks of the device and of JAX's process-wide state, each asked once.
+
+- `use_compilation_cache(path)`: JAX's persistent compilation cache is one setting
+  per process (`jax.config`), so it is set by one explicit call from the faces
+  (`LLM`, the CLI), never by an `Engine`; asking again for the same directory is a
+  no-op, asking for another one is an error (JAX would silently keep the first).
+- `memory_bandwidth()`: the read bandwidth of a device, probed once per process and
+  device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
+- `device_memory_limit()`, `tree_bytes()`: memory the device allows, bytes of a tree.
+
+Imports jax only.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "jaxinfer" / "xla"
+
+
+def use_compilation_cache(path: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at `path` (None: ~/.cache/jaxinfer/xla;
+    "": leave JAX's setting alone) and cache every entry, however fast to compile.
+    Returns the directory in use. Raises ValueError if this process already caches in
+    another directory, as JAX keeps the first one it used."""
+    if path == "":
+        return jax.config.jax_compilation_cache_dir
+    wanted = str(pathlib.Path(path or DEFAULT_CACHE_DIR).expanduser().resolve())
+    current = jax.config.jax_compilation_cache_dir
+    if current is not None and str(pathlib.Path(current).expanduser().resolve()) != wanted:
+        raise ValueError(f"compilation_cache_dir={wanted!r}: this process already caches "
+                         f"compilations in {current!r} (JAX's cache is one per process)")
+    jax.config.update("jax_compilation_cache_dir", wanted)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return wanted
+
+
+def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 5) -> float:
+    """GB/s of a jitted float32 sum over `num_bytes`: the device's read bandwidth."""
+    data = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(data).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return num_bytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def memory_bandwidth(device: jax.Device | None = None) -> float:
+    """The default (or given) device's read bandwidth in GB/s, probed once per process."""
+    return _bandwidth_of(device or jax.devices()[0])
+
+
+@functools.cache
+def _bandwidth_of(device: jax.Device) -> float:
+    with jax.default_device(device):
+        return measure_memory_bandwidth()
+
+
+def probe_count() -> int:
+    """How many bandwidth probes `memory_bandwidth` ran in this process."""
+    return _bandwidth_of.cache_info().misses
+
+
+def device_memory_limit() -> int | None:
+    """Bytes the default device may allocate, when the device reports it (not CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def tree_bytes(tree: object) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))

@@ -1,0 +1,151 @@
+"""A checkpoint directory -> what an engine serves: device params, a sized KV pool, the
+tokenizer and the checkpoint's sampling defaults.
+
+`load(model_dir, config)` reads config.json, the tokenizer (unless
+`skip_tokenizer_init`), generation_config.json, picks the context length, plans the
+page pool with `planner` (an explicit KV size; else a fraction of an accelerator's
+memory, weights included; else, on CPU, every slot at full length within a fraction
+of RAM), reads the weights and builds the `Runner` that holds params and KV cache.
+`Engine` calls it and keeps only the request lifecycle.
+
+Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
+runner package, `checkpoint` and `planner`. Imports config, checkpoint, planner,
+tokenizer, engine.request, engine.buckets and the runner package; never engine.engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from typing import Any
+
+from jaxinfer import checkpoint, planner
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine import runner as runner_lib
+from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.tokenizer import Tokenizer, eos_token_ids_from_configs
+
+log = logging.getLogger(__name__)
+CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
+DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory: weights plus KV pool, by default
+# generation_config.json key -> SamplingParams field: the keys vLLM's
+# generation_config="auto" applies to requests that give no sampling parameters.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadedModel:
+    """Everything `load` read and built for one engine."""
+
+    model_dir: pathlib.Path
+    model_config: ModelConfig  # as the checkpoint says (the runner's copy has attention_impl)
+    tokenizer: Tokenizer | None  # None with skip_tokenizer_init
+    eos_token_ids: frozenset[int]
+    default_params: SamplingParams  # SamplingParams() with generation_config.json's values
+    max_model_len: int
+    memory_plan: planner.MemoryPlan
+    runner: runner_lib.Runner
+
+
+def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
+    """Read the checkpoint at `model_dir` and build its runner as `config` says."""
+    root = pathlib.Path(model_dir)
+    model_config = checkpoint.load_config(root)
+    tokenizer = load_tokenizer(root, skip=config.skip_tokenizer_init)
+    eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
+                     else eos_token_ids_from_configs(root))
+    defaults = default_sampling_params(root)
+    max_len = max_model_len(model_config, config)
+    memory_plan = plan_memory(model_config, config, max_len)
+    params = checkpoint.load_params(root, model_config, config.dtype)
+    runner = runner_lib.Runner(
+        model_config, params, num_pages=memory_plan.num_pages, page_size=config.page_size,
+        max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
+        buckets=BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
+                          max_num_seqs=config.max_num_seqs,
+                          min_tokens=runner_lib.min_step_tokens(config.dtype)),
+        attention_impl=config.attention_impl)
+    return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
+                       eos_token_ids=eos_token_ids, default_params=defaults,
+                       max_model_len=max_len, memory_plan=memory_plan, runner=runner)
+
+
+def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None when `skip`. A directory without one is refused
+    with the way out: token-id prompts need no tokenizer."""
+    if skip:
+        return None
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{str(model_dir)!r} has no tokenizer.json; to serve token-id prompts without "
+            "a tokenizer, pass skip_tokenizer_init=True (--skip_tokenizer_init)")
+    return Tokenizer.from_dir(model_dir)
+
+
+def generation_config(model_dir: pathlib.Path) -> dict[str, Any]:
+    """The JSON object in generation_config.json, or {} without one."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def default_sampling_params(model_dir: pathlib.Path) -> SamplingParams:
+    """SamplingParams() with the checkpoint's generation_config.json values (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens) where it has them, as vLLM
+    does; `do_sample` is ignored, as vLLM does too."""
+    found = generation_config(model_dir)
+    values = {field: found[key] for key, field in GENERATION_DEFAULTS.items()
+              if found.get(key) is not None}
+    try:
+        params = SamplingParams(**values)
+    except ValueError as e:
+        raise ValueError(f"{model_dir / 'generation_config.json'}: {e}") from None
+    if values:
+        log.info("sampling defaults from generation_config.json: %s", values)
+    return params
+
+
+def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
+    """`config.max_model_len`, or the model's maximum; never more than the model's."""
+    limit = model_config.max_position_embeddings
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return wanted
+
+
+def plan_memory(model_config: ModelConfig, config: EngineConfig,
+                max_len: int) -> planner.MemoryPlan:
+    """The page pool's plan: `kv_cache_memory_bytes` if given; else DEVICE_KV_FRACTION of
+    an accelerator's memory (weights included); else, on CPU, every slot at full length
+    within CPU_KV_FRACTION of RAM. The bandwidth is probed once per process."""
+    common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
+                  max_num_seqs=config.max_num_seqs, page_size=config.page_size,
+                  bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
+    if config.kv_cache_memory_bytes is not None:
+        return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,
+                            **common)
+    device_limit = runner_lib.device_memory_limit()
+    if device_limit:
+        return planner.plan(model_config, memory_bytes=int(device_limit * DEVICE_KV_FRACTION),
+                            **common)
+    page_bytes = config.page_size * planner.kv_bytes_per_token(model_config, config.kv_dtype)
+    pages_per_seq = -(-max_len // config.page_size)
+    wanted = (config.max_num_seqs * pages_per_seq + 1) * page_bytes
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return planner.plan(model_config, kv_cache_bytes=min(wanted, int(physical * CPU_KV_FRACTION)),
+                        **common)

@@ -1,0 +1,101 @@
+"""The command line as a new user meets it: help, one-line errors, flags derived from
+EngineConfig, sampling flags over the checkpoint's defaults, `plan` without the runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from jaxinfer import SamplingParams, cli
+from jaxinfer.config import EngineConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxinfer", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_commands_one_line_each():
+    result = _cli("--help")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for name, command in cli.COMMANDS.items():
+        assert [line for line in lines if line.split()[:1] == [name]] == \
+            [f"  {name:<8}  {command.summary}"]
+    assert "<command> --help" in result.stdout
+
+
+def test_command_help_lists_its_flags_with_defaults():
+    result = _cli("generate", "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "--max_tokens (int; default 64)\n      tokens to generate" in out
+    assert '--dtype (float32|bfloat16; default "float32")\n      weights dtype' in out
+    assert "--max_num_seqs (int; default 1)" in out  # generate's own default
+    assert "--temperature (float; default unset)" in out
+    assert "--skip_tokenizer_init (bool; default false)" in out
+    assert "--device" not in out and "--helpfull" not in out  # aot's flag; no absl dump
+    plan = _cli("plan", "-h").stdout
+    assert "--bandwidth_gb_per_s" in plan and "--prompt" not in plan
+
+
+def test_engine_flags_are_derived_from_engine_config():
+    for field in dataclasses.fields(EngineConfig):
+        flag = flags.FLAGS[field.name]
+        assert flag.default == field.default, field.name
+        assert field.metadata["help"] in flag.help
+        choices = field.metadata["choices"]
+        assert getattr(flag.parser, "enum_values", None) == (list(choices) if choices
+                                                             else None)
+    assert set(cli.ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_sampling_flags_override_only_their_field():
+    flags.FLAGS.mark_as_parsed()
+    defaults = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1)
+    with flagsaver.flagsaver(temperature=0.2, max_tokens=9):
+        assert cli.sampling_params(defaults) == SamplingParams(
+            temperature=0.2, top_p=0.95, repetition_penalty=1.1, max_tokens=9)
+    with flagsaver.flagsaver():
+        assert cli.sampling_params(defaults) == dataclasses.replace(defaults, max_tokens=64)
+
+
+@pytest.mark.parametrize("args, message, code", [
+    (["generate", "--dtype=float16"], "flag --dtype=float16: value should be one of", 2),
+    (["generate", "--max_num_seqs=0"], "generate: max_num_seqs=0 must be a positive int", 1),
+    (["generate", "--model=/no/such/model"], "model directory '/no/such/model' does not exist",
+     1),
+    (["generate", "--max_model_len=16", "--prompt=" + "x = 1\n" * 20],
+     "tokens; max_model_len 16 leaves no room to generate", 1),
+    (["bogus"], "give one command of generate, batch", 2),
+    (["plan", "--model=qwen3-0.6b"], "plan needs --memory_gb=GB", 2),
+])
+def test_errors_print_one_line_and_exit_non_zero(args, message, code):
+    result = _cli(*args)
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("jaxinfer: error: ") and message in last
+
+
+def test_plan_does_not_import_the_runner():
+    code = ("import sys\nfrom jaxinfer import cli\ntry:\n"
+            "    cli.run(['jaxinfer', 'plan', '--model=qwen3-0.6b', '--memory_gb=4',\n"
+            "             '--max_model_len=4096'])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in sys.modules if m.startswith('jaxinfer.engine')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr
+    assert '"decode_roofline_tokens_per_s": null' in result.stdout  # no bandwidth given
+    assert result.stdout.splitlines()[-1] == "['jaxinfer.engine', 'jaxinfer.engine.request']"
