@@ -165,3 +165,31 @@ def test_engine_penalties_and_min_tokens(engine):
     (late,) = _run(engine, [[10, 11, 12]], [SamplingParams(
         max_tokens=16, temperature=0.0, stop_token_ids=[stop], min_tokens=3)])
     assert stop not in late.token_ids[:3] and len(late.token_ids) >= 3
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_engine_metrics_count_tokens_computed_and_returned(hf_model_dirs, caching):
+    """generated_tokens: tokens returned; prompt_tokens: prompt tokens computed, cache hits
+    apart in prompt_tokens_cached; computed_tokens: every token the device ran."""
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(
+        **SMALL, kv_cache_memory_bytes=64 * PAGE_BYTES, enable_prefix_caching=caching))
+    shared = list(range(100, 113))  # 13 tokens: three full pages to share
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    first = _run(engine, [shared + [1]], [SamplingParams(max_tokens=4, **greedy)])
+    prompts = [shared + [2, 3], shared + [4], [5, 6, 7], list(range(30, 60))]
+    params = [SamplingParams(max_tokens=m, **greedy) for m in (7, 1, 5)]
+    params.append(SamplingParams(max_tokens=6, stop_token_ids=tuple(range(260))))  # 1 token
+    outs = first + _run(engine, prompts, params)
+    metrics = engine.metrics.summary()
+    returned = [len(o.token_ids) for o in outs]
+    assert returned == [4, 7, 1, 5, 1] and outs[-1].finish_reason == "stop"
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == ([0, 12, 12, 0, 0] if caching else [0] * 5)
+    prompt_lens = [len(shared) + 1] + [len(p) for p in prompts]
+    assert metrics["generated_tokens"] == sum(returned) == 18
+    assert metrics["prompt_tokens"] == sum(prompt_lens) - sum(cached)
+    assert metrics["prompt_tokens_cached"] == sum(cached)
+    assert metrics["preemptions"] == 0
+    # Each request ran its computed prompt tokens, then fed back each output but the last.
+    assert metrics["computed_tokens"] == metrics["prompt_tokens"] + sum(returned) - len(outs)
+    assert metrics["generated_tokens_per_s"] > 0 and metrics["prompt_tokens_per_s"] > 0
