@@ -233,8 +233,9 @@ class Scheduler:
         """Advance each chunk's request and append its sampled tokens, in order, checking
         the stop conditions after each: the tokens after a stop token, `max_tokens` or
         `max_model_len` are dropped. `sampled` has one list per chunk, of at most its
-        `num_samples` tokens (a rejection sampler passes the accepted ones). Returns the
-        requests that finished."""
+        `num_samples` tokens (a rejection sampler would pass the accepted ones; all the
+        chunk's tokens count as computed: rolling back rejected drafts belongs with the
+        proposer). Returns the requests that finished."""
         finished = []
         for chunk, tokens in zip(plan.chunks, sampled, strict=True):
             if len(tokens) > chunk.num_samples:
