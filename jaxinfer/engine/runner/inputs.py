@@ -123,10 +123,10 @@ def next_power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
-def sampling_inputs(sample_rows: Sequence[SampleRow | None], *, num_rows: int,
+def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
                     history_width: int, eos_token_ids: frozenset[int]) -> SamplingInputs:
     """Per-row sampling arrays; None rows and rows past the given ones are greedy padding."""
-    rows = list(sample_rows) + [None] * (num_rows - len(sample_rows))
+    rows = list(rows) + [None] * (num_rows - len(rows))
     history = np.full((num_rows, history_width), -1, np.int32)
     stop_ids = np.full((num_rows, STOP_WIDTH), -1, np.int32)
     fields: dict[str, list] = {k: [] for k in (
