@@ -191,10 +191,10 @@ class Engine:
         compiles = self.compiles.begin()
         bucket, samples = self.runner.execute(plan)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
-        self.scheduler.update(plan, [s.token_id if s else None for s in samples])
+        self.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
         self._check_compiles(compiles)
         changed = self._record_tokens(plan, samples, lengths)
-        self._record_metrics(plan, bucket, time.perf_counter() - started)
+        self._record_metrics(plan, bucket, lengths, time.perf_counter() - started)
         return [self._sync(rid) for rid in changed]
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
@@ -206,21 +206,29 @@ class Engine:
                 raise RuntimeError(f"{new} XLA compilation(s) after warm-up "
                                    "(strict_compile=True)")
 
-    def _record_tokens(self, plan: StepPlan, samples: list, lengths: list[int]) -> list[str]:
+    def _record_tokens(self, plan: StepPlan, samples: list[list[runner_lib.Sample]],
+                       lengths: list[int]) -> list[str]:
+        """Logprobs and text of the tokens `Scheduler.update` appended (`lengths`: the
+        output counts before it), one at a time: a stop string ends the request at the
+        token that completes it and drops the tokens after it."""
         changed: dict[str, None] = {}
-        for chunk, sample, before in zip(plan.chunks, samples, lengths, strict=True):
+        for chunk, chunk_samples, before in zip(plan.chunks, samples, lengths, strict=True):
             request = chunk.request
-            if sample is None or len(request.output_token_ids) == before:
+            added = len(request.output_token_ids) - before
+            if added <= 0:
                 continue
-            if request.params.logprobs is not None:
-                k = request.params.logprobs
-                top = dict(zip(sample.top_ids[:k].tolist(), sample.top_logprobs[:k].tolist(),
-                               strict=True))
-                request.output_logprobs.append(top | {sample.token_id: sample.logprob})
             text = self._texts[id(request)]
-            text.add([sample.token_id])
-            if text.stop_string is not None:
-                self.scheduler.finish(request, "stop", text.stop_string)
+            for index, sample in enumerate(chunk_samples[:added]):
+                if request.params.logprobs is not None:
+                    k = request.params.logprobs
+                    top = dict(zip(sample.top_ids[:k].tolist(),
+                                   sample.top_logprobs[:k].tolist(), strict=True))
+                    request.output_logprobs.append(top | {sample.token_id: sample.logprob})
+                text.add([sample.token_id])
+                if text.stop_string is not None:
+                    self.scheduler.finish(request, "stop", text.stop_string,
+                                          num_output_tokens=before + index + 1)
+                    break
             changed[request.request_id.rsplit("#", 1)[0]] = None
         return list(changed)
 
@@ -243,15 +251,26 @@ class Engine:
                 completion.logprobs.extend(request.output_logprobs[done:])
         return out
 
-    def _record_metrics(self, plan: StepPlan, bucket: Bucket, seconds: float) -> None:
+    def _record_metrics(self, plan: StepPlan, bucket: Bucket, lengths: list[int],
+                        seconds: float) -> None:
+        """Count the step: tokens generated are those appended to outputs (after stops);
+        a request's prompt counts once, at its first token, split into the tokens
+        computed and those the prefix cache served (see metrics.py)."""
         attended = sum(c.start + c.num_tokens for c in plan.chunks)
-        prompt = sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_token_ids))
-                         - c.start) for c in plan.chunks)
+        generated = computed = cached = 0
+        for chunk, before in zip(plan.chunks, lengths, strict=True):
+            request = chunk.request
+            added = len(request.output_token_ids) - before
+            generated += max(added, 0)
+            if before == 0 and added > 0:
+                hits = request.num_cached_tokens or 0
+                computed += len(request.prompt_token_ids) - hits
+                cached += hits
         self.metrics.preemptions = self.scheduler.num_preemptions
         self.metrics.record_step(
             real_tokens=plan.num_tokens, padded_tokens=bucket.num_tokens,
-            requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=prompt,
-            generated=sum(c.samples for c in plan.chunks),
+            requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=computed,
+            prompt_tokens_cached=cached, generated=generated,
             pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
             bytes_read=self.memory_plan.weight_bytes
             + attended * self.memory_plan.kv_bytes_per_token)

@@ -3,6 +3,15 @@
 The roofline: the bytes a step must read (all weights once, plus the K/V of
 every token attended) over the step's time, as a fraction of the machine's
 memory bandwidth measured at start-up.
+
+Token counts, as vLLM's Prometheus counters count them. `generated_tokens`
+are the tokens appended to outputs (what the requests return; tokens cut by
+a stop are not). A request's prompt counts once, when its first token is
+sampled, split by source as vLLM's `prompt_tokens_by_source`: the tokens the
+device computed (`prompt_tokens`, "local_compute") and those the prefix cache
+served at admission (`prompt_tokens_cached`, "local_cache_hit"); their sum is
+vLLM's `prompt_tokens` (n x prompt length). Recomputation after a preemption
+is in neither: `computed_tokens` counts every token the device ran.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ class Metrics:
     num_buckets: int = 0
     compiles_at_warmup: int = 0
     steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption too)
-    generated_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed, once per request (no cache hits)
+    prompt_tokens_cached: int = 0  # prompt tokens the prefix cache served, once per request
+    generated_tokens: int = 0  # tokens appended to the requests' outputs
     padded_tokens: int = 0
     real_tokens: int = 0
     occupied_slots: int = 0
@@ -37,14 +47,15 @@ class Metrics:
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, requests: int, slots: int,
-                    prompt_tokens: int, generated: int, pages_in_use: int, seconds: float,
-                    bytes_read: int) -> None:
+                    prompt_tokens: int, prompt_tokens_cached: int, generated: int,
+                    pages_in_use: int, seconds: float, bytes_read: int) -> None:
         self.steps += 1
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens
         self.occupied_slots += requests
         self.padded_slots += slots
         self.prompt_tokens += prompt_tokens
+        self.prompt_tokens_cached += prompt_tokens_cached
         self.generated_tokens += generated
         self.pages_in_use_total += pages_in_use
         self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
@@ -57,7 +68,9 @@ class Metrics:
         return {
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_cached": self.prompt_tokens_cached,
             "generated_tokens": self.generated_tokens,
+            "computed_tokens": self.real_tokens,
             "prompt_tokens_per_s": round(self.prompt_tokens / busy, 1),
             "generated_tokens_per_s": round(self.generated_tokens / busy, 1),
             "step_seconds": round(self.step_seconds, 3),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from jaxinfer.config import SCHEDULERS
 from jaxinfer.engine.page_pool import ROOT, PagePool
@@ -33,20 +33,29 @@ CACHE_STATS = ("prompt_tokens", "hit_tokens", "miss_tokens_no_shared_prefix",
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of one request, from position `start`, in this step."""
+    """`num_tokens` tokens of one request, from position `start`, in this step.
+
+    The chunk's last `num_samples` positions are sampled, each giving the token that
+    follows it: 0 for a prefill chunk that stops short of the request's end, 1 for one
+    that reaches it. A proposer that schedules k draft tokens after the last one raises
+    it to k + 1 (each draft is then checked against the sample before it); the runner
+    samples at most its static number of positions per request. Fixed when scheduled:
+    `Scheduler.update` moves the request on, not the chunk.
+    """
 
     request: Request
     start: int
     num_tokens: int
+    num_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_samples <= self.num_tokens:
+            raise ValueError(f"num_samples={self.num_samples} must be in [0, num_tokens="
+                             f"{self.num_tokens}]")
 
     @property
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start:self.start + self.num_tokens]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last token, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +108,7 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve_or_preempt(request, count, preempted):
                 continue  # `request` itself was preempted; the next one moved up
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            chunks.append(_chunk(request, count))
             budget -= count
             index += 1
         if self.policy == "static" and not self.running:
@@ -142,7 +151,7 @@ class Scheduler:
             self._static_quota -= self.policy == "static"
             request.status = Status.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, count))
+            chunks.append(_chunk(request, count))
             budget -= count
         return budget
 
@@ -220,22 +229,31 @@ class Scheduler:
             request.page_ids = []
         request.page_serials = []
 
-    def update(self, plan: StepPlan, sampled: list[int | None]) -> list[Request]:
-        """Advance each chunk's request; append sampled tokens. Returns newly finished."""
+    def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
+        """Advance each chunk's request and append its sampled tokens, in order, checking
+        the stop conditions after each: the tokens after a stop token, `max_tokens` or
+        `max_model_len` are dropped. `sampled` has one list per chunk, of at most its
+        `num_samples` tokens (a rejection sampler would pass the accepted ones; all the
+        chunk's tokens count as computed: rolling back rejected drafts belongs with the
+        proposer). Returns the requests that finished."""
         finished = []
-        for chunk, token in zip(plan.chunks, sampled, strict=True):
+        for chunk, tokens in zip(plan.chunks, sampled, strict=True):
+            if len(tokens) > chunk.num_samples:
+                raise ValueError(f"{len(tokens)} tokens for a chunk of "
+                                 f"{chunk.request.request_id!r} that samples "
+                                 f"{chunk.num_samples}")
             request = chunk.request
             if request.finished or request.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             self._register_pages(request)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.finish(request, *reason)
-                finished.append(request)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    self.finish(request, *reason)
+                    finished.append(request)
+                    break
         return finished
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
@@ -250,9 +268,19 @@ class Scheduler:
             return "length", None
         return None
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None
-               ) -> None:
-        """End a request (stop, length, a stop string, or abort) and free its pages."""
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
+               *, num_output_tokens: int | None = None) -> None:
+        """End a request (stop, length, a stop string, or abort) and free its pages.
+
+        `num_output_tokens` keeps only that many of its outputs: the engine found a stop
+        string before the last token a step appended. The later tokens are dropped, and
+        with them whatever end they had caused: this reason replaces it.
+        """
+        if num_output_tokens is not None and num_output_tokens < len(request.output_token_ids):
+            del request.output_token_ids[num_output_tokens:]
+            if request.finished:
+                request.finish_reason, request.stop_reason = reason, stop_reason
+                return
         if request.finished:
             return
         if request in self.running:
@@ -263,3 +291,9 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+
+
+def _chunk(request: Request, count: int) -> ScheduledChunk:
+    """The next `count` tokens of `request`; one sample if they reach its last token."""
+    start = request.num_computed_tokens
+    return ScheduledChunk(request, start, count, int(start + count == request.num_tokens))

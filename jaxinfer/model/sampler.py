@@ -5,13 +5,16 @@ ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
 Each row draws from its own key, folded from the request's seed and its count
 of generated tokens, so a request's tokens never depend on what else is in the
 batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
-penalties, temperature or filtering. Costly [S, V] work runs under `lax.cond`
+penalties, temperature or filtering. Costly [R, V] work runs under `lax.cond`
 only when some row needs it: token counts (penalties), the draw (temperature
 > 0), one sort per row (top-k or top-p), the top-k logprobs (rows with
 `logprobs` > 0; the others get ids -1). Greedy is a max then the first index
 that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower.
+A row may carry a proposed token (a draft to verify; -1 for none): its raw
+logprob is returned beside the sampled token's. Rows are whatever the caller
+makes them: the step samples R = S * Q of them (Q positions per request).
 `pack`/`unpack` turn the output into one int32 array per step and back (host
-side, numpy).
+side, numpy), keeping any leading dimensions.
 
 Imports jax and numpy only.
 """
@@ -28,40 +31,47 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingInputs:
-    """Per-row sampling settings; padding rows are greedy with no penalties."""
+    """Per-row sampling settings (R rows); padding rows are greedy with no penalties."""
 
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; 0 = off
-    top_p: jax.Array  # f32[S]; 1 = off
-    min_p: jax.Array  # f32[S]; 0 = off
-    repetition_penalty: jax.Array  # f32[S]; 1 = off; ids in prompt or output
-    presence_penalty: jax.Array  # f32[S]; 0 = off; ids in output
-    frequency_penalty: jax.Array  # f32[S]; 0 = off; per occurrence in output
-    seeds: jax.Array  # u32[S]
-    counters: jax.Array  # i32[S]: tokens the request has generated so far
-    history: jax.Array  # i32[S, W]: prompt then output token ids, padded with -1
-    prompt_lens: jax.Array  # i32[S]: prompt tokens at the start of history
-    history_lens: jax.Array  # i32[S]: prompt + output tokens in history
-    ban_stop: jax.Array  # bool[S]: True while the request has < min_tokens outputs
-    stop_ids: jax.Array  # i32[S, E]: ids that end the request, padded with -1
-    logprobs: jax.Array  # i32[S]: top logprobs the row wants; 0 = none
+    temperature: jax.Array  # f32[R]; 0 = greedy
+    top_k: jax.Array  # i32[R]; 0 = off
+    top_p: jax.Array  # f32[R]; 1 = off
+    min_p: jax.Array  # f32[R]; 0 = off
+    repetition_penalty: jax.Array  # f32[R]; 1 = off; ids in prompt or output
+    presence_penalty: jax.Array  # f32[R]; 0 = off; ids in output
+    frequency_penalty: jax.Array  # f32[R]; 0 = off; per occurrence in output
+    seeds: jax.Array  # u32[R]
+    counters: jax.Array  # i32[R]: tokens the request generated before this row's
+    history: jax.Array  # i32[R, W]: prompt then output token ids, padded with -1
+    prompt_lens: jax.Array  # i32[R]: prompt tokens at the start of history
+    history_lens: jax.Array  # i32[R]: prompt + output tokens in history
+    ban_stop: jax.Array  # bool[R]: True while the request has < min_tokens outputs
+    stop_ids: jax.Array  # i32[R, E]: ids that end the request, padded with -1
+    logprobs: jax.Array  # i32[R]: top logprobs the row wants; 0 = none
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
-    """One sampled token per row (jax arrays on device, numpy after `unpack`)."""
+    """One sampled token per row (jax arrays on device, numpy after `unpack`).
 
-    token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]: raw logprob of the chosen token
-    top_ids: jax.Array  # i32[S, k]
-    top_logprobs: jax.Array  # f32[S, k]
+    Shapes are those of a step's R rows; `unpack` gives them the packed array's leading
+    dimensions (the step's [S, Q]) in place of R.
+    """
+
+    token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]: raw logprob of the chosen token
+    top_ids: jax.Array  # i32[R, k]
+    top_logprobs: jax.Array  # f32[R, k]
+    proposed_logprobs: jax.Array  # f32[R]: raw logprob of the row's proposed id; -inf if none
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SampleOutput:
-    """Pick one token per row of f32[S, V] logits."""
+def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int,
+           proposed_ids: jax.Array | None = None) -> SampleOutput:
+    """Pick one token per row of f32[R, V] logits; score the i32[R] `proposed_ids`
+    (-1 = none; None = no row proposes)."""
     logits = logits.astype(jnp.float32)
-    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[S]: logprobs = logits - log_total
+    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[R]: logprobs = logits - log_total
     penalized = penalize(logits, inputs)
     greedy = first_argmax(penalized)
     is_random = inputs.temperature > 0
@@ -76,20 +86,31 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
         jnp.any(inputs.logprobs > 0), lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
         lambda _x: skipped, logits)
     return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32),
-                        top_logits - log_total[:, None])
+                        top_logits - log_total[:, None],
+                        _proposed_logprobs(logits, log_total, proposed_ids))
+
+
+def _proposed_logprobs(logits: jax.Array, log_total: jax.Array,
+                       proposed_ids: jax.Array | None) -> jax.Array:
+    """f32[R]: each row's raw logprob of its proposed id; -inf where it has none."""
+    if proposed_ids is None:
+        return jnp.full(logits.shape[:1], -jnp.inf)
+    proposed = proposed_ids.astype(jnp.int32)
+    found = jnp.take_along_axis(logits, jnp.maximum(proposed, 0)[:, None], axis=-1)[:, 0]
+    return jnp.where(proposed >= 0, found - log_total, -jnp.inf)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
-    """i32[S]: the first index of each row's maximum (as jnp.argmax, NaN-free rows)."""
+    """i32[R]: the first index of each row's maximum (as jnp.argmax, NaN-free rows)."""
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     top = jnp.max(x, axis=-1, keepdims=True)
     return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """f32[S, V] logits after the penalties and the min_tokens ban on stop ids.
+    """f32[R, V] logits after the penalties and the min_tokens ban on stop ids.
 
-    The [S, V] token counts are built only when some row has a penalty on.
+    The [R, V] token counts are built only when some row has a penalty on.
     """
     any_penalty = (jnp.any(inputs.repetition_penalty != 1)
                    | jnp.any(inputs.presence_penalty != 0)
@@ -101,16 +122,16 @@ def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 def _apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """vLLM's penalties: repetition (prompt or output ids), then frequency, then presence."""
     num_rows, vocab = logits.shape
-    ids = inputs.history  # i32[S, W]
+    ids = inputs.history  # i32[R, W]
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     seen = (pos < inputs.history_lens[:, None]) & (ids >= 0) & (ids < vocab)
     is_output = seen & (pos >= inputs.prompt_lens[:, None])
     rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], ids.shape)
     # Masked entries point one past the vocab and are dropped.
     counts = jnp.zeros((num_rows, vocab), jnp.int32).at[
-        rows, jnp.where(is_output, ids, vocab)].add(1, mode="drop")  # i32[S, V]
+        rows, jnp.where(is_output, ids, vocab)].add(1, mode="drop")  # i32[R, V]
     present = jnp.zeros((num_rows, vocab), jnp.bool_).at[
-        rows, jnp.where(seen, ids, vocab)].set(True, mode="drop")  # bool[S, V]
+        rows, jnp.where(seen, ids, vocab)].set(True, mode="drop")  # bool[R, V]
     rep = inputs.repetition_penalty[:, None]
     logits = jnp.where(present, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - inputs.frequency_penalty[:, None] * counts.astype(jnp.float32)
@@ -120,14 +141,14 @@ def _apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 def _ban_stop_ids(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """Set the stop ids' logits to -inf in rows with ban_stop (fewer than min_tokens)."""
     num_rows, vocab = logits.shape
-    stop_ids = inputs.stop_ids  # i32[S, E]
+    stop_ids = inputs.stop_ids  # i32[R, E]
     banned = inputs.ban_stop[:, None] & (stop_ids >= 0)
     rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], stop_ids.shape)
     return logits.at[rows, jnp.where(banned, stop_ids, vocab)].set(-jnp.inf, mode="drop")
 
 
 def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """i32[S] tokens drawn after temperature, top-k, top-p and min-p.
+    """i32[R] tokens drawn after temperature, top-k, top-p and min-p.
 
     The filters become one floor per row on the scaled logits; the draw is an
     inverse CDF in vocab order, so it is the same whether or not the batch
@@ -135,14 +156,14 @@ def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """
     num_rows, vocab = logits.shape
     temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
-    scaled = logits / temperature  # f32[S, V]
+    scaled = logits / temperature  # f32[R, V]
     needs_sort = jnp.any((inputs.top_k > 0) & (inputs.top_k < vocab)) | jnp.any(inputs.top_p < 1)
     floor = jax.lax.cond(needs_sort, _top_k_top_p_floor,
                          lambda _s, _i: jnp.full((num_rows,), -jnp.inf), scaled, inputs)
     row_max = jnp.max(scaled, axis=-1)
     # min-p: prob >= min_p * max_prob, i.e. logit >= max_logit + log(min_p).
     floor = jnp.maximum(floor, row_max + jnp.log(inputs.min_p))[:, None]
-    weights = jnp.exp(scaled - row_max[:, None])  # f32[S, V], unnormalized probs
+    weights = jnp.exp(scaled - row_max[:, None])  # f32[R, V], unnormalized probs
     keep = ((scaled >= floor) & (weights > 0)) | (scaled >= row_max[:, None])
     cdf = jnp.cumsum(jnp.where(keep, weights, 0.0), axis=-1)
     u = jax.vmap(_uniform)(inputs.seeds, inputs.counters)
@@ -153,8 +174,8 @@ def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 
 
 def _top_k_top_p_floor(scaled: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """f32[S]: the lowest scaled logit top-k then top-p keep (ties at it kept too, as vLLM)."""
-    ranked = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)  # f32[S, V], descending; one sort
+    """f32[R]: the lowest scaled logit top-k then top-p keep (ties at it kept too, as vLLM)."""
+    ranked = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)  # f32[R, V], descending; one sort
     rank = jax.lax.broadcasted_iota(jnp.int32, ranked.shape, 1)
     top_k, top_p = inputs.top_k[:, None], inputs.top_p[:, None]
     keep = (top_k <= 0) | (rank < top_k)
@@ -171,24 +192,28 @@ def _uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def pack(out: SampleOutput) -> jax.Array:
-    """i32[S, 2 + 2k]: token id, logprob bits, k top ids, k top-logprob bits."""
+    """i32[..., 3 + 2k]: token id, logprob bits, proposed-id logprob bits, k top ids,
+    k top-logprob bits (float32 bits, exact); leading dimensions kept."""
 
     def bits(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
-    return jnp.concatenate([out.token_ids[:, None].astype(jnp.int32), bits(out.logprobs)[:, None],
-                            out.top_ids.astype(jnp.int32), bits(out.top_logprobs)], axis=1)
+    return jnp.concatenate([out.token_ids[..., None].astype(jnp.int32),
+                            bits(out.logprobs)[..., None], bits(out.proposed_logprobs)[..., None],
+                            out.top_ids.astype(jnp.int32), bits(out.top_logprobs)], axis=-1)
 
 
 def unpack(packed: np.ndarray, num_logprobs: int) -> SampleOutput:
-    """The numpy SampleOutput of a `pack`ed i32[S, 2 + 2k] array (host side)."""
+    """The numpy SampleOutput of a `pack`ed i32[..., 3 + 2k] array (host side)."""
     packed = np.asarray(packed)
     k = num_logprobs
-    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != 2 + 2 * k:
-        raise ValueError(f"{packed.shape=} {packed.dtype=} must be int32[S, {2 + 2 * k}]")
+    if packed.dtype != np.int32 or packed.ndim < 2 or packed.shape[-1] != 3 + 2 * k:
+        raise ValueError(f"{packed.shape=} {packed.dtype=} must be int32[..., {3 + 2 * k}]")
 
     def floats(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x).view(np.float32)
 
-    return SampleOutput(token_ids=packed[:, 0].copy(), logprobs=floats(packed[:, 1]),
-                        top_ids=packed[:, 2:2 + k].copy(), top_logprobs=floats(packed[:, 2 + k:]))
+    return SampleOutput(token_ids=packed[..., 0].copy(), logprobs=floats(packed[..., 1]),
+                        top_ids=packed[..., 3:3 + k].copy(),
+                        top_logprobs=floats(packed[..., 3 + k:]),
+                        proposed_logprobs=floats(packed[..., 2]))

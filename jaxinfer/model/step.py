@@ -1,8 +1,29 @@
 """The jittable entry points the runner compiles; no jit here.
 
 `step(params, kv_cache, inputs, *, cfg, num_logprobs) -> (kv_cache, out)` runs
-the model over one ragged batch of tokens, then samples one token for each
-request row from the logits at `md.logits_indices`, packed into one int32 array.
+the model over one ragged batch of tokens, then samples up to Q positions of
+each of the S request rows, Q being a static setting of the compiled step (the
+width of `inputs.proposed_ids`; 1 without speculative decoding). Position q of
+row s is logits row s * Q + q (`md.logits_indices` has S * Q entries; unused
+rows point at token 0 and are ignored), sampled with the sampling settings of
+row s * Q + q. The host puts a request's samples at its chunk's last positions,
+in order, so that with k draft tokens fed after the last real one, Q = k + 1
+positions sample the target's token after the last real token and after each
+draft.
+
+What a rejection sampler needs. Sending back whole f32[S, Q, V] probability
+rows would move V floats per position to the host; instead the input names
+the token to verify at each position (`proposed_ids`: the chunk's token fed
+right after it, -1 where none) and the output carries the target's raw logprob
+of that token (log-softmax of the logits, as the returned logprobs), beside
+the token sampled there and its logprobs. Greedy verification compares the
+proposal with the sampled token; residual resampling can later be added here
+on device, from the same logits.
+
+The packed output is one int32 array per step: i32[S, Q, 3 + 2k] with, per
+position, the sampled token id, its logprob's float32 bits, the proposed
+token's logprob bits (-inf where none), k top-logprob ids, and their logprob
+bits (`sampler.pack`/`unpack`).
 """
 
 from __future__ import annotations
@@ -20,19 +41,22 @@ from jaxinfer.model.attention import AttentionMetadata, KVCache
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     token_ids: jax.Array  # i32[T]
-    md: AttentionMetadata
-    sampling: sampler.SamplingInputs
+    md: AttentionMetadata  # logits_indices: i32[S * Q]
+    sampling: sampler.SamplingInputs  # S * Q rows, row s * Q + q for position q of slot s
+    proposed_ids: jax.Array  # i32[S, Q]: token to verify at each position; -1 = none
 
 
 def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
          cfg: ModelConfig, num_logprobs: int, decode_only: bool = False
          ) -> tuple[KVCache, jax.Array]:
-    """Forward, then sample each row; returns (kv_cache, i32[S, 2 + 2 * num_logprobs]).
+    """Forward, then sample each position; returns (kv_cache, i32[S, Q, 3 + 2k]).
     `decode_only`: every request has one token (a decode bucket; see transformer)."""
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg, decode_only=decode_only)
-    out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs)
-    return kv_cache, sampler.pack(out)
+                                           cfg=cfg, decode_only=decode_only)  # f32[S * Q, V]
+    num_slots, num_positions = inputs.proposed_ids.shape
+    out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs,
+                         proposed_ids=inputs.proposed_ids.reshape(-1))
+    return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1)
 
 
 def logits(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,

@@ -3,6 +3,7 @@ decode, seeds, compile counts, stop strings, n > 1, aborts and bad requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,7 +13,10 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.runner import Sample
 from jaxinfer.model import transformer
 
 SMALL = dict(page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
@@ -165,3 +169,65 @@ def test_engine_penalties_and_min_tokens(engine):
     (late,) = _run(engine, [[10, 11, 12]], [SamplingParams(
         max_tokens=16, temperature=0.0, stop_token_ids=[stop], min_tokens=3)])
     assert stop not in late.token_ids[:3] and len(late.token_ids) >= 3
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_engine_metrics_count_tokens_computed_and_returned(hf_model_dirs, caching):
+    """generated_tokens: tokens returned; prompt_tokens: prompt tokens computed, cache hits
+    apart in prompt_tokens_cached; computed_tokens: every token the device ran."""
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(
+        **SMALL, kv_cache_memory_bytes=64 * PAGE_BYTES, enable_prefix_caching=caching))
+    shared = list(range(100, 113))  # 13 tokens: three full pages to share
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    first = _run(engine, [shared + [1]], [SamplingParams(max_tokens=4, **greedy)])
+    prompts = [shared + [2, 3], shared + [4], [5, 6, 7], list(range(30, 60))]
+    params = [SamplingParams(max_tokens=m, **greedy) for m in (7, 1, 5)]
+    params.append(SamplingParams(max_tokens=6, stop_token_ids=tuple(range(260))))  # 1 token
+    outs = first + _run(engine, prompts, params)
+    metrics = engine.metrics.summary()
+    returned = [len(o.token_ids) for o in outs]
+    assert returned == [4, 7, 1, 5, 1] and outs[-1].finish_reason == "stop"
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == ([0, 12, 12, 0, 0] if caching else [0] * 5)
+    prompt_lens = [len(shared) + 1] + [len(p) for p in prompts]
+    assert metrics["generated_tokens"] == sum(returned) == 18
+    assert metrics["prompt_tokens"] == sum(prompt_lens) - sum(cached)
+    assert metrics["prompt_tokens_cached"] == sum(cached)
+    assert metrics["preemptions"] == 0
+    # Each request ran its computed prompt tokens, then fed back each output but the last.
+    assert metrics["computed_tokens"] == metrics["prompt_tokens"] + sum(returned) - len(outs)
+    assert metrics["generated_tokens_per_s"] > 0 and metrics["prompt_tokens_per_s"] > 0
+
+
+def _samples(token_ids):
+    top = np.full(MAX_LOGPROBS, -1, np.int32), np.full(MAX_LOGPROBS, -np.inf, np.float32)
+    return [Sample(t, -0.5 - i, *top, proposed_logprob=-np.inf) for i, t in enumerate(token_ids)]
+
+
+def test_engine_records_several_tokens_per_step_up_to_a_stop_string(hf_model_dirs):
+    """The host half of a step whose chunks sample 4 positions (as with 3 draft tokens):
+    the device is not run; the tokens come from the test. Byte tokenizer: id = byte."""
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(**SMALL), warm_up=False)
+    engine.add_request("s", [1, 2, 3, 4, 5], SamplingParams(stop=["cd"], logprobs=0))
+    engine.add_request("z", [6, 7, 8, 9, 10], SamplingParams(stop_token_ids=[ord("z")]))
+    engine.add_request("l", [11, 12, 13, 14, 15], SamplingParams(max_tokens=3, stop=["cd"]))
+    plan = engine.scheduler.schedule()
+    plan = dataclasses.replace(plan, chunks=tuple(
+        dataclasses.replace(c, num_samples=4) for c in plan.chunks))
+    samples = [_samples(b"xcde"), _samples(b"xyzw"), _samples(b"cdxy")]
+    lengths = [0, 0, 0]
+    engine.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
+    assert engine._record_tokens(plan, samples, lengths) == ["s", "z", "l"]
+    engine._record_metrics(plan, Bucket(16, 4), lengths, 0.1)
+    s, z, l = (engine._sync(rid) for rid in "szl")
+    # The token completing the stop string ends it; the tokens after it are dropped.
+    assert (s.token_ids, s.text, s.finish_reason, s.outputs[0].stop_reason) == (
+        list(b"xcd"), "x", "stop", "cd")
+    assert s.logprobs == [{ord("x"): -0.5}, {ord("c"): -1.5}, {ord("d"): -2.5}]
+    assert (z.token_ids, z.text, z.finish_reason, z.outputs[0].stop_reason) == (
+        list(b"xyz"), "xyz", "stop", ord("z"))  # the scheduler dropped "w"
+    # max_tokens ended it at "x", after the stop string: the stop string's end stands.
+    assert (l.token_ids, l.text, l.finish_reason, l.outputs[0].stop_reason) == (
+        list(b"cd"), "", "stop", "cd")
+    assert engine.metrics.generated_tokens == 8 and engine.metrics.prompt_tokens == 15
+    assert not engine.has_unfinished() and engine.scheduler.pool.num_used == 0

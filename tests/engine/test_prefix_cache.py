@@ -118,7 +118,7 @@ def test_scheduler_starts_a_request_on_its_cached_prefix():
     first = _request("a", A + B + (13, 14), 0)
     s.add(first)
     plan = s.schedule()
-    s.update(plan, [50])
+    s.update(plan, [[50]])
     assert first.page_serials and len(first.page_serials) == 2  # two full pages registered
     second = _request("b", A + B + (20,), 1)
     s.add(second)
@@ -135,7 +135,7 @@ def test_scheduler_starts_a_request_on_its_cached_prefix():
 def test_scheduler_recomputes_the_last_prompt_token_and_counts_the_page_floor():
     s = _scheduler()
     s.add(_request("a", A + B, 0))
-    s.update(s.schedule(), [50])
+    s.update(s.schedule(), [[50]])
     twin = _request("b", A + B, 1)  # the whole prompt is cached; its last page is not taken
     s.add(twin)
     s.schedule()
@@ -151,7 +151,7 @@ def test_scheduler_n_siblings_wait_for_the_prompt_then_share_it():
     s.add(second)
     plan = s.schedule()
     assert [c.request for c in plan.chunks] == [first]  # the sibling waits
-    s.update(plan, [50])
+    s.update(plan, [[50]])
     plan = s.schedule()
     assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == \
         [(first, 13, 1), (second, 12, 1)]

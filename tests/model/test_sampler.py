@@ -220,23 +220,68 @@ def test_sample_distribution_matches_filtered_softmax(config):
     assert np.max(np.abs(freq - expected)) < 0.03, (freq, expected)
 
 
+def _output(rows: int, k: int = K, seed: int = 5) -> sampler.SampleOutput:
+    """A SampleOutput with awkward float values (infinities, -0.0, a subnormal)."""
+    rng = np.random.default_rng(seed)
+    logprobs = rng.normal(size=rows).astype(np.float32)
+    logprobs[:4] = [-np.inf, -0.0, -1e-40, 0.0]
+    proposed = rng.normal(size=rows).astype(np.float32)
+    proposed[::3] = -np.inf
+    top = rng.normal(size=(rows, k)).astype(np.float32)
+    top[0, :1] = -np.inf
+    return sampler.SampleOutput(np.arange(rows, dtype=np.int32) * 1000 + 7, logprobs,
+                                np.arange(rows * k, dtype=np.int32).reshape(rows, k) * 4099,
+                                top, proposed)
+
+
+def _assert_bit_equal(got: sampler.SampleOutput, want: sampler.SampleOutput) -> None:
+    for field in dataclasses.fields(sampler.SampleOutput):
+        g, w = np.asarray(getattr(got, field.name)), np.asarray(getattr(want, field.name))
+        assert g.dtype == w.dtype and g.shape == w.shape, field.name
+        np.testing.assert_array_equal(g.view(np.int32), w.view(np.int32))  # bit-exact
+
+
 def test_pack_unpack_round_trip():
-    logprobs = np.array([-0.5, -np.inf, -0.0, -1e-40, -88.0, 0.0, -3.25, -7.0], np.float32)
-    top = np.random.default_rng(5).normal(size=(S, K)).astype(np.float32)
-    top[0, 0] = -np.inf
-    out = sampler.SampleOutput(np.arange(S, dtype=np.int32) * 1000 + 7, logprobs,
-                               np.arange(S * K, dtype=np.int32).reshape(S, K) * 4099, top)
+    out = _output(S)
     packed = np.asarray(jax.jit(sampler.pack)(out))
-    assert packed.shape == (S, 2 + 2 * K) and packed.dtype == np.int32
-    back = sampler.unpack(packed, K)
-    for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
-        got, want = getattr(back, name), getattr(out, name)
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))  # bit-exact
+    assert packed.shape == (S, 3 + 2 * K) and packed.dtype == np.int32
+    _assert_bit_equal(sampler.unpack(packed, K), out)
     assert sampler.unpack(np.asarray(sampler.pack(dataclasses.replace(
-        out, top_ids=out.top_ids[:, :0], top_logprobs=top[:, :0]))), 0).top_ids.shape == (S, 0)
+        out, top_ids=out.top_ids[:, :0], top_logprobs=out.top_logprobs[:, :0]))),
+        0).top_ids.shape == (S, 0)
     with pytest.raises(ValueError, match="packed.shape"):
         sampler.unpack(packed, K - 1)
+    with pytest.raises(ValueError, match="packed.shape"):
+        sampler.unpack(packed[0], K)
+
+
+def test_pack_unpack_round_trip_per_position():
+    """The step's i32[S, Q, 3 + 2k]: R = S * Q rows reshaped, unpacked to [S, Q] fields."""
+    num_positions = 2
+    out = _output(S * num_positions, seed=9)
+    packed = np.asarray(sampler.pack(out)).reshape(S, num_positions, -1)
+    back = sampler.unpack(packed, K)
+    assert back.token_ids.shape == (S, num_positions)
+    assert back.top_ids.shape == (S, num_positions, K)
+    assert back.token_ids[3, 1] == out.token_ids[3 * num_positions + 1]
+    want = jax.tree.map(lambda x: np.reshape(x, (S, num_positions) + x.shape[1:]), out)
+    _assert_bit_equal(back, want)
+
+
+def test_sample_proposed_logprobs_are_raw_log_softmax():
+    logits = _logits(10)
+    proposed = np.array([3, -1, 0, V - 1, 17, -1, 40, 2], np.int32)
+    inp = _inputs(temperature=[0, 1, 0.5, 0, 2, 0, 1, 0], seeds=np.arange(S),
+                  presence_penalty=1.5, **_history([([1, 2], [3, 3]) for _ in range(S)]))
+    out = _sample(logits, inp, num_logprobs=K, proposed_ids=proposed)
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    has = proposed >= 0
+    np.testing.assert_allclose(np.asarray(out.proposed_logprobs)[has],
+                               raw[np.arange(S), proposed][has], rtol=1e-6)
+    assert np.isneginf(np.asarray(out.proposed_logprobs)[~has]).all()
+    plain = _sample(logits, inp, num_logprobs=K)  # no proposals: the same tokens, all -inf
+    np.testing.assert_array_equal(plain.token_ids, out.token_ids)
+    assert np.isneginf(np.asarray(plain.proposed_logprobs)).all()
 
 
 def test_sample_logprobs_are_raw_log_softmax():

@@ -2,8 +2,10 @@
 
 Split from runner.py (ARCHITECTURE.md keeps both in the runner) so each stays
 small: this module turns chunks of requests into the token ids, attention
-metadata and sampling rows of one bucket, all numpy; runner.py owns the
-device. Imports numpy, the model's input dataclasses, and engine.request.
+metadata, sampling rows and proposed ids of one bucket, all numpy; runner.py
+owns the device. A chunk's last `num_samples` tokens are sampled; each slot has
+`num_positions` (Q, see model/step.py) sampling rows, the unused ones greedy
+padding. Imports numpy, the model's input dataclasses, and engine.request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jaxinfer.model.attention import AttentionMetadata
 from jaxinfer.model.sampler import SamplingInputs
 
 STOP_WIDTH = 16  # stop ids per request row, masked while min_tokens is not reached
+NUM_SAMPLE_POSITIONS = 1  # Q: positions sampled per request in the compiled step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +30,25 @@ class Chunk:
     token_ids: Sequence[int]
     start: int  # tokens of this request already in the KV cache
     page_ids: Sequence[int]  # the request's pages, enough for start + len(token_ids)
+    num_samples: int = 1  # the last tokens whose logits are sampled
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRow:
+    """One sampled position: its request, and every token up to it (the last one fed)."""
+
+    request: Request
+    token_ids: Sequence[int]  # prompt, outputs, then what the step fed up to the position
 
 
 def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: int,
-                   num_tokens: int, num_slots: int, all_logits: bool = False
-                   ) -> tuple[np.ndarray, AttentionMetadata]:
-    """Token ids and attention metadata (numpy) for chunks padded to a bucket."""
+                   num_tokens: int, num_slots: int, all_logits: bool = False,
+                   num_positions: int = 1) -> tuple[np.ndarray, AttentionMetadata]:
+    """Token ids and attention metadata (numpy) for chunks padded to a bucket.
+
+    Logits rows: every token with `all_logits`, else `num_positions` per slot, position
+    q of slot i at row i * num_positions + q: the chunk's q-th sampled token, token 0
+    where it samples fewer."""
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens or len(chunks) > num_slots:
         raise ValueError(f"{total} tokens / {len(chunks)} requests exceed the bucket "
@@ -43,7 +59,6 @@ def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: in
     page_indices = np.zeros((num_slots, pages_per_seq), np.int32)
     kv_lens = np.zeros(num_slots, np.int32)
     cu_q_lens = np.zeros(num_slots + 1, np.int32)
-    last = np.zeros(num_slots, np.int32)
     offset = 0
     for i, chunk in enumerate(chunks):
         n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
@@ -59,35 +74,72 @@ def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: in
         kv_lens[i] = end
         offset += n
         cu_q_lens[i + 1:] = offset
-        last[i] = offset - 1
-    rows = np.arange(num_tokens, dtype=np.int32) if all_logits else last
+    rows = (np.arange(num_tokens, dtype=np.int32) if all_logits
+            else _sampled_rows(chunks, cu_q_lens, num_slots, num_positions))
     md = AttentionMetadata(positions=positions, slot_mapping=slot_mapping,
                            page_indices=page_indices, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
                            num_seqs=np.array([len(chunks)], np.int32), logits_indices=rows)
     return token_ids, md
 
 
+def _sampled_rows(chunks: Sequence[Chunk], cu_q_lens: np.ndarray, num_slots: int,
+                  num_positions: int) -> np.ndarray:
+    """i32[S * Q]: row s * Q + q is the token of slot s's q-th sample; 0 where none."""
+    rows = np.zeros((num_slots, num_positions), np.int32)
+    for i, chunk in enumerate(chunks):
+        m, n = chunk.num_samples, len(chunk.token_ids)
+        if not 0 <= m <= min(n, num_positions):
+            raise ValueError(f"request {i}: {m} samples of {n} tokens, at most "
+                             f"{num_positions} per request")
+        rows[i, :m] = np.arange(cu_q_lens[i + 1] - m, cu_q_lens[i + 1])
+    return rows.reshape(-1)
+
+
+def proposed_ids(chunks: Sequence[Chunk], *, num_slots: int, num_positions: int
+                 ) -> np.ndarray:
+    """i32[S, Q]: at each sampled position the token the chunk feeds next (a draft it
+    verifies); -1 at the chunk's last position and at unused ones."""
+    out = np.full((num_slots, num_positions), -1, np.int32)
+    for i, chunk in enumerate(chunks):
+        first = len(chunk.token_ids) - chunk.num_samples
+        out[i, :max(chunk.num_samples - 1, 0)] = chunk.token_ids[first + 1:]
+    return out
+
+
+def sample_rows(requests: Sequence[Request], chunks: Sequence[Chunk], *, num_positions: int
+                ) -> list[SampleRow | None]:
+    """`num_positions` rows per chunk: one per sampled token, in order, then None."""
+    rows: list[SampleRow | None] = []
+    for request, chunk in zip(requests, chunks, strict=True):
+        if chunk.num_samples:
+            fed = request.all_token_ids[:chunk.start] + list(chunk.token_ids)
+            first = len(fed) - chunk.num_samples
+            rows += [SampleRow(request, fed[:first + q + 1]) for q in range(chunk.num_samples)]
+        rows += [None] * (num_positions - chunk.num_samples)
+    return rows
+
+
 def next_power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
-def sampling_inputs(requests: Sequence[Request | None], *, num_slots: int, history_width: int,
-                    eos_token_ids: frozenset[int]) -> SamplingInputs:
-    """Per-row sampling arrays; None rows and rows past the requests are greedy padding."""
-    rows = list(requests) + [None] * (num_slots - len(requests))
-    history = np.full((num_slots, history_width), -1, np.int32)
-    stop_ids = np.full((num_slots, STOP_WIDTH), -1, np.int32)
+def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
+                    history_width: int, eos_token_ids: frozenset[int]) -> SamplingInputs:
+    """Per-row sampling arrays; None rows and rows past the given ones are greedy padding."""
+    rows = list(rows) + [None] * (num_rows - len(rows))
+    history = np.full((num_rows, history_width), -1, np.int32)
+    stop_ids = np.full((num_rows, STOP_WIDTH), -1, np.int32)
     fields: dict[str, list] = {k: [] for k in (
         "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seeds", "counters", "prompt_lens", "history_lens", "ban_stop",
         "logprobs")}
-    for i, request in enumerate(rows):
-        values = _row(request)
+    for i, row in enumerate(rows):
+        values = _row(row)
         for key, value in values.items():
             fields[key].append(value)
-        if request is None:
+        if row is None:
             continue
-        tokens = request.all_token_ids
+        request, tokens = row.request, row.token_ids
         history[i, :len(tokens)] = tokens
         if values["ban_stop"]:
             stops = list(request.params.stop_token_ids)
@@ -102,17 +154,18 @@ def sampling_inputs(requests: Sequence[Request | None], *, num_slots: int, histo
     return SamplingInputs(history=history, stop_ids=stop_ids, **arrays)
 
 
-def _row(request: Request | None) -> dict[str, float | int | bool]:
-    if request is None:
+def _row(row: SampleRow | None) -> dict[str, float | int | bool]:
+    if row is None:
         return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                 "seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
                 "ban_stop": False, "logprobs": 0}
-    p = request.params
+    request, p = row.request, row.request.params
+    # Outputs before this row's token (0 at a position inside the prompt).
+    generated = max(0, len(row.token_ids) - len(request.prompt_token_ids))
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-            "seeds": request.seed, "counters": len(request.output_token_ids),
-            "prompt_lens": len(request.prompt_token_ids), "history_lens": request.num_tokens,
-            "ban_stop": len(request.output_token_ids) < p.min_tokens,
-            "logprobs": p.logprobs or 0}
+            "seeds": request.seed, "counters": generated,
+            "prompt_lens": len(request.prompt_token_ids), "history_lens": len(row.token_ids),
+            "ban_stop": generated < p.min_tokens, "logprobs": p.logprobs or 0}

@@ -29,7 +29,15 @@ from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
-from jaxinfer.engine.runner.inputs import Chunk, build_metadata, next_power_of_two, sampling_inputs
+from jaxinfer.engine.runner.inputs import (
+    NUM_SAMPLE_POSITIONS,
+    Chunk,
+    build_metadata,
+    next_power_of_two,
+    proposed_ids,
+    sample_rows,
+    sampling_inputs,
+)
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.model import layers, sampler
 from jaxinfer.model import step as model_step
@@ -42,12 +50,13 @@ COMPILE_THREADS = 2  # buckets compiled at once during warm-up
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """The token sampled for one request in one step, with its logprobs."""
+    """A token sampled at one position of a request in one step, with its logprobs."""
 
     token_id: int
     logprob: float
     top_ids: np.ndarray  # i32[MAX_LOGPROBS]
     top_logprobs: np.ndarray  # f32[MAX_LOGPROBS]
+    proposed_logprob: float  # of the token the chunk fed after this position; -inf if none
 
 
 class Runner:
@@ -109,28 +118,33 @@ class Runner:
         return self._compiled[bucket]
 
     def _inputs(self, plan_chunks: Sequence, bucket: Bucket) -> model_step.StepInputs:
-        chunks = [Chunk(c.token_ids, c.start, c.request.page_ids) for c in plan_chunks]
+        q = NUM_SAMPLE_POSITIONS
+        chunks = [Chunk(c.token_ids, c.start, c.request.page_ids, c.num_samples)
+                  for c in plan_chunks]
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
                                        pages_per_seq=self.pages_per_seq,
                                        num_tokens=bucket.num_tokens,
-                                       num_slots=bucket.num_slots)
-        requests = [c.request if c.samples else None for c in plan_chunks]
-        sampling = sampling_inputs(requests, num_slots=bucket.num_slots,
+                                       num_slots=bucket.num_slots, num_positions=q)
+        rows = sample_rows([c.request for c in plan_chunks], chunks, num_positions=q)
+        sampling = sampling_inputs(rows, num_rows=bucket.num_slots * q,
                                    history_width=self.max_model_len,
                                    eos_token_ids=self.eos_token_ids)
-        return model_step.StepInputs(token_ids=token_ids, md=md, sampling=sampling)
+        return model_step.StepInputs(
+            token_ids=token_ids, md=md, sampling=sampling,
+            proposed_ids=proposed_ids(chunks, num_slots=bucket.num_slots, num_positions=q))
 
-    def execute(self, plan: StepPlan) -> tuple[Bucket, list[Sample | None]]:
-        """Run one step; a Sample for each chunk that samples, None for the others."""
+    def execute(self, plan: StepPlan) -> tuple[Bucket, list[list[Sample]]]:
+        """Run one step; per chunk, a Sample for each of its `num_samples` positions."""
         bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks),
                                    decode=all(c.num_tokens == 1 for c in plan.chunks))
         compiled = self._compile(bucket)
         self.kv_cache, packed = compiled(self.params, self.kv_cache,
                                          self._inputs(plan.chunks, bucket))
-        out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)
-        samples = [Sample(int(out.token_ids[i]), float(out.logprobs[i]), out.top_ids[i],
-                          out.top_logprobs[i]) if chunk.samples else None
-                   for i, chunk in enumerate(plan.chunks)]
+        out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)  # fields [S, Q, ...]
+        samples = [[Sample(int(out.token_ids[i, q]), float(out.logprobs[i, q]),
+                           out.top_ids[i, q], out.top_logprobs[i, q],
+                           float(out.proposed_logprobs[i, q]))
+                    for q in range(chunk.num_samples)] for i, chunk in enumerate(plan.chunks)]
         return bucket, samples
 
     def logits(self, chunks: Sequence[Chunk]) -> np.ndarray:
@@ -163,15 +177,19 @@ def min_step_tokens(dtype: str) -> int:
     return layers.min_matmul_rows(jnp.dtype(dtype))
 
 
-def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int
-               ) -> model_step.StepInputs:
-    """ShapeDtypeStructs of a bucket's step inputs (an empty plan, padded)."""
+def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int,
+               num_positions: int = NUM_SAMPLE_POSITIONS) -> model_step.StepInputs:
+    """ShapeDtypeStructs of a bucket's step inputs (an empty plan, padded), sampling
+    `num_positions` (Q) positions per request."""
     token_ids, md = build_metadata([], page_size=page_size,
                                    pages_per_seq=-(-max_model_len // page_size),
-                                   num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
-    sampling = sampling_inputs([], num_slots=bucket.num_slots,
+                                   num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
+                                   num_positions=num_positions)
+    sampling = sampling_inputs([], num_rows=bucket.num_slots * num_positions,
                                history_width=max_model_len, eos_token_ids=frozenset())
-    inputs = model_step.StepInputs(token_ids=token_ids, md=md, sampling=sampling)
+    inputs = model_step.StepInputs(
+        token_ids=token_ids, md=md, sampling=sampling,
+        proposed_ids=proposed_ids([], num_slots=bucket.num_slots, num_positions=num_positions))
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
 
 
