@@ -17,6 +17,11 @@ def pairs(base: object, head: object, path: str = "") -> dict[str, dict[str, flo
         for key in base.keys() & head.keys():
             out |= pairs(base[key], head[key], f"{path}.{key}" if path else key)
         return out
+    if isinstance(base, list) and isinstance(head, list) and len(base) == len(head):
+        out = {}
+        for i, (b, h) in enumerate(zip(base, head, strict=True)):
+            out |= pairs(b, h, f"{path}[{i}]")
+        return out
     numeric = (int, float)
     if isinstance(base, numeric) and isinstance(head, numeric) and not isinstance(base, bool):
         ratio = round(head / base, 3) if base else None
