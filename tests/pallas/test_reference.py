@@ -119,3 +119,16 @@ def test_write_kv_pages_stores_bf16_bits_in_uint16_pages():
     np.testing.assert_array_equal(np.asarray(as_bf16[1, 1, 1], np.float32),
                                   -np.full(8, np.float32(jnp.bfloat16(1.0 / 3.0))))
     assert int((out != 0).sum()) == 16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_decode_only_matches_jax_reference(dtype):
+    """`decode_only=True` (decode buckets: one token per request, T = S) compiles the
+    per-token path alone and gives JAX's reference result; padding rows stay zero."""
+    seq_lens = SCENARIOS["decode_only"]
+    args = make_case(seq_lens, dtype=dtype, pad_tokens=2, pad_seqs=2)
+    ours = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, sm_scale=32 ** -0.5, decode_only=True))(*args)
+    theirs = ref_ragged_paged_attention(*combined(args), sm_scale=32 ** -0.5)
+    check(ours, theirs, len(seq_lens), dtype)
+    assert not np.asarray(ours[len(seq_lens):], np.float32).any()
