@@ -16,18 +16,16 @@ tokenizer, engine.request, engine.buckets and the runner package; never engine.e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pathlib
-from typing import Any
 
 from jaxinfer import checkpoint, planner
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.request import SamplingParams
-from jaxinfer.tokenizer import Tokenizer, eos_token_ids_from_configs
+from jaxinfer.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
@@ -88,25 +86,11 @@ def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer 
     return Tokenizer.from_dir(model_dir)
 
 
-def generation_config(model_dir: pathlib.Path) -> dict[str, Any]:
-    """The JSON object in generation_config.json, or {} without one."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
-
-
 def default_sampling_params(model_dir: pathlib.Path) -> SamplingParams:
     """SamplingParams() with the checkpoint's generation_config.json values (temperature,
     top_p, top_k, min_p, repetition_penalty, max_new_tokens) where it has them, as vLLM
     does; `do_sample` is ignored, as vLLM does too."""
-    found = generation_config(model_dir)
+    found = read_json(model_dir / "generation_config.json")
     values = {field: found[key] for key, field in GENERATION_DEFAULTS.items()
               if found.get(key) is not None}
     try:

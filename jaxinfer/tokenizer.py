@@ -64,12 +64,12 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception
             raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
-        tokenizer_config = _read_json(root / "tokenizer_config.json")
-        special_tokens_map = _read_json(root / "special_tokens_map.json")
+        tokenizer_config = read_json(root / "tokenizer_config.json")
+        special_tokens_map = read_json(root / "special_tokens_map.json")
         special_tokens = _special_tokens(tokenizer_config, special_tokens_map)
         _add_missing_special_tokens(backend, special_tokens)
-        generation_config = _read_json(root / "generation_config.json")
-        model_config = _read_json(root / "config.json")
+        generation_config = read_json(root / "generation_config.json")
+        model_config = read_json(root / "config.json")
         template_path = root / "chat_template.jinja"
         template_file = template_path.read_text("utf-8") if template_path.is_file() else None
         tokenizer = cls(
@@ -215,7 +215,7 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
+def read_json(path: pathlib.Path) -> dict[str, Any]:
     """The JSON object in `path`, or {} if the file is absent."""
     if not path.is_file():
         return {}
@@ -282,9 +282,9 @@ def eos_token_ids_from_configs(model_dir: str | os.PathLike) -> frozenset[int]:
     """EOS ids from generation_config.json and config.json alone: the stop ids of a
     checkpoint served without a tokenizer (`skip_tokenizer_init`)."""
     root = pathlib.Path(model_dir)
-    ids = _config_ids(_read_json(root / "generation_config.json"), "eos_token_id",
+    ids = _config_ids(read_json(root / "generation_config.json"), "eos_token_id",
                       "generation_config.json")
-    ids += _config_ids(_read_json(root / "config.json"), "eos_token_id", "config.json")
+    ids += _config_ids(read_json(root / "config.json"), "eos_token_id", "config.json")
     return frozenset(ids)
 
 
