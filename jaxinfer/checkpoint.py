@@ -20,11 +20,17 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import safetensors_file
+from jaxinfer import safetensors_file, shard_source, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
-from jaxinfer.model.transformer import Params, hf_layer_shapes, param_shapes
+from jaxinfer.model.transformer import (
+    Params,
+    hf_layer_shapes,
+    param_partition_specs,
+    param_shapes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,8 @@ LAYER_NAMES = {  # our name -> (HF name under model.layers.{i}., transposed?)
     "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+FUSED = {"wqkv": ("qkv", ("wq", "wk", "wv")), "bqkv": ("qkv", ("bq", "bk", "bv")),
+         "w_gate_up": ("gate_up", ("w_gate", "w_up"))}  # fused leaf -> its HF parts
 TOP_NAMES = {"embed": ("model.embed_tokens.weight", False),
              "final_norm": ("model.norm.weight", False), "lm_head": ("lm_head.weight", True)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -85,45 +93,99 @@ def load_config(model_dir: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def load_params(model_dir: str | os.PathLike, cfg: ModelConfig,
-                dtype: str = "float32") -> Params:
-    """Params from an orbax checkpoint if `params/` exists, else from safetensors."""
+def load_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
+                mesh: Mesh | None = None, log: shard_source.ReadLog | None = None) -> Params:
+    """Params from an orbax checkpoint if `params/` exists, else from safetensors;
+    placed on `mesh` with the tensor-parallel shardings (each device receives only
+    its slice) in the served layout (`sharding.served_config`), or on the default device.
+    `log` records the bytes each safetensors read asked for."""
     root = _model_dir(model_dir)
+    mesh = mesh or sharding.make_mesh(1)
     if (root / "params").is_dir():
-        return restore_orbax(root / "params", cfg, dtype)
-    return load_hf_params(root, cfg, dtype)
+        return restore_orbax(root / "params", cfg, dtype, mesh)
+    return load_hf_params(root, cfg, dtype, mesh, log)
 
 
-def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
-                   dtype: str = "float32") -> Params:
-    """Read safetensors tensors into our params pytree, checking names and shapes; q/k/v
-    and gate/up are fused on the host (model/fusion.py) before going to the device."""
+def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
+                   mesh: Mesh | None = None, log: shard_source.ReadLog | None = None
+                   ) -> Params:
+    """Read safetensors tensors into our params pytree, checking names and shapes. Each
+    leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
+    gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
+    devices than KV heads."""
     _check_dtype(dtype)
-    tensors = _read_tensors(_model_dir(model_dir))
+    tensors = _checked_tensors(_model_dir(model_dir), cfg)
+    mesh = mesh or sharding.make_mesh(1)
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    sharding.validate(cfg, shards, mesh.size)
+    served = sharding.served_config(cfg, shards)
+    reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
+    layouts = leaf_layouts(served)
+    specs = param_partition_specs(served, shards)
+    target = np.dtype(jnp.dtype(dtype))
+
+    def leaf(path: tuple, shape: tuple[int, ...], spec: PartitionSpec) -> jax.Array:
+        name = leaf_name(path)
+        return jax.make_array_from_callback(
+            shape, NamedSharding(mesh, spec),
+            lambda index: reader.slice_of(name, layouts[name], shape, index, target))
+
+    shapes = param_shapes(served)
+    return jax.tree_util.tree_map_with_path(
+        leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def leaf_name(path: tuple) -> str:
+    """"layers.3.wqkv" for a params path, given as keys or as JAX's key entries."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
+    """leaf_name of each params leaf -> the HF tensors it is made of, and how."""
+    out = {}
+    for name, (path, transposed) in hf_names(cfg).items():
+        if path[0] != "layers":
+            out[leaf_name(path)] = shard_source.Layout(
+                "transposed" if transposed else "plain", (name,))
+    for i, layer in enumerate(param_shapes(cfg)["layers"]):
+        prefix = f"model.layers.{i}."
+        for key in layer:
+            if key in FUSED:
+                kind, parts = FUSED[key]
+                names = tuple(prefix + LAYER_NAMES[p][0] for p in parts)
+            else:
+                hf, transposed = LAYER_NAMES[key]
+                kind, names = "transposed" if transposed else "plain", (prefix + hf,)
+            out[leaf_name(("layers", i, key))] = shard_source.Layout(kind, names)
+    return out
+
+
+def _checked_tensors(root: pathlib.Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
+    dtypes are those `cfg` describes."""
+    tensors = _read_tensors(root)
     expected = hf_names(cfg)
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}"
+        raise ValueError(f"{root}: checkpoint lacks tensor(s) {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} for {cfg.architecture}")
     unexpected = sorted(n for n in set(tensors) - set(expected) if not _ignorable(n, cfg))
     if unexpected:
-        raise ValueError(f"{model_dir}: unexpected tensor(s) {unexpected[:5]}; the config "
+        raise ValueError(f"{root}: unexpected tensor(s) {unexpected[:5]}; the config "
                          f"does not describe this checkpoint")
     shapes = hf_shapes(cfg)
-    params = jax.tree.map(lambda _: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     for name, (path, transposed) in expected.items():
         array = tensors[name]
         want = _get(shapes, path)
         got = tuple(array.shape[::-1] if transposed else array.shape)
         if got != want:
             hf_want = want[::-1] if transposed else want
-            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(array.shape)}, "
+            raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
                              f"expected {hf_want} from config.json")
         if array.dtype.name not in FLOAT_DTYPES:
-            raise ValueError(f"{model_dir}: tensor {name} has unsupported dtype "
+            raise ValueError(f"{root}: tensor {name} has unsupported dtype "
                              f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
-        _set(params, path, np.asarray(array).T if transposed else np.asarray(array))
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), fuse(params, cfg))
+    return tensors
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -175,18 +237,38 @@ def save_orbax(path: str | os.PathLike, params: Params) -> None:
     checkpointer.wait_until_finished()
 
 
-def restore_orbax(path: str | os.PathLike, cfg: ModelConfig,
-                  dtype: str = "float32") -> Params:
-    """Restore params saved by `save_orbax`, cast to `dtype`, checked against cfg."""
+def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
+                  mesh: Mesh | None = None) -> Params:
+    """Restore params saved by `save_orbax`, cast to `dtype`, checked against cfg, each
+    leaf straight onto its shardings on `mesh` (default: one device). With fewer KV
+    heads than devices, q/k/v leaves are restored whole on every device, then copied
+    into the served layout (fusion.replicate_kv_heads) on device."""
     import orbax.checkpoint as ocp
 
     _check_dtype(dtype)
-    target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
-                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    mesh = mesh or sharding.make_mesh(1)
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    sharding.validate(cfg, shards, mesh.size)
+    served = sharding.served_config(cfg, shards)
+    specs = param_partition_specs(cfg, shards)
+    if served != cfg:  # q/k/v cannot split G groups over more devices: whole, for now
+        for layer in specs["layers"]:
+            layer.update({k: PartitionSpec() for k in FUSED if k in layer and k != "w_gate_up"})
+    target = jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
+                                                 sharding=NamedSharding(mesh, spec)),
+        param_shapes(cfg), specs, is_leaf=lambda x: isinstance(x, tuple))
     try:
-        return ocp.StandardCheckpointer().restore(pathlib.Path(path).resolve(), target)
+        params = ocp.StandardCheckpointer().restore(pathlib.Path(path).resolve(), target)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path}: orbax params do not match config.json ({e})") from None
+    if served == cfg:
+        return params
+    served_shardings = sharding.named(mesh, param_partition_specs(served, shards))
+    copy = jax.jit(lambda p: p | {"layers": [fusion.replicate_kv_heads(layer, cfg, served)
+                                             for layer in p["layers"]]},
+                   out_shardings=served_shardings)
+    return copy(params)
 
 
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,

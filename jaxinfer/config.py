@@ -246,6 +246,9 @@ class EngineConfig:
                                    "else the pure-jnp reference", ATTENTION_IMPLS)
     skip_tokenizer_init: bool = _setting(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text")
+    tensor_parallel_size: int = _setting(
+        1, "devices the model is split over (tensor parallelism); must divide the query "
+        "heads, and divide the KV heads or be a multiple of them")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -253,7 +256,8 @@ class EngineConfig:
             if choices and getattr(self, field.name) not in choices:
                 raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
                                  f"of {choices}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")

@@ -20,7 +20,7 @@ import logging
 import os
 import pathlib
 
-from jaxinfer import checkpoint, planner
+from jaxinfer import checkpoint, planner, sharding
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
@@ -60,10 +60,13 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
                      else eos_token_ids_from_configs(root))
     defaults = default_sampling_params(root)
     max_len = max_model_len(model_config, config)
-    memory_plan = plan_memory(model_config, config, max_len)
-    params = checkpoint.load_params(root, model_config, config.dtype)
+    mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
+    served = sharding.served_config(model_config, config.tensor_parallel_size)
+    memory_plan = plan_memory(served, config, max_len)
+    params = checkpoint.load_params(root, model_config, config.dtype, mesh)
     runner = runner_lib.Runner(
-        model_config, params, num_pages=memory_plan.num_pages, page_size=config.page_size,
+        served, params, mesh=mesh, num_pages=memory_plan.num_pages,
+        page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                           max_num_seqs=config.max_num_seqs,
@@ -114,9 +117,11 @@ def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
 
 def plan_memory(model_config: ModelConfig, config: EngineConfig,
                 max_len: int) -> planner.MemoryPlan:
-    """The page pool's plan: `kv_cache_memory_bytes` if given; else DEVICE_KV_FRACTION of
-    an accelerator's memory (weights included); else, on CPU, every slot at full length
-    within CPU_KV_FRACTION of RAM. The bandwidth is probed once per process."""
+    """The page pool's plan for `model_config` as served (KV heads copied under tensor
+    parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
+    DEVICE_KV_FRACTION of the mesh's accelerator memory (weights included); else, on
+    CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
+    probed once per process."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
@@ -124,8 +129,9 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig,
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,
                             **common)
     device_limit = runner_lib.device_memory_limit()
-    if device_limit:
-        return planner.plan(model_config, memory_bytes=int(device_limit * DEVICE_KV_FRACTION),
+    if device_limit:  # every device of the mesh holds 1/n of the weights and of each page
+        total = device_limit * config.tensor_parallel_size
+        return planner.plan(model_config, memory_bytes=int(total * DEVICE_KV_FRACTION),
                             **common)
     page_bytes = config.page_size * planner.kv_bytes_per_token(model_config, config.kv_dtype)
     pages_per_seq = -(-max_len // config.page_size)

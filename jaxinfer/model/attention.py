@@ -11,15 +11,19 @@ jaxinfer.pallas, model.layers and model.fusion.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers
 from jaxinfer.pallas import kv_layout, ragged_paged_attention, reference
 
 KVCache = list[jax.Array]  # L x [P, K, W, packing, H]
+KV_PAGES_SPEC = P(None, None, sharding.MODEL_AXIS, None, None)  # split by KV head (words)
 
 
 @jax.tree_util.register_dataclass
@@ -47,21 +51,25 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
 
 
 def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: jnp.dtype = jnp.float32, backend: str | None = None
-                  ) -> list[jax.ShapeDtypeStruct]:
-    """Shapes and storage dtypes of the cache's L arrays, [P, K, W, packing, H] each."""
+                  dtype: jnp.dtype = jnp.float32, backend: str | None = None,
+                  shards: int = 1) -> list[jax.ShapeDtypeStruct]:
+    """Shapes and storage dtypes of the cache's L arrays, [P, K, W, packing, H] each;
+    with `shards` devices on the model axis, W is each device's words (its G / shards
+    heads, padded to whole words) times `shards`, so a split of W gives whole heads."""
     stored = kv_storage_dtype(dtype, backend)
-    shape = kv_layout.kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                     stored)
+    pages, size, words, packing, head_dim = kv_layout.kv_cache_shape(
+        num_pages, page_size, cfg.num_kv_heads // shards, cfg.head_dim, stored)
+    shape = (pages, size, words * shards, packing, head_dim)
     return [jax.ShapeDtypeStruct(shape, stored) for _ in range(cfg.num_layers)]
 
 
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: jnp.dtype = jnp.float32) -> KVCache:
-    """Zeroed cache: L arrays of [P, K, W, packing, H] in the storage dtype of `dtype`."""
+                  dtype: jnp.dtype = jnp.float32, shards: int = 1) -> KVCache:
+    """Zeroed cache: L arrays of [P, K, W, packing, H] in the storage dtype of `dtype`
+    (jit it with out_shardings to build a sharded cache without a whole copy)."""
     return [jnp.zeros(spec.shape, spec.dtype)
             for spec in kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
-                                      dtype=dtype)]
+                                      dtype=dtype, shards=shards)]
 
 
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
@@ -88,16 +96,32 @@ def attention_block(
     """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
     q, k, v = project_qkv(layer, x, cfg, rope)
+    shards = sharding.model_axis_size()
+    attend = functools.partial(_write_and_attend, cfg=cfg, decode_only=decode_only,
+                               num_kv_heads=cfg.num_kv_heads // shards)
+    if shards > 1:  # each device: its own KV heads, their pages, no communication
+        heads = P(None, sharding.MODEL_AXIS, None)
+        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, KV_PAGES_SPEC, P()),
+                               out_specs=(heads, KV_PAGES_SPEC), check_vma=False)
+    out, kv_pages = attend(q, k, v, kv_pages, md)
+    out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
+    return layers.linear(out, layer["wo"]), kv_pages
+
+
+def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array,
+                      md: AttentionMetadata, *, cfg: ModelConfig, decode_only: bool,
+                      num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Write this step's K/V, then attend: (f[T, N, H], new kv_pages); on one device's
+    heads under tensor parallelism."""
     kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
     stored_bits = kv_pages.dtype == reference.BF16_STORAGE
     out = ragged_paged_attention(
         q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens,
         md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=cfg.head_dim ** -0.5,
-        sliding_window=cfg.sliding_window, num_kv_heads=cfg.num_kv_heads,
+        sliding_window=cfg.sliding_window, num_kv_heads=num_kv_heads,
         impl=cfg.attention_impl, interpret=cfg.attention_interpret,
         decode_only=decode_only)
-    out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
-    return layers.linear(out, layer["wo"]), kv_pages
+    return out, kv_pages
 
 
 def dense_causal_attention(

@@ -24,11 +24,22 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 
 MAX_MLP_BLOCK = 128  # gate/up columns per interleaved block, at most
+MLP_SHARD_COUNTS = (24, 8, 1)  # block counts preferred, in order: see mlp_block
 
 
 def mlp_block(intermediate_size: int) -> int:
-    """B: the largest divisor of F up to MAX_MLP_BLOCK (128 for every common F)."""
-    return max(b for b in range(1, MAX_MLP_BLOCK + 1) if intermediate_size % b == 0)
+    """B: the largest divisor of F up to MAX_MLP_BLOCK leaving a block count that is a
+    multiple of 24 (so 1, 2, 3, 4, 6 and 8 devices each take whole block pairs), else
+    of 8, else any. 128 for Llama-3 8B (112 blocks), 64 for SmolLM-135M (24 blocks),
+    74 for Qwen2-7B (256), 112 for Qwen2.5-72B (264). The layout is the same whatever
+    the device count, so orbax checkpoints restore onto any valid mesh."""
+    f = intermediate_size
+    divisors = [b for b in range(1, MAX_MLP_BLOCK + 1) if f % b == 0]
+    for count in MLP_SHARD_COUNTS:
+        fitting = [b for b in divisors if (f // b) % count == 0]
+        if fitting:
+            return max(fitting)
+    raise AssertionError("unreachable: every count divides by 1")
 
 
 def _xp(x: object) -> object:
@@ -89,4 +100,19 @@ def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
         q, k, v = split_qkv(layer["bqkv"], cfg)
         out |= {"bq": q.reshape(-1), "bk": k.reshape(-1), "bv": v.reshape(-1)}
     out["w_gate"], out["w_up"] = split_gate_up(layer["w_gate_up"])
+    return out
+
+
+def replicate_kv_heads(layer: dict, cfg: ModelConfig, served: ModelConfig) -> dict:
+    """A fused layer of `cfg` -> the same layer of `served`, whose KV heads are each of
+    cfg's copied served.num_kv_heads / cfg.num_kv_heads times (sharding.served_config):
+    query heads keep their order, each KV head's group splits among its copies."""
+    replicas = served.num_kv_heads // cfg.num_kv_heads
+    out = dict(layer)
+    for key in ("wqkv", "bqkv"):
+        if key in layer:
+            q, k, v = split_qkv(layer[key], cfg)
+            xp, lead = _xp(q), q.shape[:-2]
+            k, v = (xp.repeat(x, replicas, axis=-2).reshape(*lead, -1) for x in (k, v))
+            out[key] = fuse_qkv(q.reshape(*lead, -1), k, v, served)
     return out

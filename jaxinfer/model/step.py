@@ -32,6 +32,7 @@ import dataclasses
 
 import jax
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sampler, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
@@ -54,6 +55,7 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
                                            cfg=cfg, decode_only=decode_only)  # f32[S * Q, V]
     num_slots, num_positions = inputs.proposed_ids.shape
+    logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
     out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs,
                          proposed_ids=inputs.proposed_ids.reshape(-1))
     return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model.attention import (
@@ -60,6 +62,31 @@ def param_shapes(cfg: ModelConfig) -> Params:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
     return shapes
+
+
+def param_partition_specs(cfg: ModelConfig, tensor_parallel_size: int = 1) -> Params:
+    """The PartitionSpec of every parameter over the mesh's model axis (Megatron): q/k/v
+    and gate/up split by output columns (whole KV-head groups, whole gate/up block
+    pairs: model/fusion.py), o and down by input rows, so each layer needs two
+    all-reduces; norms replicated. The embedding and the LM head split along the
+    vocabulary: a vocab-split LM head gives each device whole logit columns (gathered
+    once before sampling) where a hidden split would all-reduce V floats per row, and
+    the tied table serves both. A vocabulary the devices do not divide stays
+    replicated."""
+    model = sharding.MODEL_AXIS
+    column, row, whole = P(None, model), P(model, None), P()
+    layer = {"attn_norm": whole, "wqkv": column, "wo": row, "mlp_norm": whole,
+             "w_gate_up": column, "w_down": row}
+    if cfg.qkv_bias:
+        layer["bqkv"] = P(model)
+    if cfg.qk_norm:
+        layer |= {"q_norm": whole, "k_norm": whole}
+    split_vocab = cfg.vocab_size % tensor_parallel_size == 0
+    specs = {"embed": row if split_vocab else whole, "final_norm": whole,
+             "layers": [dict(layer) for _ in range(cfg.num_layers)]}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = column if split_vocab else whole
+    return specs
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,

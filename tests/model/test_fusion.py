@@ -16,11 +16,15 @@ def _cfg(**kw: int) -> ModelConfig:
     return ModelConfig(**(base | kw))
 
 
-def test_mlp_block_divides_intermediate_size():
-    assert fusion.mlp_block(1536) == 128
-    assert fusion.mlp_block(14336) == 128
-    assert fusion.mlp_block(100) == 100
+def test_mlp_block_leaves_block_counts_that_split_over_devices():
+    assert fusion.mlp_block(1536) == 64  # 24 blocks: 1, 2, 3, 4, 6, 8 devices
+    assert fusion.mlp_block(14336) == 128  # 112 blocks: 1, 2, 4, 8
+    assert fusion.mlp_block(29568) == 112  # 264 blocks
+    assert fusion.mlp_block(100) == 100  # no count divisible by 8: the largest divisor
     assert fusion.mlp_block(1000) == 125
+    for f in (1536, 14336, 18944, 29568, 11008, 8960, 4864, 256):
+        block = fusion.mlp_block(f)
+        assert f % block == 0 and block <= fusion.MAX_MLP_BLOCK and (f // block) % 8 == 0
 
 
 def test_gate_up_blocks_interleave_and_round_trip():
@@ -28,10 +32,12 @@ def test_gate_up_blocks_interleave_and_round_trip():
     gate, up = rng.normal(size=(8, 384)), rng.normal(size=(8, 384))
     fused = fusion.fuse_gate_up(gate, up)
     assert fused.shape == (8, 768)
-    for j in range(3):  # blocks of 128: gate_j, then up_j
-        np.testing.assert_array_equal(fused[:, 256 * j:256 * j + 128], gate[:, 128 * j:][:, :128])
-        np.testing.assert_array_equal(fused[:, 256 * j + 128:256 * (j + 1)],
-                                      up[:, 128 * j:][:, :128])
+    b = fusion.mlp_block(384)
+    assert b == 16  # 24 blocks
+    for j in range(24):  # blocks of b: gate_j, then up_j
+        np.testing.assert_array_equal(fused[:, 2 * b * j:2 * b * j + b], gate[:, b * j:][:, :b])
+        np.testing.assert_array_equal(fused[:, 2 * b * j + b:2 * b * (j + 1)],
+                                      up[:, b * j:][:, :b])
     back_gate, back_up = fusion.split_gate_up(fused)
     np.testing.assert_array_equal(back_gate, gate)
     np.testing.assert_array_equal(back_up, up)

@@ -30,6 +30,7 @@ from jaxinfer.engine.runner.runner import (
     Sample,
     compile_steps_for,
     input_spec,
+    make_mesh,
     min_step_tokens,
     step_function,
 )
@@ -37,6 +38,7 @@ from jaxinfer.engine.runner.runner import (
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "CompileCounter", "CompileSpan", "Runner",
     "Sample", "build_metadata", "compile_steps_for", "device_memory_limit", "input_spec",
-    "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens", "next_power_of_two",
+    "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
+    "next_power_of_two",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",
 ]

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
@@ -39,9 +41,9 @@ from jaxinfer.engine.runner.inputs import (
     sampling_inputs,
 )
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.model import layers, sampler
+from jaxinfer.model import layers, sampler, transformer
 from jaxinfer.model import step as model_step
-from jaxinfer.model.attention import init_kv_cache
+from jaxinfer.model.attention import KV_PAGES_SPEC, init_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +68,32 @@ class Runner:
                  max_model_len: int, buckets: BucketSet | None = None,
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
-                 attention_impl: str | None = None) -> None:
+                 attention_impl: str | None = None, mesh: Mesh | None = None) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
-        self.params = params
+        self.mesh = mesh or sharding.make_mesh(1)
+        shards = self.mesh.shape[sharding.MODEL_AXIS]
+        param_shardings = sharding.named(
+            self.mesh, transformer.param_partition_specs(cfg, shards))
+        self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
-        self.kv_cache = init_kv_cache(cfg, num_pages=num_pages, page_size=page_size,
-                                      dtype=jnp.dtype(kv_dtype))
+        kv_shardings = [NamedSharding(self.mesh, KV_PAGES_SPEC)] * cfg.num_layers
+        self.kv_cache = jax.jit(
+            functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
+                              dtype=jnp.dtype(kv_dtype), shards=shards),
+            out_shardings=kv_shardings)()
+        whole = sharding.replicated(self.mesh)
         self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
+                                       in_shardings=(param_shardings, kv_shardings, whole),
+                                       out_shardings=(kv_shardings, whole),
                                        donate_argnums=(1,)) for decode in (False, True)}
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
-                               donate_argnums=(1,))
+                               in_shardings=(param_shardings, kv_shardings, whole, whole),
+                               out_shardings=(kv_shardings, whole), donate_argnums=(1,))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._lower_lock = threading.Lock()
 
@@ -112,7 +125,7 @@ class Runner:
         if bucket not in self._compiled:
             spec = input_spec(bucket, page_size=self.page_size,
                               max_model_len=self.max_model_len)
-            with self._lower_lock:
+            with self._lower_lock, jax.set_mesh(self.mesh):
                 lowered = self._steps[bucket.decode].lower(self.params, self.kv_cache, spec)
             self._compiled[bucket] = lowered.compile()
         return self._compiled[bucket]
@@ -155,7 +168,8 @@ class Runner:
                                        pages_per_seq=self.pages_per_seq, all_logits=True,
                                        num_tokens=next_power_of_two(total, 8),
                                        num_slots=next_power_of_two(len(chunks)))
-        self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
+        with jax.set_mesh(self.mesh):
+            self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
         return np.asarray(out)[:total]
 
     @functools.cached_property
@@ -170,6 +184,12 @@ def step_function(cfg: ModelConfig, *, decode_only: bool = False) -> functools.p
     `decode_only` for decode buckets (one token per request)."""
     return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS,
                              decode_only=decode_only)
+
+
+def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh:
+    """The mesh a model is served on, after checking the size suits it (sharding.py)."""
+    sharding.validate(cfg, tensor_parallel_size, jax.device_count())
+    return sharding.make_mesh(tensor_parallel_size)
 
 
 def min_step_tokens(dtype: str) -> int:

@@ -1,0 +1,129 @@
+"""One device's slice of a params leaf, read from memory-mapped HF tensors.
+
+Loading under tensor parallelism never builds a whole tensor: for each params leaf
+`checkpoint.load_hf_params` calls `jax.make_array_from_callback`, and the callback
+asks `slice_of(...)` for the part of the leaf one device holds. That part is cut from
+the HF tensors as rows of their [out, in] storage (contiguous in the file) wherever
+the split is by output (q/k/v, gate/up, the vocabulary), and as a column range of each
+row where it is by input (o, down): only those bytes of the memory-mapped file are
+touched. Fused leaves are built from the HF tensors on the fly, in the layout of
+`model/fusion.py`: a column range of `wqkv` is a range of whole KV-head groups, one of
+`w_gate_up` a range of whole gate/up block pairs. With KV heads replicated (fewer KV
+heads than devices, `sharding.served_config`), group g' of the served model takes the
+k and v rows of original head g' // replicas.
+
+`ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
+device read only its share. Imports numpy, config and model.fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion
+
+Index = tuple[slice, ...]
+
+
+@dataclasses.dataclass
+class ReadLog:
+    """Bytes of HF tensor data each callback asked for: (leaf path, index, bytes)."""
+
+    reads: list[tuple[str, Index, int]] = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def record(self, path: str, index: Index, nbytes: int) -> None:
+        with self._lock:
+            self.reads.append((path, index, nbytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one leaf comes from: HF tensor names and how they combine."""
+
+    kind: str  # "plain" (same axes), "transposed", "qkv", "gate_up"
+    names: tuple[str, ...]  # HF tensors: one, or (q, k, v), or (gate, up)
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+    start, stop, step = index.indices(size)
+    if step != 1:
+        raise ValueError(f"strided shard index {index} is not supported")
+    return start, stop
+
+
+class Reader:
+    """Cuts leaf slices out of memory-mapped HF tensors (`tensors`: name -> array)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], served: ModelConfig,
+                 replicas: int, log: ReadLog | None = None) -> None:
+        self.tensors, self.served, self.replicas = tensors, served, replicas
+        self.log = log
+
+    def _rows(self, name: str, start: int, stop: int, cols: slice = slice(None)) -> np.ndarray:
+        part = np.array(self.tensors[name][start:stop, cols] if self.tensors[name].ndim == 2
+                        else self.tensors[name][start:stop])
+        self._read_bytes += part.nbytes
+        return part
+
+    def slice_of(self, path: str, layout: Layout, shape: tuple[int, ...], index: Index,
+                 dtype: np.dtype) -> np.ndarray:
+        """The `index` part of the leaf at `path` (its full shape `shape`), as `dtype`."""
+        self._read_bytes = 0
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        build: Callable[..., np.ndarray] = getattr(self, f"_{layout.kind}")
+        out = build(layout.names, shape, index).astype(dtype)
+        if self.log is not None:
+            self.log.record(path, index, self._read_bytes)
+        return out
+
+    def _plain(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
+               ) -> np.ndarray:
+        start, stop = _bounds(index[0], shape[0])
+        return self._rows(names[0], start, stop, *index[1:])
+
+    def _transposed(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
+                    ) -> np.ndarray:
+        # ours [in, out] = HF [out, in].T: our column range is a range of HF rows
+        start, stop = _bounds(index[1], shape[1])
+        return self._rows(names[0], start, stop, index[0]).T
+
+    def _qkv(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
+             ) -> np.ndarray:
+        cfg, h = self.served, self.served.head_dim
+        r = cfg.num_heads // cfg.num_kv_heads
+        width = (r + 2) * h  # fused columns per KV-head group
+        axis = len(shape) - 1  # 1-D bias or 2-D [D, cols]
+        start, stop = _bounds(index[axis], shape[axis])
+        if start % width or stop % width:
+            raise ValueError(f"a q/k/v shard [{start}, {stop}) must hold whole KV-head "
+                             f"groups of {width} columns")
+        rows = index[0] if axis == 1 else slice(None)
+        q, k, v = names
+        parts = []
+        for group in range(start // width, stop // width):
+            head = group // self.replicas  # the checkpoint's KV head for this group
+            parts += [self._rows(q, group * r * h, (group + 1) * r * h, rows),
+                      self._rows(k, head * h, (head + 1) * h, rows),
+                      self._rows(v, head * h, (head + 1) * h, rows)]
+        fused = np.concatenate(parts, axis=0)  # [cols, D] or [cols]
+        return fused.T if axis == 1 else fused
+
+    def _gate_up(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
+                 ) -> np.ndarray:
+        block = fusion.mlp_block(self.served.intermediate_size)
+        start, stop = _bounds(index[1], shape[1])
+        if start % (2 * block) or stop % (2 * block):
+            raise ValueError(f"a gate/up shard [{start}, {stop}) must hold whole block "
+                             f"pairs of {2 * block} columns")
+        gate, up = names
+        first, last = start // 2, stop // 2  # gate and up rows [first, last)
+        pair = np.stack([self._rows(gate, first, last, index[0]),
+                         self._rows(up, first, last, index[0])])  # [2, rows, D]
+        pair = pair.reshape(2, (last - first) // block, block, -1).transpose(1, 0, 2, 3)
+        return pair.reshape(2 * (last - first), -1).T

@@ -1,0 +1,107 @@
+"""Tensor parallelism: the device mesh, which sizes are valid, and where each array lives.
+
+One mesh axis, `MODEL_AXIS` ("model"), over `tensor_parallel_size` devices, with
+GSPMD's automatic propagation (`AxisType.Auto`): the params carry Megatron shardings
+(`model.transformer.param_partition_specs`, the one table), XLA inserts the
+all-reduces after the row-parallel matmuls (o and down), and attention runs per device
+on its own KV heads inside `shard_map` (`model.attention`), with no communication.
+
+Fewer KV heads than devices. A size is valid when it divides the query heads and either
+divides the KV heads or is a multiple of them. In the second case each KV head is
+copied `kv_replicas(cfg, n)` times at load (the k and v weights, so each device owns
+one KV head; tpu-inference and SGL-JAX do the same, MaxText refuses such sizes): the
+model then runs as `served_config(cfg, n)`, a model with n KV heads whose query head
+groups are the original groups split in n / G parts. Its KV cache holds the copies, so
+KV bytes per token grow by that factor overall, and each device stores one head.
+
+Adding a data axis later: make the mesh 2-D, ("data", "model"); shard the KV cache's
+page axis and the step's request rows over "data" (each data replica runs its own
+requests), keep params replicated over "data"; the specs here gain that axis and
+nothing inside the model changes.
+
+Imports jax, numpy, config and model.fusion (which imports no other model module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion
+
+MODEL_AXIS = "model"
+
+
+def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits over that many
+    devices: query heads divisible, KV heads divisible or dividing, enough devices, and
+    whole gate/up column blocks per device (model/fusion.py)."""
+    n, heads, kv_heads = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size={n!r} must be a positive int")
+    if n > num_devices:
+        raise ValueError(f"tensor_parallel_size={n} exceeds the {num_devices} device(s) "
+                         "present")
+    if heads % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the {heads} query heads")
+    if kv_heads % n and n % kv_heads:
+        raise ValueError(f"tensor_parallel_size={n} must divide the {kv_heads} KV heads "
+                         f"or be a multiple of them (then KV heads are replicated)")
+    blocks = cfg.intermediate_size // fusion.mlp_block(cfg.intermediate_size)
+    if blocks % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide the {blocks} gate/up column blocks of "
+            f"{fusion.mlp_block(cfg.intermediate_size)} (intermediate_size="
+            f"{cfg.intermediate_size})")
+
+
+def kv_replicas(cfg: ModelConfig, tensor_parallel_size: int) -> int:
+    """Copies of each KV head: n / G when there are fewer KV heads G than devices n."""
+    return max(1, tensor_parallel_size // cfg.num_kv_heads)
+
+
+def served_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The model as it runs: with KV heads copied to one per device when G < n."""
+    replicas = kv_replicas(cfg, tensor_parallel_size)
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+
+
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """A 1-D mesh named `MODEL_AXIS` over the first `tensor_parallel_size` devices (all
+    processes' devices, in JAX's global order)."""
+    devices = jax.devices() if devices is None else devices
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
+                         f"{len(devices)} device(s) present")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,),
+                axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def named(mesh: Mesh, specs: object) -> object:
+    """A pytree of PartitionSpecs -> NamedShardings on `mesh`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def model_axis_size() -> int:
+    """Devices on the model axis of the mesh being traced under (`jax.set_mesh`); 1
+    outside any mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[MODEL_AXIS]
+
+
+def replicate(x: jax.Array) -> jax.Array:
+    """`x` gathered whole onto every device of the traced mesh (no-op outside one)."""
+    if model_axis_size() == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec())
