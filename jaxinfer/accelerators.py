@@ -1,13 +1,22 @@
-"""TPU slices by their GCP accelerator type: topology, chips, and per-chip peaks.
+"""Accelerator presets: GCP TPU slices and GPU machines, with each chip's published peaks.
 
-One table, `ACCELERATORS`, maps the names `gcloud` takes for `--accelerator-type`
-(`v5litepod-4`, `v6e-8`, `v5p-8`; `v5e-4` is accepted for `v5litepod-4`) to the JAX
-topology name that libtpu's ahead-of-time compiler takes (`v5e:2x2`), the number of
-chips, and each chip's HBM, peak bf16 / int8 throughput and HBM bandwidth as Google
-publishes them (cloud.google.com/tpu/docs/v5e, /v6e, /v5p), and the HBM a program may
-use as libtpu 0.0.42.1's compiler reports it (15.75 / 31.25 / 95.74 GiB). The `aot` command, and the
-tensor-parallel presets after it, read only this table. A v5p-N counts TensorCores
-(two per chip), so v5p-8 is 4 chips; v5e and v6e count chips. Standard library only.
+`ACCELERATORS` maps the names `gcloud` takes for `--accelerator-type` (`v5litepod-4`,
+`v6e-8`, `v5p-8`; `v5e-4` is accepted for `v5litepod-4`) to the JAX topology name that
+libtpu's ahead-of-time compiler takes (`v5e:2x2`), the number of chips, and each chip's
+HBM, peak bf16 / int8 throughput and HBM bandwidth as Google publishes them
+(cloud.google.com/tpu/docs/v5e, /v6e, /v5p), and the HBM a program may use as libtpu
+0.0.42.1's compiler reports it (15.75 / 31.25 / 95.74 GiB). A v5p-N counts TensorCores
+(two per chip), so v5p-8 is 4 chips; v5e and v6e count chips. `aot` reads only this
+table, through `get` (TPU only).
+
+`GPUS` holds GCP's GPU machines (A3 High: H100 80GB; A2 Standard: A100 40GB; A2 Ultra:
+A100 80GB; G2: L4) as `h100-8`, `a100-40gb-8`, `a100-80gb-8`, `l4-8` and so on, with
+the machine type (`a3-highgpu-8g`, also accepted as a name) and NVIDIA's datasheet
+figures. `find_preset` looks a name up in both tables; `python -m jaxinfer plan
+--device=NAME` reads it. FLOP/s are dense (NVIDIA's headline tensor figures are
+sparse, twice these). List prices are left unset (None): no price in this table has
+been checked against GCP's price pages, so `plan` asks for `--price_per_hour`.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -15,42 +24,96 @@ from __future__ import annotations
 import dataclasses
 
 GIB = 1 << 30
+PLATFORMS = ("tpu", "gpu")
+# JAX caps its GPU allocator at 75% of the GPU's memory by default
+# (XLA_PYTHON_CLIENT_MEM_FRACTION, docs.jax.dev/en/latest/gpu_memory_allocation.html);
+# the engine plans within that limit (README: a 57 GB engine on an 80 GB H100).
+JAX_GPU_MEMORY_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chip:
-    """One TPU generation's chip, as published."""
+    """One chip (a TPU chip or a GPU), as its maker publishes it."""
 
-    generation: str  # JAX topology prefix: "v5e", "v6e", "v5p"
-    hbm_bytes: int  # published capacity
-    usable_hbm_bytes: int  # what libtpu's compiler lets a program use (its OOM message)
+    generation: str  # "v5e", "v6e", "v5p" (JAX topology prefix); "h100-80gb", "l4"...
+    platform: str  # "tpu" or "gpu"
+    hbm_bytes: int  # published capacity (L4: GDDR6, not HBM)
+    usable_hbm_bytes: int  # what one program may allocate (see the table)
     bf16_flops: float  # peak dense bf16 FLOP/s
-    int8_ops: float  # peak int8 OP/s
+    int8_ops: float  # peak dense int8 OP/s
     hbm_bytes_per_s: float
+    source: str  # where the figures are published
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"{self.platform=} must be one of {PLATFORMS}")
+        for name in ("hbm_bytes", "usable_hbm_bytes", "bf16_flops", "int8_ops",
+                     "hbm_bytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+
+def _gpu(generation: str, gib: int, bytes_per_s: float, bf16: float, int8: float,
+         source: str) -> Chip:
+    return Chip(generation=generation, platform="gpu", hbm_bytes=gib * GIB,
+                usable_hbm_bytes=int(gib * GIB * JAX_GPU_MEMORY_FRACTION), bf16_flops=bf16,
+                int8_ops=int8, hbm_bytes_per_s=bytes_per_s, source=source)
 
 
 CHIPS = {
-    "v5e": Chip(generation="v5e", hbm_bytes=16 * GIB, usable_hbm_bytes=int(15.75 * GIB),
-                bf16_flops=197e12, int8_ops=394e12,
-                hbm_bytes_per_s=819e9),
-    "v6e": Chip(generation="v6e", hbm_bytes=32 * GIB, usable_hbm_bytes=int(31.25 * GIB),
-                bf16_flops=918e12, int8_ops=1836e12,
-                hbm_bytes_per_s=1640e9),
-    "v5p": Chip(generation="v5p", hbm_bytes=95 * GIB, usable_hbm_bytes=int(95.74 * GIB),
-                bf16_flops=459e12, int8_ops=918e12,
-                hbm_bytes_per_s=2765e9),
+    # cloud.google.com/tpu/docs/v5e: 16 GB HBM2, 819 GB/s, 197 TFLOP/s bf16, 394 TOPS int8
+    "v5e": Chip(generation="v5e", platform="tpu", hbm_bytes=16 * GIB,
+                usable_hbm_bytes=int(15.75 * GIB), bf16_flops=197e12, int8_ops=394e12,
+                hbm_bytes_per_s=819e9, source="https://cloud.google.com/tpu/docs/v5e"),
+    # cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, 918 TFLOP/s bf16, 1836 TOPS int8
+    "v6e": Chip(generation="v6e", platform="tpu", hbm_bytes=32 * GIB,
+                usable_hbm_bytes=int(31.25 * GIB), bf16_flops=918e12, int8_ops=1836e12,
+                hbm_bytes_per_s=1640e9, source="https://cloud.google.com/tpu/docs/v6e"),
+    # cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, 459 TFLOP/s bf16, 918 TOPS int8
+    "v5p": Chip(generation="v5p", platform="tpu", hbm_bytes=95 * GIB,
+                usable_hbm_bytes=int(95.74 * GIB), bf16_flops=459e12, int8_ops=918e12,
+                hbm_bytes_per_s=2765e9, source="https://cloud.google.com/tpu/docs/v5p"),
+    # H100 SXM5 80GB (A3 High): 3.35 TB/s HBM3; 989 TFLOP/s bf16 and 1,979 TOPS int8
+    # dense (the datasheet's 1,979 / 3,958 are with 2:4 sparsity).
+    "h100-80gb": _gpu("h100-80gb", 80, 3.35e12, 989e12, 1979e12,
+                      "https://www.nvidia.com/en-us/data-center/h100/"),
+    # A100 SXM4 40GB (A2 Standard): 1,555 GB/s HBM2; 312 TFLOP/s bf16 and 624 TOPS int8
+    # dense (624 / 1,248 with sparsity).
+    "a100-40gb": _gpu("a100-40gb", 40, 1.555e12, 312e12, 624e12,
+                      "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
+                      "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    # A100 SXM4 80GB (A2 Ultra): 2,039 GB/s HBM2e; the same peaks as the 40GB part.
+    "a100-80gb": _gpu("a100-80gb", 80, 2.039e12, 312e12, 624e12,
+                      "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
+                      "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    # L4 (G2): 24 GB GDDR6 at 300 GB/s; 121 TFLOP/s bf16 and 242.5 TOPS int8 dense
+    # (242 / 485 with sparsity).
+    "l4": _gpu("l4", 24, 300e9, 121e12, 242.5e12, "https://www.nvidia.com/en-us/data-center/l4/"),
 }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Accelerator:
-    """A slice: `chips` chips of one generation in the topology `topology`."""
+    """A preset: `chips` chips (TPU chips or GPUs) of one kind. TPU slices carry the
+    topology libtpu compiles for; GPU machines the GCP machine type."""
 
     name: str
     chip: Chip
     chips: int
-    topology: str  # for jax.experimental.topologies.get_topology_desc
+    topology: str | None = None  # TPU: for jax.experimental.topologies.get_topology_desc
     chips_per_host: tuple[int, int, int] | None = None  # given to libtpu for 1-chip slices
+    machine_type: str | None = None  # GPU: the GCP machine type (a3-highgpu-8g)
+    list_price_per_hour: float | None = None  # USD, the whole preset; None: not known
+    list_price_note: str = ""  # where and when the list price was read
+
+    def __post_init__(self) -> None:
+        if self.chips < 1:
+            raise ValueError(f"{self.chips=} must be >= 1")
+        if (self.topology is None) != (self.chip.platform == "gpu"):
+            raise ValueError(f"{self.topology=} must be given for TPU slices only")
+        if self.list_price_per_hour is not None and not self.list_price_note:
+            raise ValueError(f"{self.list_price_note=} must say where and when the list "
+                             "price was read")
 
     @property
     def hbm_bytes(self) -> int:
@@ -71,15 +134,70 @@ def _slices() -> dict[str, Accelerator]:
     return table
 
 
+# GCP's GPU machine types, cloud.google.com/compute/docs/accelerator-optimized-machines:
+# A3 High a3-highgpu-{1,2,4,8}g (H100 80GB), A2 Standard a2-highgpu-{1,2,4,8}g and
+# a2-megagpu-16g (A100 40GB), A2 Ultra a2-ultragpu-{1,2,4,8}g (A100 80GB), G2
+# g2-standard-{4,24,48,96} (1, 2, 4, 8 L4s; other G2 shapes add vCPUs, not GPUs).
+GPU_MACHINES = {
+    "h100": ("h100-80gb", {n: f"a3-highgpu-{n}g" for n in (1, 2, 4, 8)}),
+    "a100-40gb": ("a100-40gb", {n: f"a2-highgpu-{n}g" for n in (1, 2, 4, 8)}
+                  | {16: "a2-megagpu-16g"}),
+    "a100-80gb": ("a100-80gb", {n: f"a2-ultragpu-{n}g" for n in (1, 2, 4, 8)}),
+    "l4": ("l4", {1: "g2-standard-4", 2: "g2-standard-24", 4: "g2-standard-48",
+                  8: "g2-standard-96"}),
+}
+
+
+def _gpu_machines() -> dict[str, Accelerator]:
+    table = {}
+    for prefix, (chip, machines) in GPU_MACHINES.items():
+        for count, machine_type in machines.items():
+            name = f"{prefix}-{count}"
+            table[name] = Accelerator(name=name, chip=CHIPS[chip], chips=count,
+                                      machine_type=machine_type)
+    return table
+
+
 ACCELERATORS = _slices()
-ALIASES = {f"v5litepod-{n}": f"v5e-{n}" for n in (1, 4, 8)}
+GPUS = _gpu_machines()
+PRESETS = ACCELERATORS | GPUS
+ALIASES = ({f"v5litepod-{n}": f"v5e-{n}" for n in (1, 4, 8)}
+           | {acc.machine_type: name for name, acc in GPUS.items()})
 
 
 def get(name: str) -> Accelerator:
-    """The slice called `name` (a GCP accelerator type); ValueError naming the choices."""
+    """The TPU slice called `name` (a GCP accelerator type), for `aot`; ValueError naming
+    the choices, or saying that a GPU preset is not a TPU."""
     key = ALIASES.get(name, name)
+    if key in GPUS:
+        raise ValueError(f"device={name!r} is a GPU machine ({GPUS[key].machine_type}); aot "
+                         f"compiles for TPU only: one of {sorted(ACCELERATORS)}")
     if key not in ACCELERATORS:
-        choices = sorted(ACCELERATORS) + sorted(ALIASES)
+        choices = sorted(ACCELERATORS) + sorted(n for n in ALIASES if n.startswith("v5lite"))
         raise ValueError(f"device={name!r} is not a known TPU accelerator type; one of "
                          f"{choices}")
     return ACCELERATORS[key]
+
+
+def find_preset(name: str) -> Accelerator:
+    """The TPU slice or GPU machine called `name` (or its GCP machine type); ValueError
+    naming the choices."""
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        machine_types = sorted(acc.machine_type for acc in GPUS.values())
+        raise ValueError(f"device={name!r} is not a known accelerator preset; one of "
+                         f"{sorted(PRESETS)}, or a GPU machine type: {machine_types}")
+    return PRESETS[key]
+
+
+def describe(acc: Accelerator) -> dict[str, object]:
+    """The preset as plain JSON-ready data (per-device figures, one device = one chip)."""
+    chip = acc.chip
+    return {"name": acc.name, "platform": chip.platform, "machine_type": acc.machine_type,
+            "topology": acc.topology, "chip": chip.generation, "devices": acc.chips,
+            "device_hbm_bytes": chip.hbm_bytes,
+            "device_usable_hbm_bytes": chip.usable_hbm_bytes,
+            "device_hbm_bytes_per_s": chip.hbm_bytes_per_s,
+            "device_peak_bf16_flops": chip.bf16_flops, "device_peak_int8_ops": chip.int8_ops,
+            "list_price_per_hour": acc.list_price_per_hour,
+            "list_price_note": acc.list_price_note or None, "source": chip.source}

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from jaxinfer import accelerators
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine.request import SamplingParams
 
@@ -43,10 +44,17 @@ flags.DEFINE_float("repetition_penalty", None, "1 = off; default: the checkpoint
 flags.DEFINE_string("input", None, "JSONL file of requests (batch) or prompts (audit)")
 flags.DEFINE_string("output", None, "JSONL results (batch); orbax directory (convert)")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
-flags.DEFINE_float("memory_gb", None, "memory for weights + KV cache, in GB")
-flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth for the decode roofline; "
-                   "default: no roofline")
-flags.DEFINE_string("device", "v5e-1", "TPU accelerator type (v5e-1, v6e-8, v5p-8...)")
+flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache, in GB; "
+                  "default with --device: 90% of what one device lets a program use")
+flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth per device for the decode "
+                   "roofline; default: the --device preset's, else no roofline")
+flags.DEFINE_string("device", None, "accelerator preset (jaxinfer/accelerators.py): a TPU "
+                    "type (v5e-1, v6e-8, v5p-8...; aot takes only these) or a GCP GPU "
+                    "machine (h100-8 = a3-highgpu-8g, a100-40gb-8, a100-80gb-8, l4-1...)")
+flags.DEFINE_float("price_per_hour", None, "price per hour of the whole --device preset "
+                   "(without --device: of tensor_parallel_size devices), for plan's cost per "
+                   "million output tokens; default: the preset's list price if it carries "
+                   "one, else no cost")
 flags.DEFINE_enum("buckets", "all", ["all", "ends"],
                   "every bucket, or the smallest, a mixed one and the largest")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -74,6 +82,9 @@ def define_engine_flags() -> tuple[str, ...]:
 
 ENGINE_FLAGS = define_engine_flags()
 flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
+if "tensor_parallel_size" not in FLAGS:  # plan's own until EngineConfig defines the field
+    flags.DEFINE_integer("tensor_parallel_size", None, "devices that split the model "
+                         "(tensor parallelism); plan's default: every device of --device")
 
 
 def engine_config(**defaults: object) -> EngineConfig:
@@ -141,19 +152,63 @@ def _model_config() -> object:
     return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
 
 
+def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
+                 ) -> dict[str, int]:
+    """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
+    share of one device of --device."""
+    from jaxinfer import planner
+
+    if FLAGS.memory_gb is not None:
+        return {"memory_bytes": int(FLAGS.memory_gb * 1e9)}
+    if settings.kv_cache_memory_bytes is not None:
+        return {"kv_cache_bytes": settings.kv_cache_memory_bytes}
+    if acc is not None:
+        usable = acc.chip.usable_hbm_bytes
+        return {"memory_bytes": int(usable * planner.DEVICE_MEMORY_FRACTION)}
+    raise app.UsageError("plan needs --memory_gb=GB, --kv_cache_memory_bytes=BYTES or "
+                         "--device=NAME")
+
+
+def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None) -> int:
+    """--tensor_parallel_size, else every device of --device, else 1; ValueError unless
+    the model's heads split over it."""
+    from jaxinfer import planner
+
+    if FLAGS["tensor_parallel_size"].present:
+        planner.check_tensor_parallel(cfg, FLAGS.tensor_parallel_size)
+        return FLAGS.tensor_parallel_size
+    tp = acc.chips if acc else 1
+    try:
+        planner.check_tensor_parallel(cfg, tp)
+    except ValueError as e:
+        raise ValueError(f"{e} (by default every device of --device={FLAGS.device}; give "
+                         "--tensor_parallel_size)") from None
+    return tp
+
+
 def plan() -> None:
     from jaxinfer import planner
 
-    settings = engine_config()
-    budget = ({"memory_bytes": int(FLAGS.memory_gb * 1e9)} if FLAGS.memory_gb is not None
-              else {"kv_cache_bytes": settings.kv_cache_memory_bytes})
-    if None in budget.values():
-        raise app.UsageError("plan needs --memory_gb=GB or --kv_cache_memory_bytes=BYTES")
-    result = planner.plan(_model_config(), dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+    settings, cfg = engine_config(), _model_config()
+    acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
+    tp = _plan_tensor_parallel_size(cfg, acc)
+    bandwidth = FLAGS.bandwidth_gb_per_s
+    if bandwidth is not None and bandwidth <= 0:
+        raise app.UsageError(f"--bandwidth_gb_per_s={bandwidth} must be > 0")
+    if bandwidth is None and acc is not None:
+        bandwidth = acc.chip.hbm_bytes_per_s / 1e9
+    price = FLAGS.price_per_hour if FLAGS.price_per_hour is not None else (
+        acc.list_price_per_hour if acc else None)
+    result = planner.plan(cfg, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
                           max_model_len=settings.max_model_len,
                           max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
-                          bandwidth_gb_per_s=FLAGS.bandwidth_gb_per_s, **budget)
-    sys.stdout.write(json.dumps(result.summary(), indent=1) + "\n")
+                          bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
+                          num_devices=acc.chips if acc else tp,
+                          peak_flops_per_s=acc.chip.bf16_flops if acc else None,
+                          **_plan_budget(settings, acc))
+    report = {"device": accelerators.describe(acc) if acc else None,
+              **result.summary(price_per_hour=price)}
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
 
 
 def audit() -> None:
@@ -176,7 +231,8 @@ def aot() -> None:
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=engine.max_model_len or cfg.max_position_embeddings,
         page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes)
-    report = aot_lib.compile_report(cfg, device=FLAGS.device, settings=settings,
+    device = FLAGS.device or COMMANDS["aot"].defaults["device"]
+    report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)
     sys.stdout.write(aot_lib.format_table(report) + "\n")
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
@@ -189,7 +245,7 @@ class Command:
     run: Callable[[], None]
     summary: str
     flags: tuple[str, ...]
-    defaults: dict[str, object] = dataclasses.field(default_factory=dict)  # engine flags
+    defaults: dict[str, object] = dataclasses.field(default_factory=dict)  # over the flags
 
 
 _PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
@@ -204,16 +260,18 @@ COMMANDS = {
                      "results (resumable)", flags=("model", "input", "output", *ENGINE_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one",
                        flags=("model", "output", "dtype")),
-    "plan": Command(run=plan, summary="print the memory plan (and decode roofline) of a "
-                    "model or preset; loads no weights",
-                    flags=("model", "memory_gb", "bandwidth_gb_per_s", *_PLAN_FLAGS)),
+    "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
+                    "roofline and cost on a device; loads no weights",
+                    flags=("model", "device", "tensor_parallel_size", "memory_gb",
+                           "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS)),
     "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
                      "prefix cache would save; loads no weights",
                      flags=("model", "input", "page_size")),
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
                    flags=("model", "device", "buckets", "max_num_batched_tokens",
-                          *_PLAN_FLAGS)),
+                          *_PLAN_FLAGS),
+                   defaults={"device": "v5e-1"}),
 }
 
 

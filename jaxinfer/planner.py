@@ -1,14 +1,22 @@
-"""The memory plan: what a model and its KV cache need, what fits, how fast it can go.
+"""The memory plan: what a model and its KV cache need per device, what fits, how fast.
 
-`plan()` takes a model config, the weight and KV dtypes, the context length and
-a budget (bytes for the KV cache, or for weights plus KV) and returns a
-`MemoryPlan`: weight bytes, KV bytes per token, the pages that fit (page 0 is
-the trash page), concurrent requests at full context, and the decode roofline
-(tokens/s bounded by reading every weight once plus each request's KV per step,
-at a given memory bandwidth; left out when none is given). The engine sizes its
-page pool with it (through loading.py), so the plan and the allocation agree to
-the byte. `python -m jaxinfer plan` prints it.
-Imports the model's parameter shapes (jax for dtype sizes) and config.
+`plan()` takes a model config, the weight and KV dtypes, the context length, a
+tensor-parallel degree and a per-device budget (bytes for the KV cache, or for
+weights plus KV) and returns a `MemoryPlan`: weight bytes and KV bytes per token on
+one device, the pages that fit (page 0 is the trash page), concurrent requests at full
+context, and the decode roofline (tokens/s bounded by each device reading its weights
+once plus its share of each request's KV per step at a given memory bandwidth, and by
+its FLOPs at a given peak; left out when no bandwidth is given). The engine sizes its
+page pool with it (through loading.py), so the plan and the allocation agree to the
+byte. `python -m jaxinfer plan` prints it.
+
+Tensor parallelism over `tp` devices (Megatron style): q/k/v/o and gate/up/down are
+split 1/tp by heads and MLP columns, the embedding and LM head along the vocabulary
+when `tp` divides it (else replicated), the q/k/v biases with their heads, norms
+replicated. KV heads are split when `tp` divides them, else (tp a multiple of them)
+each device holds one, replicated. The all-reduces between devices are not counted:
+the roofline is a bound. Imports the model's parameter shapes (jax for dtype sizes),
+config and the KV page layout.
 """
 
 from __future__ import annotations
@@ -24,14 +32,22 @@ from jaxinfer.model.transformer import param_shapes
 from jaxinfer.pallas import kv_layout
 
 GB = 1e9
+DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
+ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
+REPLICATED = frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"})
+SPLIT = frozenset({"wo", "w_gate_up", "w_down"})  # by heads or MLP columns: 1/tp
+VOCAB = frozenset({"embed", "lm_head"})  # by vocabulary rows when tp divides it
+QKV = frozenset({"wqkv", "bqkv"})  # last axis (N + 2G) * H: per device (N/tp + 2G') * H
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
-    """Bytes and counts of one engine configuration (`summary()` adds GB and rates)."""
+    """Bytes and counts of one engine configuration on one device (`summary()` adds GB,
+    rates and costs). Every `*_bytes` is per device; at tensor_parallel_size=1 per device
+    is the whole model."""
 
-    weight_bytes: int
-    kv_bytes_per_token: int  # K and V of one token over all layers
+    weight_bytes: int  # on one device
+    kv_bytes_per_token: int  # K and V of one token over all layers, on one device
     page_size: int
     page_bytes: int
     num_pages: int  # in the pool, the trash page included
@@ -41,24 +57,67 @@ class MemoryPlan:
     max_concurrent_requests: int  # at full context, every one at max_model_len
     max_num_seqs: int
     bandwidth_gb_per_s: float | None  # None: unknown, no roofline
+    tensor_parallel_size: int = 1
+    replicas: int = 1  # copies of the tensor-parallel group on the devices planned for
+    unsharded_weight_bytes: int | None = None  # the whole model; None: weight_bytes
+    matmul_flops_per_token: int = 0  # on one device, decode
+    attention_flops_per_context_token: int = 0  # per new token and cached token, one device
+    peak_flops_per_s: float | None = None  # None: the roofline counts bytes only
 
-    def decode_roofline(self, batch: int, context: int) -> float | None:
-        """Tokens/s bound of a decode step of `batch` requests at `context` tokens each
-        (None when the bandwidth is unknown)."""
+    def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
+        """(memory, compute) seconds of a decode step of `batch` requests at `context`
+        tokens each on one device: its bytes over the bandwidth, its FLOPs over the peak
+        (0 when the peak is unknown). None when the bandwidth is unknown."""
         if self.bandwidth_gb_per_s is None:
             return None
         step_bytes = self.weight_bytes + batch * context * self.kv_bytes_per_token
-        return batch * self.bandwidth_gb_per_s * GB / step_bytes
+        flops = batch * (self.matmul_flops_per_token
+                         + context * self.attention_flops_per_context_token)
+        compute = flops / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
+        return step_bytes / (self.bandwidth_gb_per_s * GB), compute
 
-    def summary(self) -> dict[str, float | int | None]:
+    def decode_roofline(self, batch: int, context: int) -> float | None:
+        """Tokens/s bound of every replica decoding `batch` requests at `context` tokens
+        each: the slower of the memory and the compute bound (None when the bandwidth
+        is unknown)."""
+        seconds = self.decode_seconds(batch, context)
+        return None if seconds is None else self.replicas * batch / max(seconds)
+
+    def roofline_rows(self, price_per_hour: float | None = None
+                      ) -> list[dict[str, object]] | None:
+        """The roofline at max_model_len for a few batch sizes (requests per replica), with
+        the cost per million output tokens when `price_per_hour` (all devices) is given."""
+        if self.bandwidth_gb_per_s is None:
+            return None
+        if price_per_hour is not None and price_per_hour <= 0:
+            raise ValueError(f"{price_per_hour=} must be > 0")
+        largest = max(1, min(self.max_num_seqs, self.max_concurrent_requests))
+        rows = []
+        for batch in sorted({b for b in ROOFLINE_BATCHES if b < largest} | {largest}):
+            memory_s, compute_s = self.decode_seconds(batch, self.max_model_len)
+            tokens_per_s = round(self.replicas * batch / max(memory_s, compute_s), 1)
+            cost = (None if price_per_hour is None else
+                    round(cost_per_million_tokens(price_per_hour, tokens_per_s), 4))
+            rows.append({"batch": batch, "context": self.max_model_len,
+                         "step_ms": round(max(memory_s, compute_s) * 1e3, 3),
+                         "bound": "memory" if memory_s >= compute_s else "compute",
+                         "tokens_per_s": tokens_per_s,
+                         "cost_per_million_output_tokens": cost})
+        return rows
+
+    def summary(self, price_per_hour: float | None = None) -> dict[str, object]:
         batch = max(1, min(self.max_num_seqs, self.max_concurrent_requests))
 
         def rate(batch: int) -> float | None:
             value = self.decode_roofline(batch, self.max_model_len)
             return None if value is None else round(value, 1)
 
+        rows = self.roofline_rows(price_per_hour)
+        unsharded = self.unsharded_weight_bytes or self.weight_bytes
         return {
+            "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
             "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
+            "unsharded_weight_bytes": unsharded,
             "kv_bytes_per_token": self.kv_bytes_per_token, "page_size": self.page_size,
             "page_bytes": self.page_bytes, "num_pages": self.num_pages,
             "kv_cache_bytes": self.kv_cache_bytes,
@@ -68,51 +127,138 @@ class MemoryPlan:
             "max_model_len": self.max_model_len,
             "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
             "bandwidth_gb_per_s": self.bandwidth_gb_per_s,
+            "peak_flops_per_s": self.peak_flops_per_s,
             "decode_roofline_tokens_per_s_batch_1": rate(1),
             "decode_roofline_batch": batch,
             "decode_roofline_tokens_per_s": rate(batch),
+            "price_per_hour": price_per_hour,
+            "cost_per_million_output_tokens": None if rows is None
+            else rows[-1]["cost_per_million_output_tokens"],
+            "decode_roofline": rows,
         }
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Bytes of every parameter stored in `dtype` (the loader casts all of them)."""
-    leaves = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    return sum(math.prod(shape) for shape in leaves) * jnp.dtype(dtype).itemsize
+def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
+    """What a million output tokens cost at `tokens_per_s`, at `price_per_hour`."""
+    return price_per_hour / (tokens_per_s * 3600) * 1e6
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    """K and V of one token over all layers, as stored: heads padded to whole 32-bit
-    words (`pallas/kv_layout.py`; only 8-bit pages with an odd head count pad)."""
-    combined = kv_layout.padded_heads_for(cfg.num_kv_heads, kv_dtype)
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """ValueError naming the numbers unless `tp` devices can split the model's heads."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive int")
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_heads={cfg.num_heads}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_kv_heads="
+                         f"{cfg.num_kv_heads} or be a multiple of it (KV heads replicated)")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size="
+                         f"{cfg.intermediate_size}")
+
+
+def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
+    """G over `tp` devices: G / tp when tp divides G, else 1 (each device holds a copy)."""
+    check_tensor_parallel(cfg, tp)
+    return cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
+
+
+def _device_elements(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> int:
+    """Elements of one parameter held by each of `tp` devices."""
+    size = math.prod(shape)
+    if tp == 1 or name in REPLICATED:
+        return size
+    if name in SPLIT:
+        return size // tp
+    if name in VOCAB:
+        return size // tp if cfg.vocab_size % tp == 0 else size
+    if name in QKV:
+        heads = cfg.num_heads // tp + 2 * kv_heads_per_device(cfg, tp)
+        return size // shape[-1] * heads * cfg.head_dim
+    raise ValueError(f"parameter {name!r} has no tensor-parallel rule in planner.py")
+
+
+def _device_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, elements on one device) of every parameter."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    return [(path[-1].key, shape, _device_elements(path[-1].key, shape, cfg, tp))
+            for path, shape in flat]
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
+    of `tensor_parallel_size` devices."""
+    check_tensor_parallel(cfg, tensor_parallel_size)
+    elements = sum(n for _, _, n in _device_shapes(cfg, tensor_parallel_size))
+    return elements * jnp.dtype(dtype).itemsize
+
+
+def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """FLOPs of one decoded token on one device: (matmuls, attention per cached token).
+    The embedding lookup is no matmul; a tied embedding counts once, as the LM head."""
+    shapes = _device_shapes(cfg, tensor_parallel_size)
+    matmul = sum(n for name, shape, n in shapes if len(shape) == 2 and name != "embed")
+    if cfg.tie_word_embeddings:
+        matmul += next(n for name, _, n in shapes if name == "embed")
+    heads = cfg.num_heads // tensor_parallel_size
+    return 2 * matmul, 4 * heads * cfg.head_dim * cfg.num_layers  # q.k and p.v
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
+    """K and V of one token over all layers on one device, as stored: heads padded to
+    whole 32-bit words (`pallas/kv_layout.py`; only 8-bit pages with an odd head count
+    pad)."""
+    heads = kv_heads_per_device(cfg, tensor_parallel_size)
+    combined = kv_layout.padded_heads_for(heads, kv_dtype)
     return combined * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers
+
+
+def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model_len: int,
+               pages_per_request: int, page_bytes: int, tp: int) -> int:
+    """The KV bytes left in `memory_bytes` per device after the weights; ValueError saying
+    by how much it falls short of one request."""
+    kv_cache_bytes = memory_bytes - weights
+    if kv_cache_bytes >= need:
+        return kv_cache_bytes
+    where = "" if tp == 1 else f" per device (tensor_parallel_size={tp})"
+    larger_tp = "" if tp == 1 and weights < memory_bytes else ", raise tensor_parallel_size"
+    raise ValueError(
+        f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} "
+        f"weights and {max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
+        f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV "
+        f"({pages_per_request} pages of {page_bytes} bytes plus the trash page), "
+        f"{(weights + need - memory_bytes) / GB:.3f} GB short: give at least "
+        f"{(weights + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
 
 
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,
          max_model_len: int | None = None, max_num_seqs: int = 32, page_size: int = 16,
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
-         bandwidth_gb_per_s: float | None = None) -> MemoryPlan:
-    """The plan for a KV budget: `kv_cache_bytes` for the cache alone, or `memory_bytes`
-    for weights plus cache (exactly one); `bandwidth_gb_per_s` (GB/s) for the decode
-    roofline, None leaves it out. Raises ValueError when not even one request
-    of `max_model_len` fits, saying how much would."""
+         bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
+         num_devices: int | None = None, peak_flops_per_s: float | None = None
+         ) -> MemoryPlan:
+    """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
+    `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
+    devices; `num_devices` (default: tensor_parallel_size) hold its replicas.
+    `bandwidth_gb_per_s` (GB/s, per device) for the decode roofline, None leaves it out;
+    `peak_flops_per_s` adds the compute bound. Raises ValueError when not even one
+    request of `max_model_len` fits, saying how much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
+    tp, num_devices = tensor_parallel_size, num_devices or tensor_parallel_size
+    if num_devices < tp:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype)
-    per_token = kv_bytes_per_token(cfg, kv_dtype)
+    weights = weight_bytes(cfg, dtype, tp)
+    per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     page_bytes = page_size * per_token
     pages_per_request = -(-max_model_len // page_size)
     need = (pages_per_request + 1) * page_bytes
     if memory_bytes is not None:
-        kv_cache_bytes = memory_bytes - weights
-        if kv_cache_bytes < need:
-            raise ValueError(
-                f"{memory_bytes / GB:.3f} GB holds the {weights / GB:.3f} GB of {dtype} "
-                f"weights and {max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
-                f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV "
-                f"({pages_per_request} pages of {page_bytes} bytes plus the trash page): "
-                f"give at least {(weights + need) / GB:.3f} GB or lower max_model_len")
+        kv_cache_bytes = _kv_budget(memory_bytes, weights, need, dtype, max_model_len,
+                                    pages_per_request, page_bytes, tp)
     num_pages = kv_cache_bytes // page_bytes
     if num_pages - 1 < pages_per_request:
         raise ValueError(
@@ -120,9 +266,15 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
             f"bytes; one request of max_model_len={max_model_len} needs {pages_per_request} "
             f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
             "max_model_len")
+    matmul_flops, attention_flops = decode_flops(cfg, tp)
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       page_bytes=page_bytes, num_pages=num_pages,
                       kv_cache_bytes=num_pages * page_bytes, max_model_len=max_model_len,
                       pages_per_request=pages_per_request,
                       max_concurrent_requests=(num_pages - 1) // pages_per_request,
-                      max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s)
+                      max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
+                      tensor_parallel_size=tp, replicas=num_devices // tp,
+                      unsharded_weight_bytes=weight_bytes(cfg, dtype),
+                      matmul_flops_per_token=matmul_flops,
+                      attention_flops_per_context_token=attention_flops,
+                      peak_flops_per_s=peak_flops_per_s)

@@ -47,6 +47,10 @@ def test_command_help_lists_its_flags_with_defaults():
     assert "--device" not in out and "--helpfull" not in out  # aot's flag; no absl dump
     plan = _cli("plan", "-h").stdout
     assert "--bandwidth_gb_per_s" in plan and "--prompt" not in plan
+    for flag in ("--device (string; default unset)", "--tensor_parallel_size (int;",
+                 "--price_per_hour (float; default unset)"):
+        assert flag in plan
+    assert '--device (string; default "v5e-1")' in _cli("aot", "-h").stdout
 
 
 def test_engine_flags_are_derived_from_engine_config():
@@ -79,6 +83,12 @@ def test_sampling_flags_override_only_their_field():
      "tokens; max_model_len 16 leaves no room to generate", 1),
     (["bogus"], "give one command of generate, batch", 2),
     (["plan", "--model=qwen3-0.6b"], "plan needs --memory_gb=GB", 2),
+    (["plan", "--model=llama3.1-8b", "--device=v5e-1", "--dtype=bfloat16"],
+     "plan: 15.220 GB holds the 16.061 GB of bfloat16 weights", 1),
+    (["plan", "--model=smollm-135m", "--device=v6e-8"], "tensor_parallel_size=8 must divide "
+     "num_heads=9 (by default every device of --device=v6e-8; give --tensor_parallel_size)", 1),
+    (["plan", "--model=qwen3-0.6b", "--device=h200-8"], "'h200-8' is not a known accelerator", 1),
+    (["aot", "--model=qwen3-0.6b", "--device=a3-highgpu-8g"], "aot compiles for TPU only", 1),
 ])
 def test_errors_print_one_line_and_exit_non_zero(args, message, code):
     result = _cli(*args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxinfer import checkpoint, planner
+from jaxinfer import accelerators, checkpoint, loading, planner
 from jaxinfer.config import EngineConfig, load_preset
 from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine
@@ -61,4 +62,136 @@ def test_plan_command_prints_the_plan_of_a_preset():
     summary = json.loads(out.stdout)
     expected = planner.plan(load_preset("qwen3-0.6b"), dtype="bfloat16", max_model_len=4096,
                             max_num_seqs=8, memory_bytes=4 * 10**9, bandwidth_gb_per_s=100.0)
+    assert summary.pop("device") is None
     assert summary == expected.summary()
+    assert summary["peak_flops_per_s"] is None  # no device: bytes only
+    assert {row["bound"] for row in summary["decode_roofline"]} == {"memory"}
+
+
+def _plan_cli(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "jaxinfer", "plan", *args],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_plan_command_on_a_device_reports_per_device_bytes_roofline_and_cost():
+    summary = _plan_cli("--model=llama3.1-8b", "--device=v5e-8", "--dtype=bfloat16",
+                        "--max_model_len=8192", "--price_per_hour=9.6")
+    device = summary["device"]
+    assert (device["name"], device["devices"], device["device_hbm_bytes_per_s"]) == \
+        ("v5e-8", 8, 819e9)
+    assert summary["tensor_parallel_size"] == 8 and summary["replicas"] == 1
+    cfg = load_preset("llama3.1-8b")
+    assert summary["weight_bytes"] == planner.weight_bytes(cfg, "bfloat16", 8)
+    assert summary["unsharded_weight_bytes"] == 8_030_261_248 * 2
+    assert summary["kv_bytes_per_token"] == 2 * 32 * 1 * 128 * 2  # one KV head per chip
+    budget = int(accelerators.get("v5e-8").chip.usable_hbm_bytes * 0.9)
+    assert summary["num_pages"] == (budget - summary["weight_bytes"]) // summary["page_bytes"]
+    assert summary["bandwidth_gb_per_s"] == 819.0 and summary["peak_flops_per_s"] == 197e12
+    rows = summary["decode_roofline"]
+    assert [row["batch"] for row in rows] == [1, 8, 32]  # max_num_seqs=32
+    for row in rows:
+        step_bytes = summary["weight_bytes"] + row["batch"] * 8192 * summary[
+            "kv_bytes_per_token"]
+        assert math.isclose(row["tokens_per_s"], row["batch"] * 819e9 / step_bytes,
+                            rel_tol=1e-3)
+        cost = 9.6 / (row["tokens_per_s"] * 3600) * 1e6
+        assert math.isclose(row["cost_per_million_output_tokens"], cost, rel_tol=1e-3)
+    assert summary["cost_per_million_output_tokens"] == rows[-1][
+        "cost_per_million_output_tokens"]
+
+
+def test_plan_command_on_a_gpu_machine_with_overrides():
+    summary = _plan_cli("--model=llama3.1-8b", "--device=a3-highgpu-8g", "--dtype=bfloat16",
+                        "--max_model_len=4096", "--tensor_parallel_size=2", "--memory_gb=30",
+                        "--bandwidth_gb_per_s=2000")
+    assert summary["device"]["name"] == "h100-8" and summary["price_per_hour"] is None
+    assert summary["tensor_parallel_size"] == 2 and summary["replicas"] == 4
+    assert summary["weight_bytes"] == planner.weight_bytes(load_preset("llama3.1-8b"),
+                                                           "bfloat16", 2)
+    assert summary["kv_cache_bytes"] <= 30e9 - summary["weight_bytes"]
+    assert summary["bandwidth_gb_per_s"] == 2000.0
+    assert all(row["cost_per_million_output_tokens"] is None
+               for row in summary["decode_roofline"])
+
+
+def test_weights_split_over_tensor_parallel_devices_but_norms():
+    cfg = load_preset("llama3.1-8b")
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # attn, mlp and final RMSNorm
+    elements = 8_030_261_248
+    assert planner.weight_bytes(cfg, "bfloat16", 8) == 2 * ((elements - norms) // 8 + norms)
+    assert planner.kv_bytes_per_token(cfg, "bfloat16", 8) == \
+        planner.kv_bytes_per_token(cfg, "bfloat16") // 8
+    odd_vocab = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1)  # 8 does not divide
+    embed_and_head = 2 * odd_vocab.vocab_size * cfg.hidden_size
+    assert planner.weight_bytes(odd_vocab, "float32", 8) == 4 * (
+        (elements + 2 * cfg.hidden_size - norms - embed_and_head) // 8 + norms
+        + embed_and_head)
+
+
+def test_kv_heads_fewer_than_devices_are_replicated():
+    cfg = dataclasses.replace(load_preset("qwen3-0.6b"), num_kv_heads=2)
+    assert planner.kv_heads_per_device(cfg, 8) == 1 and planner.kv_heads_per_device(cfg, 2) == 1
+    per_device = planner.kv_bytes_per_token(cfg, "bfloat16", 8)
+    assert per_device == 2 * 1 * cfg.head_dim * cfg.num_layers * 2
+    assert per_device == planner.kv_bytes_per_token(cfg, "bfloat16")  // 2
+    d, h = cfg.hidden_size, cfg.head_dim
+    qkv_per_device = d * (16 // 8 + 2 * 1) * h  # q: 2 heads, k and v: one head each
+    full = planner.weight_bytes(cfg, "float32", 1) // 4
+    qkv_full = d * (16 + 2 * 2) * h
+    rest = full - cfg.num_layers * qkv_full
+    norms = (2 * cfg.num_layers + 1) * d + 2 * cfg.num_layers * h  # q/k norms too
+    assert planner.weight_bytes(cfg, "float32", 8) == 4 * (
+        cfg.num_layers * qkv_per_device + (rest - norms) // 8 + norms)
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, "tensor_parallel_size=3 must divide num_heads=32"),
+    (0, "tensor_parallel_size=0 must be a positive int"),
+    (12, "tensor_parallel_size=12 must divide num_kv_heads=8 or be a multiple of it"),
+])
+def test_invalid_tensor_parallel_size_names_the_numbers(tp, message):
+    cfg = load_preset("llama3.1-8b")
+    if tp == 12:
+        cfg = dataclasses.replace(cfg, num_heads=48)
+    with pytest.raises(ValueError, match=message):
+        planner.plan(cfg, memory_bytes=10**12, tensor_parallel_size=tp)
+
+
+def test_tensor_parallel_size_cannot_exceed_the_devices():
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 exceeds num_devices=4"):
+        planner.plan(load_preset("llama3.1-8b"), memory_bytes=10**12, tensor_parallel_size=8,
+                     num_devices=4)
+
+
+def test_roofline_is_the_slower_of_bytes_and_flops_over_every_replica():
+    cfg = load_preset("llama3.1-8b")
+    common = dict(dtype="bfloat16", max_model_len=1024, memory_bytes=20 * 10**9,
+                  tensor_parallel_size=2, bandwidth_gb_per_s=1000.0)
+    two = planner.plan(cfg, num_devices=2, **common)
+    four = planner.plan(cfg, num_devices=4, **common)
+    assert four.replicas == 2 and four.decode_roofline(8, 1024) == 2 * two.decode_roofline(
+        8, 1024)
+    slow = planner.plan(cfg, num_devices=2, peak_flops_per_s=1e11, **common)
+    matmul, attention = planner.decode_flops(cfg, 2)
+    assert (slow.matmul_flops_per_token, slow.attention_flops_per_context_token) == (
+        matmul, attention)
+    assert matmul == 2 * (planner.weight_bytes(cfg, "bfloat16", 2) // 2
+                          - cfg.vocab_size * cfg.hidden_size // 2 - 65 * cfg.hidden_size)
+    flops = 8 * (matmul + 1024 * attention)
+    assert math.isclose(slow.decode_roofline(8, 1024), 8 / (flops / 1e11))
+    assert {row["bound"] for row in slow.roofline_rows()} == {"compute"}
+    assert planner.cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
+
+
+def test_plan_device_fraction_is_the_engines():
+    assert planner.DEVICE_MEMORY_FRACTION == loading.DEVICE_KV_FRACTION
+
+
+def test_plan_that_does_not_fit_per_device_says_by_how_much():
+    cfg = load_preset("llama3.1-8b")
+    with pytest.raises(ValueError, match=r"2.000 GB per device \(tensor_parallel_size=8\) "
+                                         r"holds the 2.008 GB .* GB short: give at least .* "
+                                         r"raise tensor_parallel_size"):
+        planner.plan(cfg, dtype="bfloat16", max_model_len=8192, memory_bytes=2 * 10**9,
+                     tensor_parallel_size=8)

@@ -1,0 +1,79 @@
+"""Accelerator presets: every field present and published, GPU machines by name or GCP
+machine type, `aot`'s lookup refusing GPUs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxinfer import accelerators
+
+
+@pytest.mark.parametrize("name", sorted(accelerators.PRESETS))
+def test_preset_has_every_field(name):
+    acc = accelerators.PRESETS[name]
+    chip = acc.chip
+    assert acc.name == name and acc.chips >= 1
+    for field in ("hbm_bytes", "usable_hbm_bytes", "bf16_flops", "int8_ops",
+                  "hbm_bytes_per_s"):
+        assert getattr(chip, field) > 0, field
+    assert chip.int8_ops == pytest.approx(2 * chip.bf16_flops, rel=5e-3)  # dense, both
+    assert chip.source.startswith("https://")
+    if chip.platform == "tpu":
+        assert acc.topology.startswith(chip.generation + ":") and acc.machine_type is None
+    else:
+        assert acc.topology is None and acc.machine_type
+        assert accelerators.ALIASES[acc.machine_type] == name
+    assert acc.list_price_per_hour is None or acc.list_price_note
+    described = accelerators.describe(acc)
+    assert described["devices"] == acc.chips
+    assert described["device_hbm_bytes_per_s"] == chip.hbm_bytes_per_s
+
+
+def test_gpu_chips_carry_the_dense_datasheet_figures():
+    chips = accelerators.CHIPS
+    figures = {name: (chips[name].hbm_bytes_per_s, chips[name].bf16_flops,
+                      chips[name].int8_ops) for name in ("h100-80gb", "a100-40gb",
+                                                         "a100-80gb", "l4")}
+    assert figures == {"h100-80gb": (3.35e12, 989e12, 1979e12),
+                       "a100-40gb": (1.555e12, 312e12, 624e12),
+                       "a100-80gb": (2.039e12, 312e12, 624e12),
+                       "l4": (300e9, 121e12, 242.5e12)}
+    assert [chips[n].hbm_bytes // accelerators.GIB for n in ("h100-80gb", "a100-40gb",
+                                                             "a100-80gb", "l4")] == [80, 40, 80, 24]
+    assert chips["h100-80gb"].usable_hbm_bytes == int(0.75 * 80 * accelerators.GIB)
+
+
+def test_gpu_machines_by_name_or_machine_type():
+    assert accelerators.find_preset("a3-highgpu-8g") is accelerators.find_preset("h100-8")
+    assert accelerators.find_preset("h100-8").chips == 8
+    assert accelerators.find_preset("a2-megagpu-16g").name == "a100-40gb-16"
+    assert accelerators.find_preset("a2-ultragpu-1g").chip.generation == "a100-80gb"
+    assert accelerators.find_preset("g2-standard-96").name == "l4-8"
+    assert accelerators.find_preset("v5litepod-8") is accelerators.get("v5e-8")
+    with pytest.raises(ValueError, match="'h200-8' is not a known accelerator preset"):
+        accelerators.find_preset("h200-8")
+
+
+def test_aot_lookup_takes_tpu_slices_only():
+    assert accelerators.get("v5p-8").chips == 4 and accelerators.get("v6e-8").chips == 8
+    with pytest.raises(ValueError, match=r"'a3-highgpu-8g' is a GPU machine \(a3-highgpu-8g"
+                                         r"\); aot compiles for TPU only"):
+        accelerators.get("a3-highgpu-8g")
+    with pytest.raises(ValueError, match="'h100-8' is a GPU machine"):
+        accelerators.get("h100-8")
+    with pytest.raises(ValueError, match="not a known TPU accelerator type"):
+        accelerators.get("v4-8")
+
+
+def test_presets_validate_their_fields():
+    chip = accelerators.CHIPS["l4"]
+    with pytest.raises(ValueError, match="bf16_flops=0 must be > 0"):
+        dataclasses.replace(chip, bf16_flops=0)
+    with pytest.raises(ValueError, match="platform='npu' must be one of"):
+        dataclasses.replace(chip, platform="npu")
+    with pytest.raises(ValueError, match="topology=None must be given for TPU slices only"):
+        accelerators.Accelerator(name="v5e-x", chip=accelerators.CHIPS["v5e"], chips=1)
+    with pytest.raises(ValueError, match="list_price_note='' must say where and when"):
+        accelerators.Accelerator(name="l4-1", chip=chip, chips=1, list_price_per_hour=1.0)
