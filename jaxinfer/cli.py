@@ -82,9 +82,6 @@ def define_engine_flags() -> tuple[str, ...]:
 
 ENGINE_FLAGS = define_engine_flags()
 flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
-if "tensor_parallel_size" not in FLAGS:  # plan's own until EngineConfig defines the field
-    flags.DEFINE_integer("tensor_parallel_size", None, "devices that split the model "
-                         "(tensor parallelism); plan's default: every device of --device")
 
 
 def engine_config(**defaults: object) -> EngineConfig:

@@ -26,18 +26,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import param_shapes
+from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout
 
 GB = 1e9
 DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
 ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
-REPLICATED = frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"})
-SPLIT = frozenset({"wo", "w_gate_up", "w_down"})  # by heads or MLP columns: 1/tp
-VOCAB = frozenset({"embed", "lm_head"})  # by vocabulary rows when tp divides it
-QKV = frozenset({"wqkv", "bqkv"})  # last axis (N + 2G) * H: per device (N/tp + 2G') * H
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,46 +142,31 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """ValueError naming the numbers unless `tp` devices can split the model's heads."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive int")
-    if cfg.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_heads={cfg.num_heads}")
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_kv_heads="
-                         f"{cfg.num_kv_heads} or be a multiple of it (KV heads replicated)")
-    if cfg.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size="
-                         f"{cfg.intermediate_size}")
+    """ValueError naming the numbers unless `tp` devices can split the model
+    (sharding.check_split: heads, KV heads, gate/up blocks)."""
+    sharding.check_split(cfg, tp)
 
 
 def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
     """G over `tp` devices: G / tp when tp divides G, else 1 (each device holds a copy)."""
     check_tensor_parallel(cfg, tp)
-    return cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
-
-
-def _device_elements(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> int:
-    """Elements of one parameter held by each of `tp` devices."""
-    size = math.prod(shape)
-    if tp == 1 or name in REPLICATED:
-        return size
-    if name in SPLIT:
-        return size // tp
-    if name in VOCAB:
-        return size // tp if cfg.vocab_size % tp == 0 else size
-    if name in QKV:
-        heads = cfg.num_heads // tp + 2 * kv_heads_per_device(cfg, tp)
-        return size // shape[-1] * heads * cfg.head_dim
-    raise ValueError(f"parameter {name!r} has no tensor-parallel rule in planner.py")
+    return sharding.served_config(cfg, tp).num_kv_heads // tp
 
 
 def _device_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, elements on one device) of every parameter."""
+    """(name, shape, elements on one device) of every parameter, as the engine places
+    them: the served model (KV heads copied when fewer than devices) split by the
+    one spec table, `transformer.param_partition_specs`."""
+    served = sharding.served_config(cfg, tp)
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    return [(path[-1].key, shape, _device_elements(path[-1].key, shape, cfg, tp))
-            for path, shape in flat]
+        param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree.leaves(param_partition_specs(served, tp),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+    out = []
+    for (path, shape), spec in zip(flat, specs, strict=True):
+        split = sum(axis is not None for axis in spec)  # axes split over the model axis
+        out.append((path[-1].key, shape, math.prod(shape) // tp ** split))
+    return out
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:

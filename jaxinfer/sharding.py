@@ -38,14 +38,20 @@ MODEL_AXIS = "model"
 
 def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int) -> None:
     """Raise ValueError, naming the numbers, unless the model splits over that many
-    devices: query heads divisible, KV heads divisible or dividing, enough devices, and
-    whole gate/up column blocks per device (model/fusion.py)."""
+    devices (`check_split`) and that many are present."""
+    check_split(cfg, tensor_parallel_size)
+    if tensor_parallel_size > num_devices:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
+                         f"{num_devices} device(s) present")
+
+
+def check_split(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits over that many
+    devices: query heads divisible, KV heads divisible or dividing, and whole gate/up
+    column blocks per device (model/fusion.py)."""
     n, heads, kv_heads = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive int")
-    if n > num_devices:
-        raise ValueError(f"tensor_parallel_size={n} exceeds the {num_devices} device(s) "
-                         "present")
     if heads % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the {heads} query heads")
     if kv_heads % n and n % kv_heads:

@@ -146,9 +146,9 @@ def test_kv_heads_fewer_than_devices_are_replicated():
 
 
 @pytest.mark.parametrize("tp, message", [
-    (3, "tensor_parallel_size=3 must divide num_heads=32"),
+    (3, "tensor_parallel_size=3 must divide the 32 query heads"),
     (0, "tensor_parallel_size=0 must be a positive int"),
-    (12, "tensor_parallel_size=12 must divide num_kv_heads=8 or be a multiple of it"),
+    (12, "tensor_parallel_size=12 must divide the 8 KV heads or be a multiple of them"),
 ])
 def test_invalid_tensor_parallel_size_names_the_numbers(tp, message):
     cfg = load_preset("llama3.1-8b")
