@@ -49,10 +49,12 @@ def show(cmd: Sequence[str]) -> None:
     print(f"$ {shlex.join(cmd)}", flush=True)
 
 
-def check_tools(dry_run: bool, *tools: str) -> None:
-    """Fail before doing anything if a tool is missing; a dry run needs none of them."""
+def check_tools(dry_run: bool, steps: Sequence[str]) -> None:
+    """Fail before doing anything if gcloud (or git, to install) is missing; a dry run needs
+    neither."""
     if dry_run:
         return
+    tools = ["gcloud"] + (["git"] if "install" in steps else [])
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         raise DeployError(f"not on PATH: {', '.join(missing)} (install the Google Cloud CLI: "
@@ -144,14 +146,21 @@ def pack_source(dry_run: bool) -> str:
     return path
 
 
-def install_script(requirements: Sequence[str], *, list_devices: bool) -> str:
-    """Python 3.11 venv (via uv: the TPU and GPU images ship 3.10), pinned JAX, jaxinfer -e.
+# GPU images install the NVIDIA driver at first boot: wait for it (10 min at most).
+WAIT_FOR_NVIDIA_DRIVER = ("for i in $(seq 60); do nvidia-smi >/dev/null 2>&1 && break; "
+                          "sleep 10; done", "nvidia-smi")
+
+
+def install_script(requirements: Sequence[str], *, list_devices: bool,
+                   prelude: Sequence[str] = ()) -> str:
+    """Python 3.11 venv (via uv: the TPU images ship 3.10), pinned JAX, jaxinfer -e.
 
     jaxinfer is installed editable from the unpacked checkout because its presets
     (configs/) and the demo model (checkpoints/) are found relative to the source tree.
     """
     pip = f"{REMOTE_PYTHON} -m pip install"
     lines = [
+        *prelude,
         'export PATH="$HOME/.local/bin:$PATH"',
         "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh",
         f"rm -rf {REMOTE_SRC}",

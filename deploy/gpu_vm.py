@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     todo = common.expand_steps(args.steps)
     common.validate(args, todo)
-    common.check_tools(args.dry_run, "gcloud", "git")
+    common.check_tools(args.dry_run, todo)
     target = make_target(args)
     gpu, per_vm = GPU_MACHINES[args.machine_type]
     total = per_vm * args.num_nodes
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"--process_id={i}"]
 
     steps.execute(todo, args, target, requirements=common.read_pins().cuda_requirements(args.cuda),
-                  tensor_parallel_size=tensor_parallel_size, multihost_flags=multihost)
+                  tensor_parallel_size=tensor_parallel_size, multihost_flags=multihost,
+                  install_prelude=common.WAIT_FOR_NVIDIA_DRIVER)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def fetch(target: Target, args: argparse.Namespace) -> None:
 
 def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             requirements: Sequence[str], tensor_parallel_size: int,
-            multihost_flags: Callable[[int], list[str]] | None = None) -> None:
+            multihost_flags: Callable[[int], list[str]] | None = None,
+            install_prelude: Sequence[str] = ()) -> None:
     """Run `steps` in order against `target`."""
     for step in steps:
         common.note(f"step: {step}")
@@ -76,7 +77,8 @@ def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
         elif step == "install":
             tarball = common.pack_source(args.dry_run)
             target.scp_to_all(tarball, common.REMOTE_TARBALL, args.dry_run)
-            script = common.install_script(requirements, list_devices=target.workers == 1)
+            script = common.install_script(requirements, list_devices=target.workers == 1,
+                                           prelude=install_prelude)
             target.ssh_all(script, args.dry_run)
         elif step == "model":
             copy_to_hosts(target, args.model, common.model_dir(args.model), args.dry_run,

@@ -201,6 +201,9 @@ def test_gpu_vm_installs_the_cuda_extra_of_the_pinned_jax(fake_path, cuda, image
     assert flag(create, "--metadata") == "install-nvidia-driver=True"
     assert flag(create, "--accelerator") is None  # A3/A2/G2 come with their GPUs
     assert install_line(cmds)[-3:] == [f"jax[cuda{cuda}]=={JAX_PIN}", "-e", "./jaxinfer"]
+    installs = [remote(cmd) for cmd in cmds if flag(cmd, "--command") and "pip install" in
+                remote(cmd)]
+    assert installs[0].index("nvidia-smi") < installs[0].index("pip install")  # driver first
     assert "--tensor_parallel_size=8" in jaxinfer_runs(cmds)[0]
 
 
