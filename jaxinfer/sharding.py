@@ -111,3 +111,15 @@ def replicate(x: jax.Array) -> jax.Array:
     if model_axis_size() == 1:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
+def split_vocab(logits: jax.Array) -> jax.Array:
+    """Logits f32[..., V] kept split along the vocabulary when the traced mesh divides
+    it, as the vocab-split LM head computes them. Without this hint GSPMD may satisfy a
+    later `replicate` by gathering the whole LM head (V x D) onto every device before
+    the matmul, instead of gathering the S x V result after it."""
+    shards = model_axis_size()
+    if shards == 1 or logits.shape[-1] % shards:
+        return logits
+    spec = PartitionSpec(*([None] * (logits.ndim - 1)), MODEL_AXIS)
+    return jax.lax.with_sharding_constraint(logits, spec)

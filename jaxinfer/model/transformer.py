@@ -159,4 +159,5 @@ def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
         table = params["embed"]
         logits = jnp.einsum("...d,vd->...v", x.astype(table.dtype), table,
                             preferred_element_type=jnp.float32)
+    logits = sharding.split_vocab(logits)
     return logits if rows is None else logits[:rows]
