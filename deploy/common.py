@@ -196,6 +196,18 @@ def jaxinfer_command(args: argparse.Namespace, *, tensor_parallel_size: int,
     return remote(shlex.join(cmd))
 
 
+def compute_create_flags(*, machine_type: str, image_family: str, image_project: str,
+                         boot_disk_size: str, spot: bool, extra: Sequence[str] = ()
+                         ) -> tuple[str, ...]:
+    """`gcloud compute instances create` flags shared by TPU and GPU instances."""
+    flags = [f"--machine-type={machine_type}", f"--image-family={image_family}",
+             f"--image-project={image_project}", "--maintenance-policy=TERMINATE",
+             f"--boot-disk-size={boot_disk_size}", "--scopes=cloud-platform", *extra]
+    if spot:
+        flags += ["--provisioning-model=SPOT", "--instance-termination-action=DELETE"]
+    return tuple(flags)
+
+
 def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> None:
     """Flags shared by the three scripts (steps, where, what to run, --dry_run)."""
     parser.add_argument("steps", nargs="+", choices=(*STEPS, "all"),

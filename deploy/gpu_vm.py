@@ -62,15 +62,13 @@ def make_target(args: argparse.Namespace) -> ComputeTarget:
         raise common.DeployError(f"--num_nodes={args.num_nodes} must be >= 1")
     names = ((args.name,) if args.num_nodes == 1
              else tuple(f"{args.name}-{i}" for i in range(args.num_nodes)))
-    flags = [f"--machine-type={args.machine_type}",
-             f"--image-family={args.image_family or IMAGE_FAMILIES[args.cuda]}",
-             f"--image-project={args.image_project}", "--maintenance-policy=TERMINATE",
-             f"--boot-disk-size={args.boot_disk_size}", "--scopes=cloud-platform",
-             "--metadata=install-nvidia-driver=True"]
-    if args.spot:
-        flags += ["--provisioning-model=SPOT", "--instance-termination-action=DELETE"]
+    flags = common.compute_create_flags(
+        machine_type=args.machine_type,
+        image_family=args.image_family or IMAGE_FAMILIES[args.cuda],
+        image_project=args.image_project, boot_disk_size=args.boot_disk_size, spot=args.spot,
+        extra=["--metadata=install-nvidia-driver=True"])
     return ComputeTarget(names=names, zone=args.zone, project=args.project,
-                         create_flags=tuple(flags))
+                         create_flags=flags)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,13 +68,11 @@ def target_for(args: argparse.Namespace, tpu: SingleHost) -> TpuApiTarget | Comp
     if tpu.machine_type is None:
         raise common.DeployError(f"{args.accelerator_type}: Compute Engine has no {tpu.generation}"
                                  " machine type; use --api=tpu (queued resources)")
-    flags = [f"--machine-type={tpu.machine_type}", f"--image-family={args.image_family}",
-             f"--image-project={args.image_project}", "--maintenance-policy=TERMINATE",
-             f"--boot-disk-size={args.boot_disk_size}", "--scopes=cloud-platform"]
-    if args.spot:
-        flags += ["--provisioning-model=SPOT", "--instance-termination-action=DELETE"]
+    flags = common.compute_create_flags(
+        machine_type=tpu.machine_type, image_family=args.image_family,
+        image_project=args.image_project, boot_disk_size=args.boot_disk_size, spot=args.spot)
     return ComputeTarget(names=(args.name,), zone=args.zone, project=args.project,
-                         create_flags=tuple(flags))
+                         create_flags=flags)
 
 
 def main(argv: list[str] | None = None) -> None:
