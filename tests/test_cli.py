@@ -86,7 +86,8 @@ def test_sampling_flags_override_only_their_field():
     (["plan", "--model=llama3.1-8b", "--device=v5e-1", "--dtype=bfloat16"],
      "plan: 15.220 GB holds the 16.061 GB of bfloat16 weights", 1),
     (["plan", "--model=smollm-135m", "--device=v6e-8"], "tensor_parallel_size=8 must divide "
-     "the 9 query heads (by default every device of --device=v6e-8; give --tensor_parallel_size)", 1),
+     "the 9 query heads (by default every device of --device=v6e-8; give "
+     "--tensor_parallel_size)", 1),
     (["plan", "--model=qwen3-0.6b", "--device=h200-8"], "'h200-8' is not a known accelerator", 1),
     (["aot", "--model=qwen3-0.6b", "--device=a3-highgpu-8g"], "aot compiles for TPU only", 1),
 ])

@@ -1,0 +1,81 @@
+"""How fast XLA:CPU reads a model's weights in a few-row matmul, float32 vs bfloat16.
+
+One jitted pass of `rows` x weights dots over every 2-D weight of a decoder layer
+stack of a preset's shape (q/k/v fused, o, gate/up fused, down; random values), for
+float32 weights and for bfloat16 weights with `preferred_element_type=float32` (the
+engine's dot), at several row counts. Prints one JSON object: median ms per pass and
+the GB/s of weight bytes read, and per row count the ratio of the bfloat16 pass to
+half the float32 pass (the bfloat16 weight-read bound issue 10 sets: 1.0 would mean
+bf16 weights are read as fast as f32 ones, byte for byte).
+
+    python benchmarks/bench_matvec.py [--rows=1,2,4,16] [--preset=smollm-135m]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from jaxinfer.config import load_preset
+
+flags.DEFINE_list("rows", ["1", "2", "4", "16"], "row counts (tokens in the step)")
+flags.DEFINE_string("preset", "smollm-135m", "model shape")
+flags.DEFINE_integer("repeats", 20, "timed passes per case (median)")
+FLAGS = flags.FLAGS
+
+
+def weights(dtype: jnp.dtype) -> list[jax.Array]:
+    cfg = load_preset(FLAGS.preset)
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = [(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * h), (cfg.num_heads * h, d),
+              (d, 2 * f), (f, d)] * cfg.num_layers
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    return [(0.02 * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, shapes,
+                                                                            strict=True)]
+
+
+def pass_ms(ws: list[jax.Array], rows: int) -> float:
+    width = max(w.shape[0] for w in ws)
+
+    @jax.jit
+    def run(ws: list[jax.Array], x: jax.Array) -> jax.Array:
+        acc = jnp.zeros((rows,), jnp.float32)
+        for w in ws:
+            y = jnp.dot(x[:, :w.shape[0]].astype(w.dtype), w,
+                        preferred_element_type=jnp.float32)
+            acc = acc + y[:, :8].sum(-1)  # keep every dot live, read little
+        return acc
+
+    x = jnp.ones((rows, width), jnp.float32)
+    run(ws, x).block_until_ready()
+    times = []
+    for _ in range(FLAGS.repeats):
+        started = time.perf_counter()
+        run(ws, x).block_until_ready()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    by_dtype = {name: weights(jnp.dtype(name)) for name in ("float32", "bfloat16")}
+    result = {"preset": FLAGS.preset, "backend": jax.default_backend(), "cases": []}
+    for rows in map(int, FLAGS.rows):
+        case = {"rows": rows}
+        for name, ws in by_dtype.items():
+            ms = pass_ms(ws, rows)
+            nbytes = sum(w.nbytes for w in ws)
+            case[name] = {"ms": round(ms, 2), "gb_per_s": round(nbytes / ms / 1e6, 1)}
+        case["bf16_over_half_f32"] = round(case["bfloat16"]["ms"]
+                                           / (case["float32"]["ms"] / 2), 2)
+        result["cases"].append(case)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
