@@ -7,7 +7,12 @@ as JSON lines and flushed as each request finishes; a line is written with one
 call, and a torn last line left by a crash is cut off on the next run.
 Re-running skips ids (and id-less bad lines) already in the output, so every
 request ends up exactly once. A bad line becomes an error record (`id` when
-one could be read, `line`, `error`) and the run goes on. Imports the API.
+one could be read, `line`, `error`) and the run goes on.
+
+Multi-host (distributed.py): every process reads the same input file (checked by
+digest) and runs every request; only process 0 reads and writes the output file, and
+hands what it skips to the others, so all schedule the same requests. Imports the API
+and distributed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 
 from tqdm import tqdm
 
+from jaxinfer import distributed
 from jaxinfer.api import LLM
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 
@@ -30,17 +36,28 @@ PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
         *, progress: bool = True) -> dict:
-    """Run every request of `input_path` not yet in `output_path`; returns a summary."""
-    output_path = pathlib.Path(output_path)
-    done_ids, done_lines = _finished(output_path)
+    """Run every request of `input_path` not yet in `output_path`; returns a summary.
+    Multi-host: call it on every process; only process 0 touches `output_path`."""
+    output_path, primary = pathlib.Path(output_path), distributed.is_primary()
+    distributed.check_same("the batch input files", pathlib.Path(input_path).read_bytes())
+    done_ids, done_lines = _finished_on_primary(output_path, primary)
     started, counts = time.perf_counter(), {"done": 0, "errors": 0, "skipped": 0}
-    with open(output_path, "a", encoding="utf-8") as out:
+    sink = output_path if primary else os.devnull  # the others run every step, write none
+    with open(sink, "a", encoding="utf-8") as out:
         pending = _queue(llm, input_path, out, done_ids, done_lines, counts)
-        tokens = _drive(llm, pending, out, counts, progress)
+        tokens = _drive(llm, pending, out, counts, progress and primary)
     elapsed = time.perf_counter() - started
     return {**counts, **tokens, "seconds": round(elapsed, 2),
             "generated_tokens_per_s": round(tokens["completion_tokens"] / max(elapsed, 1e-9), 1),
             "engine": llm.metrics()}
+
+
+def _finished_on_primary(path: pathlib.Path, primary: bool) -> tuple[set[str], set[int]]:
+    """`_finished(path)` as process 0 reads it, on every process."""
+    ids, lines = _finished(path) if primary else (set(), set())
+    ids, lines = json.loads(distributed.broadcast_from_primary(
+        json.dumps([sorted(ids), sorted(lines)])))
+    return set(ids), set(lines)
 
 
 def _finished(path: pathlib.Path) -> tuple[set[str], set[int]]:

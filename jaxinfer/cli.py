@@ -26,7 +26,7 @@ from collections.abc import Callable
 from absl import app, flags
 
 from jaxinfer import accelerators
-from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.config import DEFAULT_MODEL, DistributedConfig, EngineConfig
 from jaxinfer.engine.request import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -60,10 +60,11 @@ flags.DEFINE_enum("buckets", "all", ["all", "ends"],
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
-def define_engine_flags() -> tuple[str, ...]:
-    """One flag per EngineConfig field, from its type, default, choices and help."""
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
+def define_config_flags(config_class: type) -> tuple[str, ...]:
+    """One flag per field of a config dataclass (EngineConfig, DistributedConfig), from its
+    type, default, choices and help."""
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
         kinds = set(typing.get_args(hints[field.name])) - {types.NoneType} or {
             hints[field.name]}
         help_text, choices = field.metadata["help"], field.metadata["choices"]
@@ -76,11 +77,12 @@ def define_engine_flags() -> tuple[str, ...]:
         elif kinds == {str}:
             flags.DEFINE_string(field.name, field.default, help_text)
         else:
-            raise TypeError(f"EngineConfig.{field.name}: no flag type for {kinds}")
-    return tuple(field.name for field in dataclasses.fields(EngineConfig))
+            raise TypeError(f"{config_class.__name__}.{field.name}: no flag type for {kinds}")
+    return tuple(field.name for field in dataclasses.fields(config_class))
 
 
-ENGINE_FLAGS = define_engine_flags()
+ENGINE_FLAGS = define_config_flags(EngineConfig)
+DISTRIBUTED_FLAGS = define_config_flags(DistributedConfig)
 flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
 
 
@@ -107,12 +109,17 @@ def sampling_params(defaults: SamplingParams) -> SamplingParams:
 
 
 def generate() -> None:
+    from jaxinfer import distributed
+
     # The prompt is checked before warm-up: a bad one fails now, not after compiling.
     llm = make_llm(**COMMANDS["generate"].defaults, warm_up=False)
     llm.engine.prompt_token_ids(FLAGS.prompt)
-    llm.engine.warm_up()
     params = sampling_params(llm.engine.default_params)
+    distributed.check_same("the prompt and sampling parameters", repr((FLAGS.prompt, params)))
+    llm.engine.warm_up()
     (out,) = llm.generate(FLAGS.prompt, params)
+    if not distributed.is_primary():  # multi-host: only process 0 prints
+        return
     sys.stdout.write(FLAGS.prompt + out.text + "\n")
     logging.info("%d prompt tokens, %d generated, finish_reason=%s, %s",
                  len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, params)
@@ -122,11 +129,13 @@ def generate() -> None:
 
 def batch() -> None:
     from jaxinfer import batch as batch_lib
+    from jaxinfer import distributed
 
     if not FLAGS.input or not FLAGS.output:
         raise app.UsageError("batch needs --input=IN.jsonl and --output=OUT.jsonl")
     summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output)
-    sys.stderr.write(json.dumps(summary, indent=1) + "\n")
+    if distributed.is_primary():
+        sys.stderr.write(json.dumps(summary, indent=1) + "\n")
 
 
 def convert() -> None:
@@ -251,10 +260,11 @@ COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",
                         flags=("model", "prompt", "max_tokens", *SAMPLING_FLAGS, "metrics",
-                               *ENGINE_FLAGS),
+                               *ENGINE_FLAGS, *DISTRIBUTED_FLAGS),
                         defaults={"max_num_seqs": 1}),  # one prompt: fewer buckets
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
-                     "results (resumable)", flags=("model", "input", "output", *ENGINE_FLAGS)),
+                     "results (resumable)",
+                     flags=("model", "input", "output", *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one",
                        flags=("model", "output", "dtype")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
@@ -297,6 +307,14 @@ def command_help(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _join_job() -> None:
+    """Join the multi-host job the distributed flags name, if any (distributed.py)."""
+    from jaxinfer import distributed
+
+    distributed.initialize(DistributedConfig(**{name: FLAGS[name].value
+                                                for name in DISTRIBUTED_FLAGS}))
+
+
 def _fail(message: str, code: int) -> typing.NoReturn:
     sys.stderr.write(f"jaxinfer: error: {' '.join(str(message).splitlines())}\n")
     sys.exit(code)
@@ -314,6 +332,8 @@ def main(argv: list[str]) -> None:
         _fail(f"give one command of {', '.join(COMMANDS)} (python -m jaxinfer --help)", 2)
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
+        if "coordinator_address" in COMMANDS[argv[1]].flags:
+            _join_job()  # before anything starts a JAX backend
         COMMANDS[argv[1]].run()
     except app.UsageError as e:
         _fail(f"{argv[1]}: {e}", 2)

@@ -216,7 +216,8 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """An EngineConfig field: its help text and allowed values feed the CLI's flags."""
+    """A field of EngineConfig or DistributedConfig: its help text and allowed values feed
+    the CLI's flags."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -274,3 +275,49 @@ class EngineConfig:
         """The KV pages' dtype, "auto" resolved to the weights' dtype. (On CPU bfloat16
         pages are stored as their uint16 bits, see model/attention.py; bytes are equal.)"""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How this process joins a multi-host job (jaxinfer/distributed.py): the three
+    addressing fields all given, or `detect_distributed` (JAX finds them), or neither (one
+    process, nothing initialized). The CLI derives one flag per field, as for EngineConfig."""
+
+    coordinator_address: str | None = _setting(
+        None, "multi-host: host:port of process 0's coordinator, the same on every process")
+    num_processes: int | None = _setting(None, "multi-host: processes in the job, one per "
+                                         "host")
+    process_id: int | None = _setting(None, "multi-host: this process's index, 0 to "
+                                      "num_processes - 1; process 0 writes the outputs")
+    detect_distributed: bool = _setting(
+        False, "multi-host, addresses found by JAX: Cloud TPU VM slices (GCE, GKE), Slurm, "
+        "Open MPI")
+    initialization_timeout_s: int = _setting(
+        300, "multi-host: seconds to wait for every process to join before failing")
+    heartbeat_timeout_s: int = _setting(
+        100, "multi-host: seconds without a heartbeat after which a process counts as dead "
+        "and the job stops with an error")
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("coordinator_address", "num_processes", "process_id")
+                 if getattr(self, name) is not None]
+        if given and len(given) < 3:
+            raise ValueError(f"{given[0]}={getattr(self, given[0])!r}: give all of "
+                             "coordinator_address, num_processes and process_id, or none")
+        if given and self.detect_distributed:
+            raise ValueError(f"{self.detect_distributed=}: give it or coordinator_address, "
+                             "num_processes and process_id, not both")
+        for name in ("num_processes", "initialization_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if given and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"{self.process_id=} must be in [0, {self.num_processes=})")
+        host, _, port = (self.coordinator_address or "h:1").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{self.coordinator_address=} must be host:port")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process joins a multi-host job."""
+        return self.detect_distributed or self.coordinator_address is not None

@@ -10,7 +10,8 @@ of RAM), reads the weights and builds the `Runner` that holds params and KV cach
 
 Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
 runner package, `checkpoint` and `planner`. Imports config, checkpoint, planner,
-tokenizer, engine.request, engine.buckets and the runner package; never engine.engine.
+tokenizer, distributed, engine.request, engine.buckets and the runner package; never
+engine.engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import os
 import pathlib
 
-from jaxinfer import checkpoint, planner, sharding
+from jaxinfer import checkpoint, distributed, planner, sharding
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
@@ -63,6 +64,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     memory_plan = plan_memory(served, config, max_len)
+    check_same_engine(served, config, max_len, memory_plan.num_pages)
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
     runner = runner_lib.Runner(
         served, params, mesh=mesh, num_pages=memory_plan.num_pages,
@@ -75,6 +77,18 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner)
+
+
+def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
+                      num_pages: int) -> None:
+    """Multi-host: raise ValueError unless every process serves the same model with the
+    same settings and page pool (sized per host, from its own memory), as all must run
+    the same schedule (distributed.py). The compilation cache directory may differ."""
+    settings = dataclasses.replace(config, compilation_cache_dir=None)
+    distributed.check_same(f"the model, engine settings or KV page pool (here {num_pages} "
+                           "pages, sized from this host's memory unless "
+                           "kv_cache_memory_bytes is given)",
+                           repr((served, settings, max_len, num_pages)))
 
 
 def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:

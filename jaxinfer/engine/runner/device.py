@@ -8,6 +8,9 @@
   device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
 - `device_memory_limit()`, `tree_bytes()`: memory the device allows, bytes of a tree.
 
+"The device" is this process's first one (`jax.local_devices()[0]`): in a multi-host
+job `jax.devices()[0]` may belong to another process.
+
 Imports jax only.
 """
 
@@ -56,7 +59,7 @@ def measure_memory_bandwidth(num_bytes: int = 256 * 1024 * 1024, repeats: int = 
 
 def memory_bandwidth(device: jax.Device | None = None) -> float:
     """The default (or given) device's read bandwidth in GB/s, probed once per process."""
-    return _bandwidth_of(device or jax.devices()[0])
+    return _bandwidth_of(device or jax.local_devices()[0])
 
 
 @functools.cache
@@ -72,7 +75,7 @@ def probe_count() -> int:
 
 def device_memory_limit() -> int | None:
     """Bytes the default device may allocate, when the device reports it (not CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 

@@ -6,6 +6,9 @@ pads a plan to its bucket, builds the step's numpy inputs, runs the compiled
 step and unpacks its one int32 result array. The runner's `compiles` counter
 (compiles.py) counts the compilations of the threads that drive it. Device
 questions (bandwidth, memory, the compilation cache) live in device.py.
+Multi-host (jaxinfer/distributed.py) needs nothing more here: every process passes the
+same numpy inputs, which jit places on this process's devices of the replicated
+sharding, and `np.asarray` of the replicated packed output reads this process's copy.
 Imports jax, model, config, the host-side engine modules and its siblings.
 """
 
