@@ -165,3 +165,16 @@ def test_orbax_restores_onto_the_mesh(tp_dirs, tmp_path):
     wqkv = restored.params["layers"][0]["wqkv"]
     assert wqkv.addressable_shards[0].data.nbytes == wqkv.nbytes // 4
     np.testing.assert_allclose(restored.logits(CHUNKS), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_pallas_kernels_run_per_device_in_shard_map(tp_dirs, impl):
+    """The Pallas kernels (interpret mode on CPU) inside shard_map at TP=2 give the
+    logits of the reference on one device."""
+    want = _runner(tp_dirs["llama"], 1).logits(CHUNKS)
+    runner = _runner(tp_dirs["llama"], 2)
+    runner = Runner(dataclasses.replace(runner.cfg, attention_impl=impl,
+                                        attention_interpret=True),
+                    runner.params, num_pages=16, page_size=8, max_model_len=64,
+                    mesh=runner.mesh)
+    np.testing.assert_allclose(runner.logits(CHUNKS), want, atol=1e-5)
