@@ -1,23 +1,29 @@
 """Ahead-of-time compilation of the engine's step for a TPU slice, from any machine.
 
-`compile_report(cfg, device="v5e-1", ...)` answers "will this model and these engine
-settings fit and compile on that TPU?" without a TPU: libtpu's compiler runs on the host
-(`pip install "jax[tpu]"`; JAX started with `jax_platforms=cpu` and
-`TPU_SKIP_MDS_QUERY=1`, see `tpu_compile_environment`). It sizes the KV page pool with
-the memory planner as the engine would on that chip, builds every parameter, the KV cache
-and each bucket's inputs as `ShapeDtypeStruct`s (nothing is allocated), compiles the
-step for every bucket through `runner.compile_steps_for` with the Mosaic attention
+`compile_report(cfg, device="v5e-8", ...)` answers "will this model and these engine
+settings fit and compile on that TPU slice?" without a TPU: libtpu's compiler runs on
+the host (`pip install "jax[tpu]"`; JAX started with `jax_platforms=cpu` and
+`TPU_SKIP_MDS_QUERY=1`, see `tpu_compile_environment`). TPU code is compiled here, never
+run. The step is split over `tensor_parallel_size` chips of the slice (default: all of
+them when the model splits over that many, `sharding.check_split`, else one, and the
+report says why), on a 1-D mesh over the topology's abstract devices, with the
+engine's shardings (`runner.compile_steps_for`: params by the spec table, KV pages by
+head). It sizes each chip's KV page pool with the memory planner as the engine would,
+builds every parameter, the KV cache and each bucket's inputs as `ShapeDtypeStruct`s
+(nothing is allocated), compiles the step for every bucket with the Mosaic attention
 kernel and the chip's KV storage dtype (bf16 pages stay bf16; the CPU's uint16 storage
-is never used), and reports per bucket the compiled memory (`memory_analysis()`), FLOPs
-and bytes accessed (`cost_analysis()`) and the roofline time they imply at the chip's
-published peak FLOP/s and HBM bandwidth: an estimate, not a measurement.
+is never used), and reports per bucket and per chip (an SPMD executable's
+`memory_analysis()` and `cost_analysis()` describe one device's program) the compiled
+memory, FLOPs and bytes accessed, the roofline time they imply at the chip's published
+peak FLOP/s and HBM bandwidth (an estimate, not a measurement), and the collectives in
+the TPU-compiled HLO (all-reduce, all-gather, ...; the all-reduces between chips are
+not in the roofline).
 
 XLA cannot see inside a Mosaic kernel; the attention kernel gives it a `pl.CostEstimate`
 (every request of the bucket at max_model_len: a bound), which `cost_analysis()` sums
-with the rest of the step. A configuration that does not fit fails in the compiler and
-is reported with the compiler's own message. One chip is used: tensor parallelism over
-a slice's chips comes with the tensor-parallel work. Imports jax, config, planner,
-model, engine.runner and engine.buckets.
+with the rest of the step. A configuration that does not fit is reported with the
+planner's or the compiler's own message. Imports jax, config, planner, sharding, model,
+engine.runner and engine.buckets.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import accelerators, planner
+from jaxinfer import accelerators, planner, sharding
 from jaxinfer.accelerators import GIB
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
@@ -40,7 +46,13 @@ from jaxinfer.engine.engine import DEVICE_KV_FRACTION
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
 
-KV_PARAM = re.compile(r"%kv_cache_\d+_\S* = (\w+\[[\d,]+\])")  # in the compiled HLO
+# The entry's 5-D parameters: the KV pages (named kv_cache_* on one chip, param.* under
+# SPMD), as one chip holds them.
+KV_PARAM = re.compile(r": (\w+\[\d+(?:,\d+){4}\])")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+# An instruction's opcode (an async pair counted once, at its -start), not its name.
+COLLECTIVE_OP = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def tpu_compile_environment() -> None:
@@ -72,43 +84,72 @@ class Settings:
     max_model_len: int = 2048
     page_size: int = 16
     kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
+    tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
 
 
-def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
-             ) -> planner.MemoryPlan:
-    """The memory plan on one chip of `acc` (raises ValueError when nothing fits): the
-    engine's rule, weights plus pool within DEVICE_KV_FRACTION of the usable HBM."""
+def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
+                           ) -> tuple[int, str | None]:
+    """(chips to split the step over, why fewer than the slice's, or None). A size given
+    must split the model and fit the slice (ValueError); by default every chip of the
+    slice when the model splits over them, else 1."""
+    if s.tensor_parallel_size is not None:
+        sharding.validate(cfg, s.tensor_parallel_size, acc.chips)
+        return s.tensor_parallel_size, None
+    try:
+        sharding.check_split(cfg, acc.chips)
+    except ValueError as err:
+        return 1, f"one chip: the model does not split over the slice's {acc.chips}: {err}"
+    return acc.chips, None
+
+
+def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
+             tensor_parallel_size: int = 1) -> planner.MemoryPlan:
+    """The memory plan on each chip of `acc` at `tensor_parallel_size` (raises ValueError
+    when nothing fits): the engine's rule, weights plus pool within DEVICE_KV_FRACTION of
+    the usable HBM."""
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
-                  bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9)
+                  bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
+                  tensor_parallel_size=tensor_parallel_size)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * DEVICE_KV_FRACTION)
     return planner.plan(cfg, memory_bytes=budget, **common)
 
 
-def step_specs(cfg: ModelConfig, plan: planner.MemoryPlan, s: Settings, device: Any
+def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int
                ) -> tuple[Any, Any]:
-    """(params, kv_cache) as ShapeDtypeStructs on `device`, in the TPU's storage dtypes."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    shapes = param_shapes(cfg)
-    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype),
-                                                             sharding=sharding),
-                          shapes, is_leaf=lambda x: isinstance(x, tuple))
-    kv = kv_cache_spec(cfg, num_pages=plan.num_pages, page_size=s.page_size,
-                       dtype=jnp.dtype(s.kv_dtype), backend="tpu")
-    kv = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in kv]
+    """(params, kv_cache) of the served model as whole-array ShapeDtypeStructs in the
+    TPU's storage dtypes; the KV pages hold each of `shards` chips' pool of
+    `plan.num_pages` pages (compile_steps_for places them on the mesh)."""
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
+                          param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
+    kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
+                       dtype=jnp.dtype(s.kv_dtype), backend="tpu", shards=shards)
     return params, kv
 
 
-def compile_buckets(cfg: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
-                    s: Settings, device: Any) -> list[jax.stages.Compiled | Exception]:
-    """Each bucket's step compiled for `device` with the Mosaic attention kernel (the
-    compiler's exception in place of a bucket it refused)."""
-    tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
+def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
+                    s: Settings, mesh: jax.sharding.Mesh
+                    ) -> list[jax.stages.Compiled | Exception]:
+    """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
+    kernel (the compiler's exception in place of a bucket it refused)."""
+    tpu_cfg = dataclasses.replace(served, attention_impl="tpu", attention_interpret=False)
     return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
-                                    max_model_len=s.max_model_len,
-                                    sharding=jax.sharding.SingleDeviceSharding(device))
+                                    max_model_len=s.max_model_len, mesh=mesh)
+
+
+def kv_page_shapes(hlo_text: str) -> list[str]:
+    """The distinct KV page array types among the compiled entry's parameters."""
+    entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))
+    return sorted(set(KV_PARAM.findall(entry.split(") ->")[0])))
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Collective instructions of each kind in compiled HLO text (an async start/done
+    pair once)."""
+    found = COLLECTIVE_OP.findall(hlo_text)
+    return {kind: found.count(kind) for kind in COLLECTIVES}
 
 
 def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
@@ -147,63 +188,74 @@ def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
 
 def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
                    buckets: str = "all") -> dict[str, Any]:
-    """Compile every (or the `ends`) bucket's step for one chip of `device`; a dict with
-    the plan, one row per bucket, and the compiler's message for buckets that failed."""
+    """Compile every (or the `ends`) bucket's step for `tensor_parallel_size` chips of
+    `device`; a dict with the plan per chip, one row per bucket (per-chip memory, cost,
+    collectives), and the compiler's message for buckets that failed."""
     acc = accelerators.get(device)
+    tp, why = choose_tensor_parallel(cfg, acc, settings)
     report: dict[str, Any] = {
         "device": acc.name, "topology": acc.topology, "chips_in_slice": acc.chips,
-        "chips_used": 1, "chip_hbm_bytes": acc.chip.hbm_bytes,
+        "chips_used": tp, "tensor_parallel_size": tp, "tensor_parallel_note": why,
+        "chip_hbm_bytes": acc.chip.hbm_bytes,
         "chip_usable_hbm_bytes": acc.chip.usable_hbm_bytes,
         "peak_bf16_flops": acc.chip.bf16_flops, "hbm_bytes_per_s": acc.chip.hbm_bytes_per_s,
-        "settings": dataclasses.asdict(settings)}
+        "settings": dataclasses.asdict(settings) | {"tensor_parallel_size": tp}}
     try:
-        plan = plan_for(cfg, acc, settings)
+        plan = plan_for(cfg, acc, settings, tp)
     except ValueError as err:
         return report | {"fits": False, "error": str(err)}
     report["plan"] = plan.summary()
-    chip = target_devices(acc)[0]
-    params, kv = step_specs(cfg, plan, settings, chip)
+    served = sharding.served_config(cfg, tp)
+    mesh = sharding.make_mesh(tp, target_devices(acc))
+    params, kv = step_specs(served, plan, settings, tp)
     chosen = pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
                                     max_num_seqs=settings.max_num_seqs), buckets)
     planned = plan.weight_bytes + plan.kv_cache_bytes
     began = time.perf_counter()
-    results = compile_buckets(cfg, params, kv, chosen, settings, chip)
+    results = compile_buckets(served, params, kv, chosen, settings, mesh)
     report["compile_s"] = round(time.perf_counter() - began, 1)
-    rows = []
-    for bucket, compiled in zip(chosen, results, strict=True):
-        row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots,
-                               "decode": bucket.decode}
-        if isinstance(compiled, Exception):  # the compiler's own message, e.g. out of HBM
-            rows.append(row | {"compiled": False, "error": _first_lines(str(compiled))})
-            continue
-        text = compiled.as_text()
-        row |= {"compiled": True} | bucket_row(compiled, acc)
-        row |= {"mosaic_kernels": text.count("tpu_custom_call"),
-                "kv_pages": sorted(set(KV_PARAM.findall(text))),
-                "args_vs_plan": round(agreement(planned, row["argument_bytes"]), 5)}
-        rows.append(row)
-    report["buckets"] = rows
-    report["fits"] = all(r["compiled"] for r in rows)
+    report["buckets"] = [report_row(bucket, compiled, acc, planned)
+                         for bucket, compiled in zip(chosen, results, strict=True)]
+    report["fits"] = all(r["compiled"] for r in report["buckets"])
     report["planned_argument_bytes"] = planned
     return report
+
+
+def report_row(bucket: Bucket, compiled: jax.stages.Compiled | Exception,
+               acc: accelerators.Accelerator, planned: int) -> dict[str, Any]:
+    """One bucket's row: per-chip memory and cost, Mosaic calls, KV page shapes and
+    collectives of the compiled HLO; or the compiler's message."""
+    row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots,
+                           "decode": bucket.decode}
+    if isinstance(compiled, Exception):  # the compiler's own message, e.g. out of HBM
+        return row | {"compiled": False, "error": _first_lines(str(compiled))}
+    text = compiled.as_text()
+    row |= {"compiled": True} | bucket_row(compiled, acc)
+    return row | {"mosaic_kernels": text.count("tpu_custom_call"),
+                  "kv_pages": kv_page_shapes(text),
+                  "collectives": collective_counts(text),
+                  "args_vs_plan": round(agreement(planned, row["argument_bytes"]), 5)}
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The per-bucket table `python -m jaxinfer aot` prints before the JSON."""
     head = (f"{report['device']} ({report['topology']}, compiled for {report['chips_used']} "
-            f"of {report['chips_in_slice']} chips; usable HBM "
-            f"{report['chip_usable_hbm_bytes'] / GIB:.2f} GiB)")
+            f"of {report['chips_in_slice']} chips, tensor parallel; figures per chip; "
+            f"usable HBM {report['chip_usable_hbm_bytes'] / GIB:.2f} GiB a chip)")
+    if report.get("tensor_parallel_note"):
+        head += f"\n{report['tensor_parallel_note']}"
     if "plan" not in report:
         return f"{head}\ndoes not fit: {report['error']}"
     plan = report["plan"]
     worst = max((r["args_vs_plan"] for r in report["buckets"] if r["compiled"]), default=0)
-    lines = [head, f"plan: weights {plan['weight_gb']} GB + KV pool {plan['kv_cache_gb']} GB "
-             f"({plan['num_pages']} pages, {plan['kv_tokens']} tokens); compiled arguments "
-             f"within {100 * worst:.2f}% of it",
+    lines = [head, f"plan per chip: weights {plan['weight_gb']} GB + KV pool "
+             f"{plan['kv_cache_gb']} GB ({plan['num_pages']} pages, {plan['kv_tokens']} "
+             f"tokens); compiled arguments within {100 * worst:.2f}% of it",
              "roofline = max(FLOPs / peak, bytes / HBM bandwidth): an ESTIMATE, attention "
-             "counted at max_model_len",
+             "counted at max_model_len, collectives not counted; AR / AG: all-reduces / "
+             "all-gathers in the compiled HLO",
              f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
-             f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} bound"]
+             f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} {'AR':>4} {'AG':>3} bound"]
     for r in report["buckets"]:
         if not r["compiled"]:
             lines.append(f"{r['tokens']:>6} {r['slots']:>5} does not compile: {r['error']}")
@@ -211,7 +263,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{r['tokens']:>6} {r['slots']:>5} {r['argument_bytes'] / 1e9:8.3f} "
                      f"{r['temp_bytes'] / 1e9:8.3f} {100 * r['usable_hbm_fraction']:6.1f} "
                      f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:9.2f} "
-                     f"{r['roofline_estimate_ms']:11.3f} {r['bound']}")
+                     f"{r['roofline_estimate_ms']:11.3f} {r['collectives']['all-reduce']:>4} "
+                     f"{r['collectives']['all-gather']:>3} {r['bound']}")
     return "\n".join(lines)
 
 

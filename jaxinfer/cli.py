@@ -236,7 +236,9 @@ def aot() -> None:
         dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=engine.max_model_len or cfg.max_position_embeddings,
-        page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes)
+        page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        tensor_parallel_size=engine.tensor_parallel_size
+        if FLAGS["tensor_parallel_size"].present else None)  # default: the slice's chips
     device = FLAGS.device or COMMANDS["aot"].defaults["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)
@@ -276,8 +278,8 @@ COMMANDS = {
                      flags=("model", "input", "page_size")),
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
-                   flags=("model", "device", "buckets", "max_num_batched_tokens",
-                          *_PLAN_FLAGS),
+                   flags=("model", "device", "tensor_parallel_size", "buckets",
+                          "max_num_batched_tokens", *_PLAN_FLAGS),
                    defaults={"device": "v5e-1"}),
 }
 

@@ -218,22 +218,34 @@ def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int,
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
-                      sharding: jax.sharding.Sharding, threads: int = COMPILE_THREADS
+                      mesh: Mesh, threads: int = COMPILE_THREADS
                       ) -> list[jax.stages.Compiled | Exception]:
-    """Compile the step ahead of time for the device(s) of `sharding` from specs alone
-    (ShapeDtypeStructs: nothing is allocated), e.g. a TPU topology on a CPU machine; one
-    result per bucket, the exception where the compiler refused (out of memory, say).
-    Lowering is serial (tracing is not thread-safe); compiles run on `threads` threads.
+    """Compile the step ahead of time for the devices of `mesh` from specs alone
+    (ShapeDtypeStructs: nothing is allocated), e.g. n chips of a TPU topology on a CPU
+    machine; one result per bucket, the exception where the compiler refused (out of
+    memory, say). Shardings as the Runner's: params by the spec table, KV pages split by
+    head, inputs and the packed output replicated (the specs' own shardings are replaced).
+    `cfg` is the served model (`sharding.served_config`). Lowering is serial, under the
+    mesh (tracing is not thread-safe); compiles run on `threads` threads.
     `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
     default backend."""
     if cfg.attention_impl == "auto":
         raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
-    steps = {decode: jax.jit(step_function(cfg, decode_only=decode), in_shardings=sharding,
-                             out_shardings=sharding, donate_argnums=(1,))
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    if cfg.num_kv_heads % shards:
+        raise ValueError(f"cfg.num_kv_heads={cfg.num_kv_heads} must be divisible by the "
+                         f"{shards} devices: pass sharding.served_config(cfg, {shards})")
+    param_shardings, kv_shardings, whole = step_shardings(cfg, mesh)
+    params, kv_cache = on_shardings(params, param_shardings), on_shardings(
+        kv_cache, kv_shardings)
+    steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
+                             in_shardings=(param_shardings, kv_shardings, whole),
+                             out_shardings=(kv_shardings, whole), donate_argnums=(1,))
              for decode in (False, True)}
-    lowered = [steps[b.decode].lower(params, kv_cache, input_spec(
-        b, page_size=page_size, max_model_len=max_model_len)) for b in buckets]
+    with jax.set_mesh(mesh):
+        lowered = [steps[b.decode].lower(params, kv_cache, on_shardings(input_spec(
+            b, page_size=page_size, max_model_len=max_model_len), whole)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:
@@ -243,3 +255,20 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         return list(pool.map(compile_one, lowered))
+
+
+def step_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple[object, list, NamedSharding]:
+    """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's."""
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    params = sharding.named(mesh, transformer.param_partition_specs(cfg, shards))
+    kv_cache = [NamedSharding(mesh, KV_PAGES_SPEC)] * cfg.num_layers
+    return params, kv_cache, sharding.replicated(mesh)
+
+
+def on_shardings(specs: object, shardings: object) -> object:
+    """ShapeDtypeStructs `specs` placed on `shardings` (one sharding, or a matching tree)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=shardings), specs)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        specs, shardings)

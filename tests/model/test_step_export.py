@@ -1,0 +1,72 @@
+"""The whole step with the GPU (Triton) attention kernel, split over 4 devices (tensor
+parallelism), exported for CUDA from this CPU machine (`jax.export`, platforms=["cuda"]).
+
+Export stops before XLA partitions the program, so the module holds the mesh, the
+Runner's shardings on the arguments (runner.step_shardings), and the attention in a
+manual computation (`shard_map`) whose Triton call sees one device's heads; the
+all-reduces are inserted later, by the compiler on the GPU (see tests/tpu_aot for
+counts from a real TPU compile). Needs 4 CPU devices (tests/conftest.py gives 8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import sharding
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.runner.runner import input_spec, on_shardings, step_function, step_shardings
+from jaxinfer.model.attention import kv_cache_spec
+from jaxinfer.model.transformer import param_shapes
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128
+BUCKETS = (Bucket(4, 4, True), Bucket(16, 4, False))
+
+
+def _export(cfg: ModelConfig, bucket: Bucket) -> jax.export.Exported:
+    """The step of `cfg` (the served model) for `bucket`, bf16, exported for CUDA."""
+    mesh = sharding.make_mesh(TP)
+    params_sh, kv_sh, whole = step_shardings(cfg, mesh)
+    shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=jnp.bfloat16,
+                       backend="gpu", shards=TP)
+    step = jax.jit(step_function(cfg, decode_only=bucket.decode),
+                   in_shardings=(params_sh, kv_sh, whole), out_shardings=(kv_sh, whole),
+                   donate_argnums=(1,))
+    inputs = input_spec(bucket, page_size=PAGE_SIZE, max_model_len=MAX_LEN)
+    with jax.set_mesh(mesh):
+        return jax.export.export(
+            step, platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(on_shardings(shapes, params_sh), on_shardings(kv, kv_sh),
+          on_shardings(inputs, whole))
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])  # 2: each KV head copied to 2 devices
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["decode", "mixed"])
+def test_step_with_gpu_kernel_in_shard_map_exports_for_cuda(num_kv_heads, bucket):
+    if jax.device_count() < TP:
+        pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
+    cfg = sharding.served_config(ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_layers=2, num_heads=8, num_kv_heads=num_kv_heads, head_dim=32,
+        attention_impl="gpu"), TP)
+    exported = _export(cfg, bucket)
+    text = exported.mlir_module()
+    assert exported.platforms == ("cuda",) and exported.nr_devices == TP
+    assert f'sdy.mesh @mesh = <["model"={TP}]>' in text
+    assert text.count("sdy.manual_computation") == cfg.num_layers  # attention per layer
+    assert text.count(TRITON_CALL) == cfg.num_layers
+    # Inside shard_map each device's kernel sees its one KV head (K and V: 2 rows of
+    # the page), not the model's 4: grid_y counts KV heads.
+    assert f"tensor<{PAGES}x{PAGE_SIZE}x2x32xbf16>" in text
+    assert "grid_y = 1 : i32" in text and "grid_y = 4 : i32" not in text
+    # The Runner's shardings on the arguments: wqkv by columns, wo by rows, KV by head.
+    assert '#sdy.sharding<@mesh, [{}, {"model"}]>' in text
+    assert '#sdy.sharding<@mesh, [{"model"}, {}]>' in text
+    assert '#sdy.sharding<@mesh, [{}, {}, {"model"}, {}, {}]>' in text
+    assert exported.out_avals[0].shape == (PAGES, PAGE_SIZE, TP, 2, 32)  # whole KV array

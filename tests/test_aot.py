@@ -1,0 +1,60 @@
+"""aot's choices and HLO readers that need no TPU compiler (the compiles themselves are
+in tests/tpu_aot, run in .venv-tpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxinfer import accelerators, aot
+from jaxinfer.config import load_preset
+
+# Lines as libtpu prints them (abridged): an all-reduce, an async all-gather pair, a
+# tuple-shaped all-reduce, and instructions merely named after collectives.
+HLO = """\
+ENTRY %main.1_spmd (param.1: bf16[16032,4096], param.2: bf16[50400,16,1,2,128], \
+param.3: bf16[50400,16,1,2,128], param.4: s32[64]) -> (bf16[50400,16,1,2,128], s32[9]) {
+  %all-reduce.1 = f32[16,4096]{1,0:T(8,128)} all-reduce(%fusion.3), channel_id=1
+  %all-gather-start = (f32[64,16032], f32[64,128256]) all-gather-start(%fusion.9), dimensions={1}
+  %all-gather-done = f32[64,128256]{1,0} all-gather-done(%all-gather-start)
+  %all-reduce.2 = (f32[1], f32[1]) all-reduce(%a, %b), channel_id=2
+  %copy.all-reduce.3 = f32[16,4096]{1,0} copy(%all-reduce.1)
+}
+"""
+
+
+def test_collective_counts_reads_opcodes_and_counts_async_pairs_once():
+    assert aot.collective_counts(HLO) == {"all-reduce": 2, "all-gather": 1,
+                                          "reduce-scatter": 0, "all-to-all": 0,
+                                          "collective-permute": 0}
+
+
+def test_kv_page_shapes_are_the_entrys_5d_parameters():
+    assert aot.kv_page_shapes(HLO) == ["bf16[50400,16,1,2,128]"]
+
+
+def test_tensor_parallel_defaults_to_every_chip_of_the_slice():
+    cfg = load_preset("llama3.1-8b")
+    assert aot.choose_tensor_parallel(cfg, accelerators.get("v5e-8"), aot.Settings()) == (
+        8, None)
+    assert aot.choose_tensor_parallel(cfg, accelerators.get("v6e-1"), aot.Settings()) == (
+        1, None)
+
+
+def test_tensor_parallel_falls_back_to_one_chip_and_says_why():
+    cfg = load_preset("smollm-135m")  # 9 query heads: 8 chips cannot split them
+    tp, why = aot.choose_tensor_parallel(cfg, accelerators.get("v6e-8"), aot.Settings())
+    assert tp == 1 and "does not split over the slice's 8" in why and "9 query heads" in why
+
+
+def test_tensor_parallel_given_must_split_the_model_and_fit_the_slice():
+    cfg, acc = load_preset("llama3.1-8b"), accelerators.get("v5e-4")
+    settings = aot.Settings(tensor_parallel_size=2)
+    assert aot.choose_tensor_parallel(cfg, acc, settings) == (2, None)
+    with pytest.raises(ValueError, match="exceeds the 4 device"):
+        aot.choose_tensor_parallel(cfg, acc, dataclasses.replace(settings,
+                                                                 tensor_parallel_size=8))
+    with pytest.raises(ValueError, match="must divide the 32 query heads"):
+        aot.choose_tensor_parallel(cfg, acc, dataclasses.replace(settings,
+                                                                 tensor_parallel_size=3))
