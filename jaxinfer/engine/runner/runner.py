@@ -76,20 +76,17 @@ class Runner:
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        param_shardings = sharding.named(
-            self.mesh, transformer.param_partition_specs(cfg, shards))
+        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh)
         self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
-        kv_shardings = [NamedSharding(self.mesh, KV_PAGES_SPEC)] * cfg.num_layers
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
                               dtype=jnp.dtype(kv_dtype), shards=shards),
             out_shardings=kv_shardings)()
-        whole = sharding.replicated(self.mesh)
         self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
                                        in_shardings=(param_shardings, kv_shardings, whole),
                                        out_shardings=(kv_shardings, whole),
