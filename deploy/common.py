@@ -234,6 +234,14 @@ def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> N
                         "'--max_model_len=8192 --max_num_seqs=64'")
 
 
+def steps_to_run(args: argparse.Namespace) -> list[str]:
+    """The steps `args` ask for, checked (flags they need, tools on PATH unless dry run)."""
+    todo = expand_steps(args.steps)
+    validate(args, todo)
+    check_tools(args.dry_run, todo)
+    return todo
+
+
 def expand_steps(steps: Sequence[str]) -> list[str]:
     out: list[str] = []
     for step in steps:

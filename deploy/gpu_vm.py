@@ -73,9 +73,7 @@ def make_target(args: argparse.Namespace) -> ComputeTarget:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    todo = common.expand_steps(args.steps)
-    common.validate(args, todo)
-    common.check_tools(args.dry_run, todo)
+    todo = common.steps_to_run(args)
     target = make_target(args)
     gpu, per_vm = GPU_MACHINES[args.machine_type]
     total = per_vm * args.num_nodes

@@ -54,9 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    todo = common.expand_steps(args.steps)
-    common.validate(args, todo)
-    common.check_tools(args.dry_run, todo)
+    todo = common.steps_to_run(args)
     accelerator_type = ALIASES.get(args.accelerator_type, args.accelerator_type)
     tpu = SLICES[accelerator_type]
     target = TpuApiTarget(name=args.name, zone=args.zone, project=args.project,

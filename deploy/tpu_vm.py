@@ -77,9 +77,7 @@ def target_for(args: argparse.Namespace, tpu: SingleHost) -> TpuApiTarget | Comp
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    todo = common.expand_steps(args.steps)
-    common.validate(args, todo)
-    common.check_tools(args.dry_run, todo)
+    todo = common.steps_to_run(args)
     tpu = SINGLE_HOST[ALIASES.get(args.accelerator_type, args.accelerator_type)]
     target = target_for(args, tpu)
     tensor_parallel_size = args.tensor_parallel_size or tpu.chips
