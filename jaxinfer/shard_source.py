@@ -13,7 +13,9 @@ heads than devices, `sharding.served_config`), group g' of the served model take
 k and v rows of original head g' // replicas.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
-device read only its share. Imports numpy, config and model.fusion.
+device read only its share. Departure from ARCHITECTURE.md (which puts checkpoint
+reading in checkpoint.py): the slicing arithmetic lives apart so checkpoint.py stays
+about names, shapes and formats. Imports numpy, config and model.fusion.
 """
 
 from __future__ import annotations
