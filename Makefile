@@ -35,7 +35,8 @@ lint: $(VENV)/.test
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/multidevice
+	$(PY) -m pytest tests/multidevice
 	$(MAKE) test-tpu-aot
 
 test-slow: lint
