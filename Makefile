@@ -35,8 +35,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest --ignore=tests/multidevice
-	$(PY) -m pytest tests/multidevice
+	$(PY) -m pytest
 	$(MAKE) test-tpu-aot
 
 test-slow: lint

@@ -5,9 +5,14 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import jax
 import pytest
 
 from jaxinfer import testing
+
+# Eight virtual CPU devices for the tensor-parallel tests (set before JAX starts its
+# backend; single-device code runs on device 0 as before).
+jax.config.update("jax_num_cpu_devices", 8)
 
 FAMILIES = tuple(testing.FAMILIES)
 # The TPU ahead-of-time checks run in .venv-tpu (`make test-tpu-aot`), never here.
