@@ -26,7 +26,7 @@ from collections.abc import Callable
 from absl import app, flags
 
 from jaxinfer import accelerators
-from jaxinfer.config import DEFAULT_MODEL, DistributedConfig, EngineConfig
+from jaxinfer.config import DEFAULT_MODEL, DistributedConfig, EngineConfig, ServerConfig
 from jaxinfer.engine.request import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -83,6 +83,7 @@ def define_config_flags(config_class: type) -> tuple[str, ...]:
 
 ENGINE_FLAGS = define_config_flags(EngineConfig)
 DISTRIBUTED_FLAGS = define_config_flags(DistributedConfig)
+SERVER_FLAGS = define_config_flags(ServerConfig)
 flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
 
 
@@ -246,6 +247,21 @@ def aot() -> None:
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
 
 
+def serve() -> None:
+    from jaxinfer import server
+
+    config = ServerConfig(**{name: FLAGS[name].value for name in SERVER_FLAGS})
+    sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
+    llm = make_llm()
+    name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
+
+    def ready(url: str) -> None:
+        sys.stderr.write(f"jaxinfer: serving {name!r} at {url}/v1\n")
+        sys.stderr.flush()
+
+    server.serve(llm, config, sock, model_name=name, ready=ready)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Command:
     """A command: what runs, its one-line summary, the flags it reads."""
@@ -267,6 +283,9 @@ COMMANDS = {
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
                      "results (resumable)",
                      flags=("model", "input", "output", *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
+    "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
+                     "/v1/chat/completions, /v1/models, /health, /metrics)",
+                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one",
                        flags=("model", "output", "dtype")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "

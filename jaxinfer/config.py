@@ -321,3 +321,34 @@ class DistributedConfig:
     def enabled(self) -> bool:
         """Whether this process joins a multi-host job."""
         return self.detect_distributed or self.coordinator_address is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How `python -m jaxinfer serve` listens and protects itself (jaxinfer/server/). The
+    CLI derives one flag per field, as for EngineConfig."""
+
+    host: str = _setting("127.0.0.1", "address to listen on; 0.0.0.0 exposes the server to "
+                         "the network (set --api_key then)")
+    port: int = _setting(8000, "TCP port; 0 picks a free one (logged)")
+    api_key: str | None = _setting(None, "clients must send 'Authorization: Bearer KEY' to "
+                                   "/v1/*; default: no key")
+    served_model_name: str | None = _setting(None, "the model name clients give; default: "
+                                             "--model as given ('demo' for the bundled one)")
+    max_waiting_requests: int = _setting(
+        256, "completions waiting for a slot (n counts each); over it requests get 503 with "
+        "Retry-After")
+    max_request_body_bytes: int = _setting(8 * 2**20, "larger request bodies get 413")
+    shutdown_timeout: int = _setting(
+        30, "seconds after SIGTERM to finish in-flight requests; then they are aborted with "
+        "an error and the process exits 0")
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"{self.port=} must be in [0, 65536)")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")

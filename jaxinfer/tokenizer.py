@@ -123,12 +123,13 @@ class Tokenizer:
             raise ValueError(f"chat template of {self._name} failed: {e}") from e
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None,
-                   messages: list[dict] | None = None) -> list[int]:
+                   messages: list[dict] | None = None, *,
+                   add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages (templated)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of a prompt or chat messages")
         if messages is not None:
-            text = self.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
             return self.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             return self.encode(prompt)

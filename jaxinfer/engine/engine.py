@@ -91,10 +91,12 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
-                         messages: list[dict] | None = None) -> list[int]:
+                         messages: list[dict] | None = None, *,
+                         add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
         if self.tokenizer is not None:
-            ids = self.tokenizer.prompt_ids(prompt, messages)
+            ids = self.tokenizer.prompt_ids(prompt, messages,
+                                            add_generation_prompt=add_generation_prompt)
         elif messages is not None or isinstance(prompt, str):
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): "
                              "give prompts as token ids, not text or chat messages")
@@ -120,6 +122,13 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True): "
                              "use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        for name in ("top_k", "max_tokens", "min_tokens"):  # the device reads them as int32
+            if getattr(params, name) >= 2**31:
+                raise ValueError(f"{name}={getattr(params, name)} must be < 2**31")
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids={outside[:5]} must be token ids below {vocab}")
         stops = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and stops > STOP_WIDTH:
             raise ValueError(f"min_tokens with {stops} stop ids: at most {STOP_WIDTH} "
@@ -146,6 +155,7 @@ class Engine:
                               seed=(seed + index) % 2**31, priority=priority,
                               group=request_id if params.n > 1 else "")
             self._arrivals += 1
+            self.metrics.latency.added(request.request_id, time.perf_counter())
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
             self._texts[id(request)] = TextState(detokenizer, params.stop)
             children.append(request)
@@ -191,6 +201,8 @@ class Engine:
         compiles = self.compiles.begin()
         bucket, samples = self.runner.execute(plan)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
+        for chunk in plan.chunks:
+            self.metrics.latency.scheduled(chunk.request.request_id, started)
         self.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
         self._check_compiles(compiles)
         changed = self._record_tokens(plan, samples, lengths)
@@ -212,11 +224,13 @@ class Engine:
         output counts before it), one at a time: a stop string ends the request at the
         token that completes it and drops the tokens after it."""
         changed: dict[str, None] = {}
+        now = time.perf_counter()
         for chunk, chunk_samples, before in zip(plan.chunks, samples, lengths, strict=True):
             request = chunk.request
             added = len(request.output_token_ids) - before
             if added <= 0:
                 continue
+            self.metrics.latency.tokens(request.request_id, added, now)
             text = self._texts[id(request)]
             for index, sample in enumerate(chunk_samples[:added]):
                 if request.params.logprobs is not None:
@@ -239,6 +253,8 @@ class Engine:
             text = self._texts[id(request)]
             if request.finished and completion.finish_reason is None:
                 text.finish()
+                self.metrics.latency.finish(request.request_id, request.finish_reason,
+                                            time.perf_counter())
             done = len(completion.token_ids)  # only what this step added is copied
             completion.delta_token_ids = request.output_token_ids[done:]
             completion.token_ids.extend(completion.delta_token_ids)

@@ -20,6 +20,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from jaxinfer.engine.latency import Latency
+
 
 @dataclasses.dataclass
 class Metrics:
@@ -44,6 +46,7 @@ class Metrics:
     step_seconds: float = 0.0
     bytes_read: int = 0
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
+    latency: Latency = dataclasses.field(default_factory=Latency)  # per-request histograms
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, requests: int, slots: int,
@@ -87,6 +90,7 @@ class Metrics:
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)
             if self.bandwidth_gb_per_s else 0.0,
+            **self.latency.summary(),
             **self._prefix_cache_summary(),
         }
 

@@ -1,0 +1,294 @@
+"""The FastAPI app: OpenAI's routes over an EngineLoop.
+
+POST /v1/completions and /v1/chat/completions (whole, or `stream: true` as
+server-sent events ending in `data: [DONE]`), GET /v1/models, /health and
+/metrics. Bodies are read by hand (size limit -> 413, then UTF-8, JSON and
+pydantic checks -> 400) so every error, routing ones included, leaves in
+OpenAI's error shape. A client that goes away aborts its requests at once: a
+stream's generator is cancelled by Starlette; a whole response races a
+disconnect watcher. Imports FastAPI/Starlette, the server modules and
+SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import fastapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxinfer.config import ServerConfig
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.server import prometheus, protocol
+from jaxinfer.server import responses as out
+from jaxinfer.server.engine_loop import Disconnected, EngineLoop, Stream, Submission, updates
+from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerState:
+    """What the handlers share: the engine loop and facts about the served model."""
+
+    loop: EngineLoop
+    config: ServerConfig
+    model_name: str
+    model_root: str
+    max_model_len: int
+    defaults: SamplingParams
+    token_text: out.TokenText | None  # None without a tokenizer: no logprob texts
+
+
+def create_app(state: ServerState) -> fastapi.FastAPI:
+    app = fastapi.FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    return app
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+async def _api_error(request: fastapi.Request, error: Exception) -> JSONResponse:
+    return _error_response(error)
+
+
+async def _http_error(request: fastapi.Request, error: Exception) -> JSONResponse:
+    code = "not_found" if error.status_code == 404 else None
+    return _error_response(APIError(error.status_code, str(error.detail), code=code))
+
+
+async def _internal_error(request: fastapi.Request, error: Exception) -> JSONResponse:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+
+# ---- plain routes ------------------------------------------------------------------------
+
+def _state(request: fastapi.Request) -> ServerState:
+    return request.app.state.server
+
+
+async def _health(request: fastapi.Request) -> Response:
+    loop = _state(request).loop
+    if not loop.healthy:
+        raise APIError(503, f"the engine failed: {loop.failure}", code="engine_failed")
+    return JSONResponse({"status": "ok" if loop.accepting else "shutting_down"})
+
+
+async def _metrics(request: fastapi.Request) -> Response:
+    state = _state(request)
+    snapshot = await state.loop.call(prometheus.snapshot)
+    return PlainTextResponse(prometheus.exposition(snapshot),
+                             media_type=prometheus.CONTENT_TYPE)
+
+
+async def _models(request: fastapi.Request) -> Response:
+    state = _authorized(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+        "root": state.model_root, "max_model_len": state.max_model_len}]})
+
+
+def _authorized(request: fastapi.Request) -> ServerState:
+    state = _state(request)
+    key = state.config.api_key
+    if key is None:
+        return state
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
+    return state
+
+
+async def _read_body(request: fastapi.Request, limit: int) -> bytes:
+    """The body, or 413 past `limit` bytes (the rest is read and dropped, never kept)."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise APIError(413, f"the request body has {size} bytes; the limit is {limit} "
+                       "(max_request_body_bytes)", code="request_too_large")
+    return bytes(body)
+
+
+async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:
+    state = _authorized(request)
+    raw = await _read_body(request, state.config.max_request_body_bytes)
+    body = protocol.validate(model, protocol.parse_json(raw))
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                       f"{state.model_name!r}", param="model", code="model_not_found")
+    return state, body
+
+
+# ---- completions and chat ----------------------------------------------------------------
+
+async def _completions(request: fastapi.Request) -> Response:
+    state, body = await _parsed(request, CompletionRequest)
+    params = protocol.sampling_params(body, state.defaults)
+    prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
+    submissions = [Submission(prompt=p, params=params) for p in prompts]
+    shape = _Shape("text_completion", "cmpl", state, params)
+    return await _respond(request, state, shape, submissions, body)
+
+
+async def _chat(request: fastapi.Request) -> Response:
+    state, body = await _parsed(request, ChatRequest)
+    params = protocol.sampling_params(body, state.defaults)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    submission = Submission(messages=[m.plain() for m in body.messages], params=params,
+                            add_generation_prompt=body.add_generation_prompt,
+                            max_tokens_field=field)
+    shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0)
+    return await _respond(request, state, shape, [submission], body)
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+@dataclasses.dataclass
+class _Shape:
+    """How one endpoint renders choices, whole and as chunks."""
+
+    kind: str
+    prefix: str
+    state: ServerState
+    params: SamplingParams
+    top: int = 0
+    response_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.response_id = out.new_id(self.prefix)
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def choice(self, choice: out.Choice, delta: bool, text_offset: int = 0) -> dict[str, Any]:
+        if self.chat:
+            return out.chat_choice(choice, self.state.token_text, self.top, delta)
+        return out.completion_choice(choice, self.state.token_text, text_offset)
+
+    def body(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
+        kind = self.kind + (".chunk" if chunk and self.chat else "")
+        return out.header(kind, self.response_id, self.state.model_name) | {
+            "choices": choices, **extra}
+
+
+async def _submit_all(loop: EngineLoop, submissions: list[Submission]) -> list[Stream]:
+    """Submit every prompt of one HTTP request; if one is refused, abort the others."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    streams: list[Stream] = []
+    try:
+        for submission in submissions:
+            streams.append(await loop.submit(submission, inbox))
+    except BaseException:
+        for stream in streams:
+            loop.abort(stream.request_id)
+        raise
+    return streams
+
+
+async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
+                   submissions: list[Submission], body: Any) -> Response:
+    streams = await _submit_all(state.loop, submissions)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(state.loop, shape, streams, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(_watch_disconnect(request, streams[0].inbox))
+    try:
+        return JSONResponse(await _collect(shape, streams))
+    except Disconnected:
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        _abort_unfinished(state.loop, streams)
+
+
+async def _watch_disconnect(request: fastapi.Request, inbox: asyncio.Queue) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    inbox.put_nowait(None)
+
+
+def _abort_unfinished(loop: EngineLoop, streams: list[Stream]) -> None:
+    for stream in streams:
+        if not stream.finished:
+            loop.abort(stream.request_id)
+
+
+def _usage(streams: list[Stream], completion_tokens: int) -> dict[str, Any]:
+    return out.usage(sum(len(s.prompt_token_ids) for s in streams), completion_tokens,
+                     sum(s.num_cached_tokens for s in streams))
+
+
+async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
+    n = shape.params.n
+    choices = [out.Choice(index=i) for i in range(n * len(streams))]
+    async for prompt_index, update in updates(streams):
+        for piece in update.pieces:
+            choices[prompt_index * n + piece.index].add(
+                piece.text, piece.token_ids, piece.logprobs, piece.finish_reason)
+    generated = sum(len(c.token_ids) for c in choices)
+    return shape.body([shape.choice(c, delta=False) for c in choices], chunk=False,
+                      usage=_usage(streams, generated))
+
+
+async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
+                  include_usage: bool) -> AsyncIterator[str]:
+    """The SSE stream: a chunk per completion per step, the usage chunk if asked, [DONE];
+    an error mid-stream is sent as an error event. Leaving early aborts the rest."""
+    n, generated, offsets = shape.params.n, 0, {}
+    extra: Callable[[], dict] = (lambda: {"usage": None}) if include_usage else dict
+    try:
+        if shape.chat:  # OpenAI opens each chat choice with the assistant's role
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None} for i in range(n)]
+            yield _event(shape.body(opening, chunk=True, **extra()))
+        async for prompt_index, update in updates(streams):
+            for piece in update.pieces:
+                index = prompt_index * n + piece.index
+                choice = out.Choice(index, piece.text, piece.token_ids, piece.logprobs,
+                                    piece.finish_reason)
+                rendered = shape.choice(choice, delta=True, text_offset=offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(piece.text)
+                generated += len(piece.token_ids)
+                yield _event(shape.body([rendered], chunk=True, **extra()))
+        if include_usage:
+            yield _event(shape.body([], chunk=True, usage=_usage(streams, generated)))
+    except APIError as e:
+        yield _event(e.body())
+    finally:
+        _abort_unfinished(loop, streams)
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"

@@ -1,0 +1,327 @@
+"""The one thread that owns the Engine, and the streams request handlers read.
+
+Handlers never touch the engine: `EngineLoop.submit` puts a command on a
+thread-safe queue and awaits an asyncio future the thread resolves once the
+prompt is tokenized and checked (so a bad prompt is a 400 before any response
+starts); each step's deltas then reach the handler's `Stream` through
+`loop.call_soon_threadsafe`. Between steps the thread drains its commands (add,
+abort, abort all, snapshot); idle, it blocks on the queue. Admission is bounded:
+completions waiting plus those queued for admission never exceed
+`max_waiting_requests` (503 with Retry-After beyond). A failure inside one
+request fails that request (500); a failure of `engine.step()` marks the loop
+unhealthy and fails every request in flight, and the thread stays to answer
+later commands with 503 so that nothing waits forever. Imports the engine's
+plain-Python parts and protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.server import protocol
+from jaxinfer.server.protocol import APIError
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5  # how long the idle thread blocks on its queue before looking again
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Submission:
+    """One prompt (text, token ids, or chat messages) and how to sample it."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    params: SamplingParams
+    add_generation_prompt: bool = True
+    max_tokens_field: str = "max_tokens"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one step added to one of a prompt's completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    pieces: list[Piece]
+    finished: bool
+    error: APIError | None = None
+
+
+Inbox = asyncio.Queue  # of (Stream, Update), or None: the client went away
+
+
+class Disconnected(Exception):
+    """The client closed its connection."""
+
+
+class Stream:
+    """A submitted prompt as the handler sees it: its token ids, then its updates, which
+    arrive in the inbox it shares with the other prompts of the same HTTP request."""
+
+    def __init__(self, inbox: Inbox, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.inbox = inbox
+        self._loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[list[int]] = self._loop.create_future()
+        self.prompt_token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.finished = False
+
+    def post(self, update: Update) -> None:
+        """From the engine thread: hand an update to the handler's event loop."""
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens
+            self._loop.call_soon_threadsafe(self.inbox.put_nowait, (self, update))
+
+
+async def updates(streams: list[Stream]) -> AsyncIterator[tuple[int, Update]]:
+    """(prompt index, update) of `streams` (one inbox) until all finish; an error update
+    raises its APIError, a None in the inbox raises Disconnected."""
+    index = {id(stream): i for i, stream in enumerate(streams)}
+    inbox = streams[0].inbox
+    while not all(stream.finished for stream in streams):
+        item = await inbox.get()
+        if item is None:
+            raise Disconnected
+        stream, update = item
+        stream.finished = update.finished
+        if update.error is not None:
+            raise update.error
+        yield index[id(stream)], update
+
+
+class EngineLoop:
+    """Runs `engine` on a background thread; the faces submit, abort and read metrics."""
+
+    def __init__(self, engine: Engine, *, max_waiting_requests: int) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.healthy = True
+        self.accepting = True
+        self.failure: str | None = None
+        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._streams: dict[str, tuple[Stream, list[bool]]] = {}  # id -> (stream, done[i])
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._admitting = 0  # completions submitted, not yet added to the engine
+        self._waiting = 0  # completions the scheduler holds waiting, after the last step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- the handlers' side (event loop thread) --------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(self, submission: Submission, inbox: Inbox) -> Stream:
+        """Queue a prompt; returns once the engine accepted it, else raises APIError."""
+        n = submission.params.n
+        if not self.healthy:
+            raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        with self._lock:
+            if self._waiting + self._admitting + n > self.max_waiting_requests:
+                raise APIError(503, f"too many requests waiting (max_waiting_requests="
+                               f"{self.max_waiting_requests}); retry later",
+                               code="overloaded", retry_after=1)
+            self._admitting += n
+        stream = Stream(inbox, f"req-{next(self._ids)}", n)
+        self._commands.put(("add", submission, stream))
+        try:
+            stream.prompt_token_ids = await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (a client went away); unknown ids: nothing."""
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self, message: str) -> None:
+        """Fail every request in flight with a 503 carrying `message`."""
+        self._commands.put(("abort_all", message))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between steps (metrics snapshots)."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, future))
+        return await future
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + self._admitting
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.healthy and self.engine.has_unfinished()
+            self._drain(block=not busy)
+            if not (self.healthy and self.engine.has_unfinished()):
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the engine is broken: fail everyone, stay to say so
+                self._fail_engine(e)
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self._waiting = len(self.engine.scheduler.waiting)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()
+            while True:
+                self._handle(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, command: tuple[Any, ...]) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._add(command[1], command[2])
+        elif kind == "abort":
+            self._abort(command[1], None)
+        elif kind == "abort_all":
+            for request_id in list(self._streams):
+                self._abort(request_id, APIError(503, command[1], code="shutting_down"))
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                _resolve(future, fn(self.engine))
+            except Exception as e:
+                _resolve(future, error=e)
+
+    def _add(self, submission: Submission, stream: Stream) -> None:
+        try:
+            if not self.healthy:
+                raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
+            ids, params = self._checked(submission)
+            self.engine.add_request(stream.request_id, submission.prompt, params,
+                                    prompt_token_ids=ids)
+        except APIError as e:
+            _resolve(stream.accepted, error=e)
+        except (ValueError, TypeError) as e:
+            _resolve(stream.accepted, error=APIError(400, str(e), param=_param(submission, e)))
+        except Exception as e:
+            log.exception("adding request %s failed", stream.request_id)
+            _resolve(stream.accepted, error=APIError(500, f"adding the request failed: {e}"))
+        else:
+            self._streams[stream.request_id] = (stream, [False] * stream.n)
+            _resolve(stream.accepted, ids)
+        finally:
+            with self._lock:
+                self._admitting -= stream.n
+                self._waiting = len(self.engine.scheduler.waiting)
+
+    def _checked(self, submission: Submission) -> tuple[list[int], SamplingParams]:
+        ids = self.engine.prompt_token_ids(submission.prompt, submission.messages,
+                                           add_generation_prompt=submission.add_generation_prompt)
+        params = protocol.fit_max_tokens(submission.params, len(ids), self.engine.max_model_len,
+                                         submission.max_tokens_field)
+        self.engine.check_params(params)
+        return ids, params
+
+    def _deliver(self, output: RequestOutput) -> None:
+        entry = self._streams.get(output.request_id)
+        if entry is None:
+            return
+        stream, done = entry
+        try:
+            stream.num_cached_tokens = output.num_cached_tokens
+            pieces = [piece for piece in map(_piece, output.outputs) if _moved(piece, done)]
+            for piece in pieces:
+                done[piece.index] = piece.finish_reason is not None
+            if output.finished:
+                self._forget(output.request_id)
+            stream.post(Update(pieces, output.finished))
+        except Exception as e:  # this request alone fails
+            log.exception("request %s failed", output.request_id)
+            self._abort(output.request_id, APIError(500, f"the request failed: {e}"))
+
+    def _abort(self, request_id: str, error: APIError | None) -> None:
+        if request_id not in self._streams:
+            return
+        stream, _ = self._streams[request_id]
+        self.engine.abort(request_id)
+        self._forget(request_id)
+        if error is not None:
+            stream.post(Update([], True, error))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.release(request_id)
+
+    def _fail_engine(self, error: Exception) -> None:
+        log.exception("the engine failed; failing %d requests", len(self._streams))
+        self.healthy = False
+        self.failure = f"{type(error).__name__}: {error}"
+        for stream, _ in self._streams.values():
+            stream.post(Update([], True, APIError(500, f"the engine failed: {self.failure}",
+                                                  code="engine_failed")))
+        self._streams.clear()
+
+
+def _piece(completion: Any) -> Piece:
+    logprobs = completion.logprobs
+    count = len(completion.delta_token_ids)
+    return Piece(completion.index, completion.delta_text, list(completion.delta_token_ids),
+                 logprobs[len(logprobs) - count:] if logprobs is not None else None,
+                 completion.finish_reason)
+
+
+def _moved(piece: Piece, done: list[bool]) -> bool:
+    """Whether the piece is news: text or tokens, or a finish not reported yet."""
+    if done[piece.index]:
+        return False
+    return bool(piece.text or piece.token_ids or piece.finish_reason)
+
+
+def _param(submission: Submission, error: Exception) -> str:
+    """The field an engine-side ValueError is about: the one it names (`top_k=...`),
+    else the prompt."""
+    head = str(error).split("=", 1)[0]
+    if head.isidentifier() and head in SamplingParams.__dataclass_fields__:
+        return submission.max_tokens_field if head == "max_tokens" else head
+    return "messages" if submission.messages is not None else "prompt"
+
+
+def _resolve(future: asyncio.Future, value: Any = None, *,
+             error: BaseException | None = None) -> None:
+    """Settle an asyncio future from the engine thread (unless its waiter gave up)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits
+        future.get_loop().call_soon_threadsafe(settle)
+

@@ -1,0 +1,126 @@
+"""GET /metrics: the engine's counters in Prometheus text format, named as vLLM names them
+under a `jaxinfer:` prefix.
+
+`snapshot(engine)` runs on the engine thread between steps and copies what the
+exposition needs (the same `Metrics` object `llm.metrics()` summarizes); the
+exposition then builds the families from that copy, so a scrape never reads
+state a step is changing. Imports prometheus_client and the engine's plain-Python
+parts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.latency import Histogram
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "jaxinfer:"
+
+
+def snapshot(engine: Engine) -> dict[str, Any]:
+    """A copy of the counters and gauges (call on the engine thread)."""
+    metrics, scheduler = engine.metrics, engine.scheduler
+    pool = scheduler.pool
+    return {"summary": metrics.summary(), "latency": copy.deepcopy(metrics.latency),
+            "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "pages_in_use": pool.num_used, "pages": pool.num_pages - 1,
+            "steps": metrics.steps, "scheduled": metrics.occupied_slots,
+            "prefix_cache": metrics.prefix_cache() if metrics.prefix_cache else None}
+
+
+def exposition(snap: dict[str, Any]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snap))
+    return generate_latest(registry)
+
+
+class _Collector:
+    def __init__(self, snap: dict[str, Any]) -> None:
+        self.snap = snap
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _gauges(self.snap)
+        yield from _counters(self.snap)
+        latency = self.snap["latency"]
+        yield _histogram("time_to_first_token_seconds", "time to first token", latency.ttft)
+        yield _histogram("inter_token_latency_seconds", "time between output tokens",
+                         latency.itl)
+        yield _histogram("e2e_request_latency_seconds", "request latency, arrival to finish",
+                         latency.e2e)
+        yield _histogram("request_queue_time_seconds", "arrival to first scheduled step",
+                         latency.queue)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _gauges(snap: dict[str, Any]) -> Iterator[Metric]:
+    summary = snap["summary"]
+    yield _gauge("num_requests_running", "completions in the running batch", snap["running"])
+    yield _gauge("num_requests_waiting", "completions waiting for a slot", snap["waiting"])
+    yield _gauge("kv_cache_usage_perc", "fraction of KV pages held by requests (0-1)",
+                 snap["pages_in_use"] / max(snap["pages"], 1))
+    yield _gauge("kv_cache_pages_in_use", "KV pages held by requests", snap["pages_in_use"])
+    yield _gauge("kv_cache_pages", "KV pages requests can hold", snap["pages"])
+    yield _gauge("mean_batch_size", "completions per engine step, mean over the life",
+                 summary["mean_requests_per_step"])
+    yield _gauge("roofline_fraction", "bytes a step must read over its time, as a fraction "
+                 "of the measured memory bandwidth (mean over busy time)",
+                 summary["roofline_fraction"])
+    if snap["prefix_cache"] is not None:
+        yield _gauge("prefix_cache_hit_rate", "prompt tokens served by the prefix cache over "
+                     "prompt tokens looked up", summary["prefix_cache_hit_rate"])
+
+
+def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
+    summary, latency = snap["summary"], snap["latency"]
+    computed, cached = summary["prompt_tokens"], summary["prompt_tokens_cached"]
+    yield _counter("prompt_tokens", "prompt tokens of finished prefills (n x prompt length)",
+                   computed + cached)
+    by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source", "prompt tokens by "
+                                    "source", labels=["source"])
+    by_source.add_metric(["local_compute"], computed)
+    by_source.add_metric(["local_cache_hit"], cached)
+    yield by_source
+    yield _counter("generation_tokens", "tokens generated", summary["generated_tokens"])
+    yield _counter("num_preemptions", "requests preempted", summary["preemptions"])
+    yield _counter("compilations_after_warmup", "XLA compilations after warm-up",
+                   summary["compiles_after_warmup"])
+    yield _counter("engine_steps", "device steps run", snap["steps"])
+    yield _counter("scheduled_requests", "completions summed over steps (over engine_steps: "
+                   "the mean batch size)", snap["scheduled"])
+    success = CounterMetricFamily(PREFIX + "request_success", "finished completions by "
+                                  "reason", labels=["finished_reason"])
+    for reason in ("stop", "length", "abort"):
+        success.add_metric([reason], latency.finished.get(reason, 0))
+    yield success
+    if snap["prefix_cache"] is not None:
+        stats = snap["prefix_cache"]
+        yield _counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                       stats["prompt_tokens"])
+        yield _counter("prefix_cache_hits", "prompt tokens the prefix cache served",
+                       stats["hit_tokens"])
+
+
+def _histogram(name: str, doc: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(PREFIX + name, doc, unit="")
+    family.add_metric([], histogram.cumulative(), sum_value=histogram.sum)
+    return family

@@ -1,0 +1,223 @@
+"""The OpenAI request bodies we accept, their errors, and their mapping to SamplingParams.
+
+Bodies are validated strictly (pydantic strict mode, no NaN or infinity, unknown
+fields refused: a parameter we do not implement is an error, never silently
+ignored). Every problem becomes an `APIError` carrying OpenAI's error shape and
+the HTTP status; `param` names the offending field. Sampling values are checked
+by `SamplingParams` itself, so the server and the Python API refuse the same
+things. Imports pydantic and jaxinfer.engine.request only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+from jaxinfer.engine.request import SamplingParams
+
+MAX_N = 64  # completions per prompt
+MAX_STOP = 16  # stop strings per request
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "not_found_error", 405: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message,
+                          "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+class _Body(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted, only logged
+
+
+TokenIds = Annotated[list[int], pydantic.Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, str]:
+        """The message as the chat template sees it: text parts joined."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out = {"role": self.role, "content": content or ""}
+        return out | ({"name": self.name} if self.name is not None else {})
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], pydantic.Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body's JSON; invalid UTF-8, NaN/Infinity and malformed JSON are 400s."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def validate(model: type[_Body], data: Any) -> Any:
+    """`data` as a `model`, or a 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {_kind(data)}")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in error["loc"]) or None
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown or unsupported parameter"
+        raise APIError(400, f"{field}: {message}", param=field) from None
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams:
+    """The body's sampling fields over `defaults` (the checkpoint's generation_config)."""
+    if not 1 <= body.n <= MAX_N:
+        raise APIError(400, f"n={body.n} must be in [1, {MAX_N}]", param="n")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    given = {"n": body.n, "stop": tuple(stop),
+             "stop_token_ids": tuple(body.stop_token_ids or ())}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed", "ignore_eos",
+                 "min_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            given[name] = value
+    names = {}
+    if isinstance(body, ChatRequest):
+        given |= _chat_limits(body, names)
+    else:
+        given["max_tokens"] = body.max_tokens
+        given["logprobs"] = body.logprobs
+    return _build(defaults, given, names)
+
+
+def _chat_limits(body: ChatRequest, names: dict[str, str]) -> dict[str, Any]:
+    limit = body.max_completion_tokens
+    out: dict[str, Any] = {"max_tokens": body.max_tokens if limit is None else limit}
+    if body.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    out["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    names["logprobs"] = "top_logprobs"
+    return out
+
+
+def _build(defaults: SamplingParams, given: dict[str, Any],
+           names: dict[str, str]) -> SamplingParams:
+    """SamplingParams; `max_tokens=None` stands for "up to max_model_len" (resolved once
+    the prompt's length is known), carried as the largest int SamplingParams accepts."""
+    if given.get("max_tokens") is None:
+        given["max_tokens"] = UNBOUNDED
+    try:
+        return dataclasses.replace(defaults, **given)
+    except ValueError as e:
+        field = str(e).split("=", 1)[0]
+        raise APIError(400, str(e).replace(field, names.get(field, field), 1),
+                       param=names.get(field, field)) from None
+
+
+UNBOUNDED = 2**31 - 1  # max_tokens not given: as many as the context leaves
+
+
+def fit_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
+                   field: str) -> SamplingParams:
+    """Resolve an unbounded max_tokens; refuse prompt + max_tokens over the context."""
+    room = max_model_len - prompt_len
+    if params.max_tokens == UNBOUNDED:
+        return dataclasses.replace(params, max_tokens=room,
+                                   min_tokens=min(params.min_tokens, room))
+    if params.max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} "
+                       f"tokens; the prompt has {prompt_len} and {field}={params.max_tokens} "
+                       f"asks for more than the {room} left", param=field)
+    return params
+
+
+def finite(value: float) -> float:
+    """A logprob as JSON can carry it: -inf becomes -9999.0 (as vLLM sends it)."""
+    return value if math.isfinite(value) else -9999.0

@@ -1,0 +1,113 @@
+"""OpenAI response bodies: completions and chat, whole or as stream chunks; logprobs in
+each endpoint's own shape; usage. Pure functions over plain data (no engine, no I/O).
+
+A completion's `choices[i]` is prompt `i // n`, completion `i % n` (as OpenAI and
+vLLM number them). Logprob entries are the engine's `{token id: logprob}` dicts:
+the top-k plus the chosen token, which `chosen` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from jaxinfer.server.protocol import finite
+
+TokenText = Callable[[int], str]  # a token id as text (special tokens kept)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One completion as it accumulates (non-streaming) or one chunk's worth (streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def add(self, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+            finish_reason: str | None) -> None:
+        self.text += text
+        self.token_ids += token_ids
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        self.finish_reason = finish_reason or self.finish_reason
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def header(kind: str, response_id: str, model: str) -> dict[str, Any]:
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_choice(choice: Choice, token_text: TokenText | None,
+                      text_offset: int = 0) -> dict[str, Any]:
+    logprobs = None
+    if choice.logprobs is not None and token_text is not None:
+        logprobs = completion_logprobs(choice.token_ids, choice.logprobs, token_text,
+                                       text_offset)
+    return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason, "stop_reason": None}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]],
+                        token_text: TokenText, text_offset: int) -> dict[str, Any]:
+    """/v1/completions' shape: parallel lists of tokens, their logprobs, the top
+    alternatives as {token text: logprob}, and each token's offset in the text."""
+    tokens, offsets = [], []
+    for token_id in token_ids:
+        tokens.append(token_text(token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens,
+            "token_logprobs": [finite(e[t]) for t, e in zip(token_ids, entries, strict=True)],
+            "top_logprobs": [{token_text(k): finite(v) for k, v in _ranked(e)}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
+                delta: bool) -> dict[str, Any]:
+    """A chat choice: `message` whole, or `delta` in a stream chunk."""
+    logprobs = None
+    if choice.logprobs is not None and token_text is not None:
+        logprobs = {"content": chat_logprobs(choice.token_ids, choice.logprobs, token_text,
+                                             top)}
+    if delta:
+        body = {"delta": {"content": choice.text} if choice.text else {}}
+    else:
+        body = {"message": {"role": "assistant", "content": choice.text}}
+    return {"index": choice.index, **body, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]],
+                  token_text: TokenText, top: int) -> list[dict[str, Any]]:
+    """/v1/chat/completions' shape: per token its text, logprob, UTF-8 bytes and the
+    `top` best alternatives."""
+    out = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        alternatives = [_token_logprob(token_text(k), v) for k, v in _ranked(entry)[:top]]
+        out.append(_token_logprob(token_text(token_id), entry[token_id])
+                   | {"top_logprobs": alternatives})
+    return out
+
+
+def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])
