@@ -1,4 +1,5 @@
-"""The public Python API: `LLM(model=..., **engine settings)`, `generate`, `generate_stream`.
+"""The public Python API: `LLM(model=..., **engine settings)`, `generate`, `generate_stream`,
+`chat`.
 
 `generate` runs every prompt through the continuous-batching engine and returns
 one RequestOutput per prompt, in order; `generate_stream` yields each prompt's
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, object]]  # chat messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -64,6 +66,24 @@ class LLM:
             for i in ids:
                 self.engine.abort(i)
                 self.engine.release(i)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or
+        several, through the checkpoint's chat template: the server's path for
+        /v1/chat/completions. One finished RequestOutput per conversation, in order."""
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+            messages = [messages]
+        prompts = []
+        for index, conversation in enumerate(messages):
+            try:
+                prompts.append(self.engine.prompt_token_ids(
+                    messages=[dict(m) for m in conversation],
+                    add_generation_prompt=add_generation_prompt))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"conversation {index}: {e}") from None
+        return self.generate(prompts, sampling_params)
 
     def metrics(self) -> dict[str, float | int]:
         """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""
