@@ -1,6 +1,6 @@
 """Command line: `python -m jaxinfer <command> --flags`.
 
-`python -m jaxinfer --help` lists the commands (`COMMANDS`: generate, batch, convert,
+`python -m jaxinfer --help` lists the commands (`COMMANDS`: generate, batch, serve, convert,
 plan, audit, aot), `python -m jaxinfer <command> --help` that command's flags with
 their defaults. Engine flags are derived from `EngineConfig`'s fields (name,
 default, type, choices and help text), so they cannot drift from it. Sampling flags
