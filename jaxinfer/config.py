@@ -349,6 +349,6 @@ class ServerConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"{self.port=} must be in [0, 65536)")
+            raise ValueError(f"port={self.port!r} must be in [0, 65536)")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")

@@ -90,6 +90,10 @@ def test_sampling_flags_override_only_their_field():
      "--tensor_parallel_size)", 1),
     (["plan", "--model=qwen3-0.6b", "--device=h200-8"], "'h200-8' is not a known accelerator", 1),
     (["aot", "--model=qwen3-0.6b", "--device=a3-highgpu-8g"], "aot compiles for TPU only", 1),
+    (["serve", "--port=70000"], "port=70000 must be in [0, 65536)", 1),
+    (["serve", "--max_waiting_requests=0"], "max_waiting_requests=0 must be a positive int", 1),
+    (["serve", "--model=/no/such/model", "--port=0"],
+     "model directory '/no/such/model' does not exist", 1),
 ])
 def test_errors_print_one_line_and_exit_non_zero(args, message, code):
     result = _cli(*args)
@@ -110,3 +114,15 @@ def test_plan_does_not_import_the_runner():
     assert result.returncode == 0, result.stderr
     assert '"decode_roofline_tokens_per_s": null' in result.stdout  # no bandwidth given
     assert result.stdout.splitlines()[-1] == "['jaxinfer.engine', 'jaxinfer.engine.request']"
+
+
+def test_serve_refuses_a_taken_port_before_loading():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _cli("serve", f"--port={port}", "--model=/no/such/model")
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
