@@ -91,7 +91,9 @@ async def _health(request: fastapi.Request) -> Response:
     loop = _state(request).loop
     if not loop.healthy:
         raise APIError(503, f"the engine failed: {loop.failure}", code="engine_failed")
-    return JSONResponse({"status": "ok" if loop.accepting else "shutting_down"})
+    if not loop.accepting:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    return JSONResponse({"status": "ok"})
 
 
 async def _metrics(request: fastapi.Request) -> Response:
@@ -220,8 +222,7 @@ async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(state.loop, shape, streams, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(events, on_close=lambda: _abort_unfinished(state.loop, streams))
     watcher = asyncio.create_task(_watch_disconnect(request, streams[0].inbox))
     try:
         return JSONResponse(await _collect(shape, streams))
@@ -230,6 +231,23 @@ async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
     finally:
         watcher.cancel()
         _abort_unfinished(state.loop, streams)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their requests however the response ends (a client
+    gone before the first event never starts the generator, whose cleanup then never
+    runs)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 async def _watch_disconnect(request: fastapi.Request, inbox: asyncio.Queue) -> None:
