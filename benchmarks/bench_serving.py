@@ -5,11 +5,12 @@ Workload (fixed `--seed`): `--num_prompts` prompts, random slices (`--input_len_
 characters, from a line start) of Python standard-library files (the demo model's
 domain), output lengths uniform in `--output_len_range` sent as `max_tokens` with
 `ignore_eos`, temperature 0. For each of `--request_rates` (requests/s; inf: all at
-once) the same requests arrive as a seeded Poisson process and stream from
-/v1/completions through the `openai` async client, every chunk timed. Per rate:
-request, output and total token throughput (tokens from the usage chunk); TTFT, TPOT
-((e2e - ttft) / (output tokens - 1)), ITL (gaps between chunks) and e2e latency as
-mean/p50/p90/p99 ms; failures; deltas of the server's `jaxinfer:*_total` counters.
+once) the same requests arrive as a Poisson process (one seeded pattern, scaled) and
+stream from /v1/completions through the `openai` async client, every chunk timed, after
+one untimed pass of the whole workload at once (warm-up). Per rate: request, output and
+total token throughput (tokens from the usage chunk); TTFT, TPOT ((e2e - ttft) / (output
+tokens - 1)), ITL (gaps between chunks) and e2e latency as mean/p50/p90/p99 ms;
+failures; deltas of the server's `jaxinfer:*_total` counters.
 
 Baseline, same run: `LLM.generate` of the same workload with the same engine flags and
 the server's sampling parameters, in this process, before the server starts (one untimed
@@ -20,7 +21,7 @@ and stopped with SIGTERM (exit code reported). `--base_url` attaches to a runnin
 (the engine flags then only shape the baseline). Client and server share the host's
 CPUs. Prints one JSON object; `--plot` gets TTFT/TPOT p50/p99 and tok/s against rate.
 
-    python benchmarks/bench_serving.py --num_prompts=32 --request_rates=2,8,inf \
+    python benchmarks/bench_serving.py --num_prompts=32 --request_rates=2,8,inf \\
         --max_num_seqs=16 --max_num_batched_tokens=64 --max_model_len=512
     python benchmarks/bench_serving.py --base_url=http://127.0.0.1:8000/v1 --no_offline_baseline
 """
@@ -309,13 +310,13 @@ async def bench_server(base_url: str, prompts: list[str], lengths: list[int]) ->
     client = openai.AsyncOpenAI(base_url=base_url, api_key=FLAGS.api_key or "EMPTY",
                                 max_retries=0, timeout=3600)
     model = (await client.models.list()).data[0].id
-    n = min(8, len(prompts))  # warm-up: the HTTP path, the executables' first runs
-    await run_rate(client, model, prompts[:n], [4] * n, np.zeros(n))
+    # Warm-up as offline: the workload once, untimed (first runs of executables are slow).
+    await run_rate(client, model, prompts, lengths, np.zeros(len(prompts)))
     runs = []
-    for i, rate in enumerate(float(v) for v in FLAGS.request_rates):  # float("inf") = inf
+    for rate in (float(v) for v in FLAGS.request_rates):  # float("inf") is inf
         before = counters(get(root + "/metrics"))
         results, duration = await run_rate(client, model, prompts, lengths,
-                                           arrival_offsets(len(prompts), rate, FLAGS.seed + i))
+                                           arrival_offsets(len(prompts), rate, FLAGS.seed))
         after = counters(get(root + "/metrics"))
         runs.append({"request_rate": "inf" if math.isinf(rate) else rate,
                      **summarize(results, duration),
@@ -352,10 +353,11 @@ def plot(report: dict, path: str) -> None:
     runs = report["rates"]
     x = range(len(runs))
     fig, (latency, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for metric in ("ttft_ms", "tpot_ms"):
+    for metric, color in (("ttft_ms", "C0"), ("tpot_ms", "C1")):
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ys = [np.nan if r[metric][q] is None else r[metric][q] for r in runs]
-            latency.plot(x, ys, style, label=f"{metric.removesuffix('_ms').upper()} {q}")
+            latency.plot(x, ys, style, color=color,
+                         label=f"{metric.removesuffix('_ms').upper()} {q}")
     latency.set(ylabel="ms", yscale="log", title="latency")
     speed.plot(x, [r["output_throughput"] for r in runs], "o-", label="server")
     if report["offline_baseline"]:
