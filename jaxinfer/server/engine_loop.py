@@ -133,6 +133,10 @@ class EngineLoop:
     async def submit(self, submission: Submission, inbox: Inbox) -> Stream:
         """Queue a prompt; returns once the engine accepted it, else raises APIError."""
         n = submission.params.n
+        if n > self.max_waiting_requests:  # a 503 would have the client retry forever
+            raise APIError(400, f"n={n} is more completions than the server ever admits at "
+                           f"once (max_waiting_requests={self.max_waiting_requests})",
+                           param="n")
         if not self.healthy:
             raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
         if not self.accepting:

@@ -116,6 +116,11 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
+# every field name of every body: a location part that is none of them names a union member
+_FIELDS = frozenset().union(*(m.model_fields for m in (
+    CompletionRequest, ChatRequest, Message, TextPart, StreamOptions)))
+
+
 def parse_json(raw: bytes) -> Any:
     """The body's JSON; invalid UTF-8, NaN/Infinity and malformed JSON are 400s."""
     try:
@@ -139,12 +144,37 @@ def validate(model: type[_Body], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        error = e.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in error["loc"]) or None
-        message = error["msg"]
+        errors = e.errors(include_url=False)
+        error = errors[0]
         if error["type"] == "extra_forbidden":
-            message = "unknown or unsupported parameter"
-        raise APIError(400, f"{field}: {message}", param=field) from None
+            field = ".".join(str(p) for p in error["loc"])
+            raise APIError(400, f"{field}: unknown or unsupported parameter",
+                           param=field) from None
+        loc, tag = _split_union(error["loc"])
+        field = ".".join(str(p) for p in loc) or None
+        message = error["msg"] if tag is None else _union_message(loc, errors)
+        raise APIError(400, f"{field}: {message}" if field else message, param=field) from None
+
+
+def _split_union(loc: tuple) -> tuple[tuple, str | None]:
+    """An error location up to the first union member pydantic names in it (`prompt.str`,
+    `messages.0.content.list[TextPart]`), and that member (None: no union on the way)."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and part not in _FIELDS:
+            return loc[:i], part
+    return loc, None
+
+
+def _union_message(loc: tuple, errors: list[dict[str, Any]]) -> str:
+    """What each alternative of the union at `loc` wanted (its first error)."""
+    said: dict[str, str] = {}
+    for error in errors:
+        if error["loc"][:len(loc)] != loc or len(error["loc"]) == len(loc):
+            continue
+        tag, rest = error["loc"][len(loc)], error["loc"][len(loc) + 1:]
+        where = f" at {'.'.join(map(str, rest))}" if rest else ""
+        said.setdefault(str(tag), f"as {tag}{where}: {error['msg']}")
+    return "matches none of the accepted types (" + "; ".join(said.values()) + ")"
 
 
 def _kind(value: Any) -> str:
