@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -308,10 +309,10 @@ def _moved(piece: Piece, done: list[bool]) -> bool:
 
 
 def _param(submission: Submission, error: Exception) -> str:
-    """The field an engine-side ValueError is about: the one it names (`top_k=...`),
-    else the prompt."""
-    head = str(error).split("=", 1)[0]
-    if head.isidentifier() and head in SamplingParams.__dataclass_fields__:
+    """The field an engine-side ValueError is about: the one it opens with (`top_k=...`,
+    `min_tokens with 20 stop ids`), else the prompt."""
+    head = re.match(r"\w*", str(error)).group()
+    if head in SamplingParams.__dataclass_fields__:
         return submission.max_tokens_field if head == "max_tokens" else head
     return "messages" if submission.messages is not None else "prompt"
 
