@@ -7,7 +7,8 @@ starts); each step's deltas then reach the handler's `Stream` through
 `loop.call_soon_threadsafe`. Between steps the thread drains its commands (add,
 abort, abort all, snapshot); idle, it blocks on the queue. Admission is bounded:
 completions waiting plus those queued for admission never exceed
-`max_waiting_requests` (503 with Retry-After beyond). A failure inside one
+`max_waiting_requests` beyond the running batch's free slots (503 with Retry-After
+beyond), so a burst fills the batch and at most that many wait. A failure inside one
 request fails that request (500); a failure of `engine.step()` marks the loop
 unhealthy and fails every request in flight, and the thread stays to answer
 later commands with 503 so that nothing waits forever. Imports the engine's
@@ -123,6 +124,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._admitting = 0  # completions submitted, not yet added to the engine
         self._waiting = 0  # completions the scheduler holds waiting, after the last step
+        self._slots = engine.scheduler.max_num_seqs
+        self._free = self._slots  # slots the running batch does not use, after the last step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -134,16 +137,16 @@ class EngineLoop:
     async def submit(self, submission: Submission, inbox: Inbox) -> Stream:
         """Queue a prompt; returns once the engine accepted it, else raises APIError."""
         n = submission.params.n
-        if n > self.max_waiting_requests:  # a 503 would have the client retry forever
+        if n > self.max_waiting_requests + self._slots:  # a 503 would be retried forever
             raise APIError(400, f"n={n} is more completions than the server ever admits at "
-                           f"once (max_waiting_requests={self.max_waiting_requests})",
-                           param="n")
+                           f"once (max_num_seqs {self._slots} + max_waiting_requests "
+                           f"{self.max_waiting_requests})", param="n")
         if not self.healthy:
             raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
         if not self.accepting:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         with self._lock:
-            if self._waiting + self._admitting + n > self.max_waiting_requests:
+            if self._waiting + self._admitting + n > self.max_waiting_requests + self._free:
                 raise APIError(503, f"too many requests waiting (max_waiting_requests="
                                f"{self.max_waiting_requests}); retry later",
                                code="overloaded", retry_after=1)
@@ -186,6 +189,8 @@ class EngineLoop:
         while not self._stop.is_set():
             busy = self.healthy and self.engine.has_unfinished()
             self._drain(block=not busy)
+            with self._lock:  # aborts free slots too, and may leave the engine idle
+                self._count()
             if not (self.healthy and self.engine.has_unfinished()):
                 continue
             try:
@@ -195,7 +200,7 @@ class EngineLoop:
                 continue
             for output in outputs:
                 self._deliver(output)
-            self._waiting = len(self.engine.scheduler.waiting)
+            self._count()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -243,7 +248,12 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._admitting -= stream.n
-                self._waiting = len(self.engine.scheduler.waiting)
+                self._count()
+
+    def _count(self) -> None:
+        scheduler = self.engine.scheduler
+        self._waiting = len(scheduler.waiting)
+        self._free = max(0, self._slots - len(scheduler.running))
 
     def _checked(self, submission: Submission) -> tuple[list[int], SamplingParams]:
         ids = self.engine.prompt_token_ids(submission.prompt, submission.messages,
