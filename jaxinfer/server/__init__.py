@@ -13,11 +13,13 @@ the server modules, api (for LLM) and config; sits between cli and api.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -98,3 +100,18 @@ class _Server(uvicorn.Server):
             timer.daemon = True
             timer.start()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, less its re-raising the signal once the server stopped (which kills
+        the process with it: `serve` would never return, nor the CLI exit 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
