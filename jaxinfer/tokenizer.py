@@ -91,6 +91,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; the tokenizer.json post-processor adds BOS/EOS as configured."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from JSON's "\ud800"
+            raise ValueError(f"the text is not valid Unicode ({e.reason} at character "
+                             f"{e.start})") from None
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -153,7 +153,8 @@ async def _completions(request: fastapi.Request) -> Response:
     state, body = await _parsed(request, CompletionRequest)
     params = protocol.sampling_params(body, state.defaults)
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
-    submissions = [Submission(prompt=p, params=params) for p in prompts]
+    limit = protocol.max_tokens(body)
+    submissions = [Submission(prompt=p, params=params, limit=limit) for p in prompts]
     shape = _Shape("text_completion", "cmpl", state, params)
     return await _respond(request, state, shape, submissions, body)
 
@@ -161,10 +162,9 @@ async def _completions(request: fastapi.Request) -> Response:
 async def _chat(request: fastapi.Request) -> Response:
     state, body = await _parsed(request, ChatRequest)
     params = protocol.sampling_params(body, state.defaults)
-    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
-                            max_tokens_field=field)
+                            limit=protocol.max_tokens(body))
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0)
     return await _respond(request, state, shape, [submission], body)
 

@@ -45,7 +45,7 @@ class Submission:
     messages: list[dict] | None = None
     params: SamplingParams
     add_generation_prompt: bool = True
-    max_tokens_field: str = "max_tokens"
+    limit: protocol.MaxTokens = protocol.MaxTokens(16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,7 @@ class EngineLoop:
         ids = self.engine.prompt_token_ids(submission.prompt, submission.messages,
                                            add_generation_prompt=submission.add_generation_prompt)
         params = protocol.fit_max_tokens(submission.params, len(ids), self.engine.max_model_len,
-                                         submission.max_tokens_field)
+                                         submission.limit)
         self.engine.check_params(params)
         return ids, params
 
@@ -323,7 +323,7 @@ def _param(submission: Submission, error: Exception) -> str:
     `min_tokens with 20 stop ids`), else the prompt."""
     head = re.match(r"\w*", str(error)).group()
     if head in SamplingParams.__dataclass_fields__:
-        return submission.max_tokens_field if head == "max_tokens" else head
+        return submission.limit.field if head == "max_tokens" else head
     return "messages" if submission.messages is not None else "prompt"
 
 

@@ -219,10 +219,10 @@ def _chat_limits(body: ChatRequest, names: dict[str, str]) -> dict[str, Any]:
 
 def _build(defaults: SamplingParams, given: dict[str, Any],
            names: dict[str, str]) -> SamplingParams:
-    """SamplingParams; `max_tokens=None` stands for "up to max_model_len" (resolved once
-    the prompt's length is known), carried as the largest int SamplingParams accepts."""
+    """SamplingParams; `max_tokens=None` ("as many as the context leaves", see
+    `MaxTokens`) holds a stand-in until `fit_max_tokens` knows the prompt's length."""
     if given.get("max_tokens") is None:
-        given["max_tokens"] = UNBOUNDED
+        given["max_tokens"] = max(given.get("min_tokens", defaults.min_tokens), 1)
     try:
         return dataclasses.replace(defaults, **given)
     except ValueError as e:
@@ -231,20 +231,33 @@ def _build(defaults: SamplingParams, given: dict[str, Any],
                        param=names.get(field, field)) from None
 
 
-UNBOUNDED = 2**31 - 1  # max_tokens not given: as many as the context leaves
+@dataclasses.dataclass(frozen=True)
+class MaxTokens:
+    """A request's output limit and the field that gave it; `value` None: as many tokens
+    as the context leaves after the prompt (chat's default, as OpenAI's)."""
+
+    value: int | None
+    field: str = "max_tokens"
+
+
+def max_tokens(body: CompletionRequest | ChatRequest) -> MaxTokens:
+    if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+        return MaxTokens(body.max_completion_tokens, "max_completion_tokens")
+    return MaxTokens(body.max_tokens)
 
 
 def fit_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
-                   field: str) -> SamplingParams:
-    """Resolve an unbounded max_tokens; refuse prompt + max_tokens over the context."""
+                   limit: MaxTokens) -> SamplingParams:
+    """Resolve a limit of None to the room left; refuse prompt + limit over the context."""
     room = max_model_len - prompt_len
-    if params.max_tokens == UNBOUNDED:
+    if limit.value is None:
         return dataclasses.replace(params, max_tokens=room,
                                    min_tokens=min(params.min_tokens, room))
     if params.max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {max_model_len} "
-                       f"tokens; the prompt has {prompt_len} and {field}={params.max_tokens} "
-                       f"asks for more than the {room} left", param=field)
+                       f"tokens; the prompt has {prompt_len} and {limit.field}="
+                       f"{params.max_tokens} asks for more than the {room} left",
+                       param=limit.field)
     return params
 
 

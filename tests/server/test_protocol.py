@@ -28,8 +28,15 @@ def test_chat_limits_and_logprobs():
                      logprobs=True, top_logprobs=3)
     assert (params.max_tokens, params.logprobs) == (5, 3)
     assert _params(ChatRequest, messages=MESSAGES).logprobs is None
-    unbounded = _params(ChatRequest, messages=MESSAGES)
-    assert protocol.fit_max_tokens(unbounded, 10, 512, "max_tokens").max_tokens == 502
+    body = protocol.validate(ChatRequest, {"messages": MESSAGES, "min_tokens": 600})
+    limit = protocol.max_tokens(body)
+    unbounded = protocol.sampling_params(body, DEFAULTS)
+    fitted = protocol.fit_max_tokens(unbounded, 10, 512, limit)
+    assert (limit.value, fitted.max_tokens, fitted.min_tokens) == (None, 502, 502)
+    explicit = protocol.validate(ChatRequest, {"messages": MESSAGES, "max_tokens": 2**31 - 1})
+    with pytest.raises(APIError, match="max_tokens=2147483647 asks for more than the 502"):
+        protocol.fit_max_tokens(protocol.sampling_params(explicit, DEFAULTS), 10, 512,
+                                protocol.max_tokens(explicit))
 
 
 @pytest.mark.parametrize("model, body, param", [
@@ -52,9 +59,10 @@ def test_bad_fields_are_400s_naming_the_field(model, body, param):
 
 def test_prompt_plus_max_tokens_over_the_context_is_a_400():
     params = _params(CompletionRequest, prompt="x", max_tokens=100)
-    assert protocol.fit_max_tokens(params, 412, 512, "max_tokens") is params
+    limit = protocol.MaxTokens(100)
+    assert protocol.fit_max_tokens(params, 412, 512, limit) is params
     with pytest.raises(APIError, match="maximum context length is 512"):
-        protocol.fit_max_tokens(params, 413, 512, "max_tokens")
+        protocol.fit_max_tokens(params, 413, 512, limit)
 
 
 @pytest.mark.parametrize("raw, message", [
