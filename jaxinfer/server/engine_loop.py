@@ -187,20 +187,26 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.healthy and self.engine.has_unfinished()
-            self._drain(block=not busy)
-            with self._lock:  # aborts free slots too, and may leave the engine idle
-                self._count()
-            if not (self.healthy and self.engine.has_unfinished()):
-                continue
             try:
-                outputs = self.engine.step()
+                self._iterate()
             except Exception as e:  # the engine is broken: fail everyone, stay to say so
-                self._fail_engine(e)
-                continue
-            for output in outputs:
-                self._deliver(output)
+                if self.healthy:
+                    self._fail_engine(e)
+                else:
+                    log.exception("the engine thread failed again")
+
+    def _iterate(self) -> None:
+        """Handle the commands waiting (wait for one when idle), then run one step."""
+        busy = self.healthy and self.engine.has_unfinished()
+        self._drain(block=not busy)
+        with self._lock:  # aborts free slots too, and may leave the engine idle
             self._count()
+        if not (self.healthy and self.engine.has_unfinished()):
+            return
+        outputs = self.engine.step()
+        for output in outputs:
+            self._deliver(output)
+        self._count()
 
     def _drain(self, block: bool) -> None:
         try:
