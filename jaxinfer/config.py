@@ -213,6 +213,7 @@ DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" /
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
+QUANTIZATION_MODES = ("int8", "w8a8", "fp8")  # jaxinfer/quantization.py
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -247,14 +248,19 @@ class EngineConfig:
                                    "else the pure-jnp reference", ATTENTION_IMPLS)
     skip_tokenizer_init: bool = _setting(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text")
+    quantization: str | None = _setting(
+        None, "quantize the linear weights at load (jaxinfer/quantization.py): int8 "
+        "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
+        "(float8_e4m3fn weight-only); default: none", QUANTIZATION_MODES)
     tensor_parallel_size: int = _setting(
         1, "devices the model is split over (tensor parallelism); must divide the query "
         "heads, and divide the KV heads or be a multiple of them")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            choices = field.metadata["choices"]
-            if choices and getattr(self, field.name) not in choices:
+            choices, value = field.metadata["choices"], getattr(self, field.name)
+            unset_allowed = value is None and field.default is None
+            if choices and value not in choices and not unset_allowed:
                 raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
                                  f"of {choices}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",

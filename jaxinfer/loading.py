@@ -72,8 +72,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                           max_num_seqs=config.max_num_seqs,
-                          min_tokens=runner_lib.min_step_tokens(config.dtype)),
-        attention_impl=config.attention_impl)
+                          min_tokens=runner_lib.min_step_tokens(config.dtype,
+                                                                config.quantization)),
+        attention_impl=config.attention_impl, quantization=config.quantization)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner)
@@ -137,6 +138,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig,
     CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
     probed once per process."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
+                  quantization=config.quantization,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:

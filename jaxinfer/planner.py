@@ -32,6 +32,7 @@ from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout
+from jaxinfer.quantization import QUANTIZED_WEIGHTS
 
 GB = 1e9
 DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
@@ -153,8 +154,9 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
     return sharding.served_config(cfg, tp).num_kv_heads // tp
 
 
-def _device_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, elements on one device) of every parameter, as the engine places
+def _device_shapes(cfg: ModelConfig, tp: int
+                   ) -> list[tuple[str, tuple[int, ...], int, PartitionSpec]]:
+    """(name, shape, elements on one device, spec) of every parameter, as the engine places
     them: the served model (KV heads copied when fewer than devices) split by the
     one spec table, `transformer.param_partition_specs`."""
     served = sharding.served_config(cfg, tp)
@@ -165,25 +167,34 @@ def _device_shapes(cfg: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...]
     out = []
     for (path, shape), spec in zip(flat, specs, strict=True):
         split = sum(axis is not None for axis in spec)  # axes split over the model axis
-        out.append((path[-1].key, shape, math.prod(shape) // tp ** split))
+        out.append((path[-1].key, shape, math.prod(shape) // tp ** split, spec))
     return out
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
+                 quantization: str | None = None) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
-    of `tensor_parallel_size` devices."""
+    of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
+    take one byte per element plus a float32 scale per output column held there
+    (jaxinfer/quantization.py)."""
     check_tensor_parallel(cfg, tensor_parallel_size)
-    elements = sum(n for _, _, n in _device_shapes(cfg, tensor_parallel_size))
-    return elements * jnp.dtype(dtype).itemsize
+    total = 0
+    for name, shape, n, spec in _device_shapes(cfg, tensor_parallel_size):
+        if quantization is not None and name in QUANTIZED_WEIGHTS:
+            split_columns = len(spec) > 1 and spec[1] is not None
+            total += n + 4 * (shape[1] // tensor_parallel_size if split_columns else shape[1])
+        else:
+            total += n * jnp.dtype(dtype).itemsize
+    return total
 
 
 def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """FLOPs of one decoded token on one device: (matmuls, attention per cached token).
     The embedding lookup is no matmul; a tied embedding counts once, as the LM head."""
     shapes = _device_shapes(cfg, tensor_parallel_size)
-    matmul = sum(n for name, shape, n in shapes if len(shape) == 2 and name != "embed")
+    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name != "embed")
     if cfg.tie_word_embeddings:
-        matmul += next(n for name, _, n in shapes if name == "embed")
+        matmul += next(n for name, _, n, _ in shapes if name == "embed")
     heads = cfg.num_heads // tensor_parallel_size
     return 2 * matmul, 4 * heads * cfg.head_dim * cfg.num_layers  # q.k and p.v
 
@@ -219,8 +230,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          max_model_len: int | None = None, max_num_seqs: int = 32, page_size: int = 16,
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
          bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
-         num_devices: int | None = None, peak_flops_per_s: float | None = None
-         ) -> MemoryPlan:
+         num_devices: int | None = None, peak_flops_per_s: float | None = None,
+         quantization: str | None = None) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas.
@@ -234,7 +245,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
         raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype, tp)
+    weights = weight_bytes(cfg, dtype, tp, quantization)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     page_bytes = page_size * per_token
     pages_per_request = -(-max_model_len // page_size)
@@ -257,7 +268,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       max_concurrent_requests=(num_pages - 1) // pages_per_request,
                       max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
                       tensor_parallel_size=tp, replicas=num_devices // tp,
-                      unsharded_weight_bytes=weight_bytes(cfg, dtype),
+                      unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization),
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s)

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from jaxinfer import quantization as quantization_lib
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
@@ -71,12 +72,17 @@ class Runner:
                  max_model_len: int, buckets: BucketSet | None = None,
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
-                 attention_impl: str | None = None, mesh: Mesh | None = None) -> None:
+                 attention_impl: str | None = None, mesh: Mesh | None = None,
+                 quantization: str | None = None) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh)
+        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh, quantization)
+        if quantization is not None and not _is_quantized(params):  # quantize at load
+            params = jax.jit(functools.partial(quantization_lib.quantize_params,
+                                               mode=quantization),
+                             out_shardings=param_shardings)(params)
         self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -192,9 +198,13 @@ def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh:
     return sharding.make_mesh(tensor_parallel_size)
 
 
-def min_step_tokens(dtype: str) -> int:
+def _is_quantized(params: dict) -> bool:
+    return any(quantization_lib.is_quantized(w) for w in params["layers"][0].values())
+
+
+def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
     """Fewest token rows a step should run with weights of `dtype` (model.layers)."""
-    return layers.min_matmul_rows(jnp.dtype(dtype))
+    return layers.min_matmul_rows(jnp.dtype(dtype), quantization)
 
 
 def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int,
@@ -254,10 +264,13 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
         return list(pool.map(compile_one, lowered))
 
 
-def step_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple[object, list, NamedSharding]:
+def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None,
+                   ) -> tuple[object, list, NamedSharding]:
     """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's."""
     shards = mesh.shape[sharding.MODEL_AXIS]
-    params = sharding.named(mesh, transformer.param_partition_specs(cfg, shards))
+    specs = quantization_lib.partition_specs(transformer.param_partition_specs(cfg, shards),
+                                             quantization)
+    params = sharding.named(mesh, specs)
     kv_cache = [NamedSharding(mesh, KV_PAGES_SPEC)] * cfg.num_layers
     return params, kv_cache, sharding.replicated(mesh)
 
