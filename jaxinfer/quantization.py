@@ -71,7 +71,8 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
     w = w.astype(jnp.float32)
     top = INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX
     amax = jnp.max(jnp.abs(w), axis=0)
-    scale = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
+    # times the reciprocal, as XLA rewrites a division by a constant: numpy can match it
+    scale = jnp.where(amax > 0, amax * np.float32(1 / top), 1.0).astype(jnp.float32)
     scaled = w / scale
     if STORAGE[mode] == jnp.int8:
         value = jnp.clip(jnp.round(scaled), -INT8_MAX, INT8_MAX).astype(jnp.int8)
@@ -85,7 +86,7 @@ def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     w = w.astype(np.float32)
     top = np.float32(INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX)
     amax = np.abs(w).max(axis=0)
-    scale = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)
+    scale = np.where(amax > 0, amax * np.float32(1 / top), np.float32(1)).astype(np.float32)
     scaled = w / scale
     if STORAGE[mode] == jnp.int8:
         return np.clip(np.round(scaled), -127, 127).astype(np.int8), scale
