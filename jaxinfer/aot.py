@@ -29,6 +29,7 @@ engine.runner and engine.buckets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -37,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import accelerators, planner, sharding
+from jaxinfer import accelerators, planner, quantization, sharding
 from jaxinfer.accelerators import GIB
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
@@ -85,6 +86,7 @@ class Settings:
     page_size: int = 16
     kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
     tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
+    quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -110,7 +112,7 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
-                  tensor_parallel_size=tensor_parallel_size)
+                  tensor_parallel_size=tensor_parallel_size, quantization=s.quantization)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * DEVICE_KV_FRACTION)
@@ -124,6 +126,9 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
     `plan.num_pages` pages (compile_steps_for places them on the mesh)."""
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
                           param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
+    if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
+        params = jax.eval_shape(functools.partial(quantization.quantize_params,
+                                                  mode=s.quantization), params)
     kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
                        dtype=jnp.dtype(s.kv_dtype), backend="tpu", shards=shards)
     return params, kv

@@ -207,6 +207,7 @@ def plan() -> None:
     price = FLAGS.price_per_hour if FLAGS.price_per_hour is not None else (
         acc.list_price_per_hour if acc else None)
     result = planner.plan(cfg, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                          quantization=settings.quantization,
                           max_model_len=settings.max_model_len,
                           max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
                           bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
@@ -239,7 +240,8 @@ def aot() -> None:
         max_model_len=engine.max_model_len or cfg.max_position_embeddings,
         page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
         tensor_parallel_size=engine.tensor_parallel_size
-        if FLAGS["tensor_parallel_size"].present else None)  # default: the slice's chips
+        if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
+        quantization=engine.quantization)
     device = FLAGS.device or COMMANDS["aot"].defaults["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)
@@ -273,7 +275,7 @@ class Command:
 
 
 _PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
-               "kv_cache_memory_bytes")
+               "kv_cache_memory_bytes", "quantization")
 COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",

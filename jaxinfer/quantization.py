@@ -135,3 +135,11 @@ def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
+
+
+def mode_of(params: dict) -> str | None:
+    """The quantization of a params tree (arrays or specs), None when float."""
+    modes = {w.mode for layer in params["layers"] for w in layer.values() if is_quantized(w)}
+    if len(modes) > 1:
+        raise ValueError(f"params mix quantization modes {sorted(modes)}")
+    return modes.pop() if modes else None

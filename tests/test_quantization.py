@@ -6,6 +6,7 @@ tensor parallelism unchanged."""
 from __future__ import annotations
 
 import collections
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes

@@ -10,6 +10,9 @@ counts from a real TPU compile). Needs 4 CPU devices (tests/conftest.py gives 8)
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -20,18 +23,22 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner.runner import input_spec, on_shardings, step_function, step_shardings
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
+from jaxinfer.quantization import quantize_params
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128
 BUCKETS = (Bucket(4, 4, True), Bucket(16, 4, False))
 
 
-def _export(cfg: ModelConfig, bucket: Bucket) -> jax.export.Exported:
+def _export(cfg: ModelConfig, bucket: Bucket,
+            quantization: str | None = None) -> jax.export.Exported:
     """The step of `cfg` (the served model) for `bucket`, bf16, exported for CUDA."""
     mesh = sharding.make_mesh(TP)
-    params_sh, kv_sh, whole = step_shardings(cfg, mesh)
+    params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization)
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    if quantization is not None:
+        shapes = jax.eval_shape(functools.partial(quantize_params, mode=quantization), shapes)
     kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=jnp.bfloat16,
                        backend="gpu", shards=TP)
     step = jax.jit(step_function(cfg, decode_only=bucket.decode),
@@ -70,3 +77,20 @@ def test_step_with_gpu_kernel_in_shard_map_exports_for_cuda(num_kv_heads, bucket
     assert '#sdy.sharding<@mesh, [{"model"}, {}]>' in text
     assert '#sdy.sharding<@mesh, [{}, {}, {"model"}, {}, {}]>' in text
     assert exported.out_avals[0].shape == (PAGES, PAGE_SIZE, TP, 2, 32)  # whole KV array
+
+
+@pytest.mark.parametrize("mode, weight", [("w8a8", "i8"), ("int8", "i8"),
+                                          ("fp8", "f8E4M3FN")])
+def test_quantized_step_exports_for_cuda(mode, weight):
+    """int8 x int8 -> int32 dots (w8a8), or int8/fp8 weights converted inside the step
+    (weight-only), split over 4 devices as the float step."""
+    if jax.device_count() < TP:
+        pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
+    cfg = sharding.served_config(ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="gpu"), TP)
+    text = _export(cfg, BUCKETS[0], quantization=mode).mlir_module()
+    assert f"tensor<128x512x{weight}>" in text  # wqkv: int8/fp8 values, (8 + 2 x 4) x 32
+    dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
+    int8_dots = [d for d in dots if "xi8>, tensor<" in d and "xi32>" in d]
+    assert len(int8_dots) == (4 * cfg.num_layers if mode == "w8a8" else 0)

@@ -88,3 +88,35 @@ def test_oversized_kv_pool_is_reported_with_the_compilers_message():
     for row in report["buckets"]:
         assert not row["compiled"]
         assert "RESOURCE_EXHAUSTED" in row["error"] and "HBM" in row["error"]
+
+
+
+def _check_quantized(device: str, mode: str, cfg) -> None:
+    settings = dataclasses.replace(SETTINGS, quantization=mode)
+    report = aot.compile_report(cfg, device=device, settings=settings, buckets="ends")
+    _check_report(report, cfg)  # includes: argument bytes within 1% of the planner's
+    bf16 = planner.weight_bytes(cfg, "bfloat16")
+    linear = sum(cfg.num_layers * n for n in (  # elements of the four linear weights
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+        cfg.num_heads * cfg.head_dim * cfg.hidden_size,
+        cfg.hidden_size * 2 * cfg.intermediate_size, cfg.intermediate_size * cfg.hidden_size))
+    columns = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
+    assert report["plan"]["weight_bytes"] == bf16 - linear + 4 * columns
+
+
+@pytest.mark.parametrize("device, mode", [
+    ("v5e-1", "w8a8"), ("v6e-1", "w8a8"),
+    pytest.param("v5e-1", "int8", marks=pytest.mark.slow)])
+def test_quantized_step_compiles(device, mode):
+    """Quantized weights (jaxinfer/quantization.py) in the compiled step of a 4-layer
+    Qwen3-0.6B shape: libtpu's argument bytes match the planner's quantized bytes (one
+    byte per linear weight plus f32 column scales; embedding and norms bf16)."""
+    _check_quantized(device, mode, dataclasses.replace(MODELS["qwen3-0.6b"](), num_layers=4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device, mode", [("v5e-1", "w8a8"), ("v6e-1", "w8a8"),
+                                          ("v5e-1", "int8")])
+def test_quantized_step_compiles_whole_model(device, mode):
+    _check_quantized(device, mode, MODELS["qwen3-0.6b"]())

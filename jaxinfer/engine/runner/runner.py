@@ -79,7 +79,7 @@ class Runner:
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
         param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh, quantization)
-        if quantization is not None and not _is_quantized(params):  # quantize at load
+        if quantization is not None and quantization_lib.mode_of(params) is None:  # at load
             params = jax.jit(functools.partial(quantization_lib.quantize_params,
                                                mode=quantization),
                              out_shardings=param_shardings)(params)
@@ -198,10 +198,6 @@ def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh:
     return sharding.make_mesh(tensor_parallel_size)
 
 
-def _is_quantized(params: dict) -> bool:
-    return any(quantization_lib.is_quantized(w) for w in params["layers"][0].values())
-
-
 def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
     """Fewest token rows a step should run with weights of `dtype` (model.layers)."""
     return layers.min_matmul_rows(jnp.dtype(dtype), quantization)
@@ -243,7 +239,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     if cfg.num_kv_heads % shards:
         raise ValueError(f"cfg.num_kv_heads={cfg.num_kv_heads} must be divisible by the "
                          f"{shards} devices: pass sharding.served_config(cfg, {shards})")
-    param_shardings, kv_shardings, whole = step_shardings(cfg, mesh)
+    param_shardings, kv_shardings, whole = step_shardings(cfg, mesh,
+                                                          quantization_lib.mode_of(params))
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
     steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
