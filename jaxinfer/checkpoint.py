@@ -11,6 +11,7 @@ orbax, config, model, safetensors_file.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import safetensors_file, shard_source, sharding
+from jaxinfer import quantization, safetensors_file, shard_source, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.transformer import (
@@ -51,6 +52,7 @@ TOP_NAMES = {"embed": ("model.embed_tokens.weight", False),
              "final_norm": ("model.norm.weight", False), "lm_head": ("lm_head.weight", True)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATION_FILE = "quantization.json"  # orbax checkpoints: {"mode": "w8a8"}
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -251,13 +253,24 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
     sharding.validate(cfg, shards, mesh.size)
     served = sharding.served_config(cfg, shards)
     specs = param_partition_specs(cfg, shards)
+    mode = checkpoint_quantization(pathlib.Path(path).parent)
+    if served != cfg and mode is not None:
+        raise ValueError(f"{path}: a {mode} orbax checkpoint cannot be served on {shards} "
+                         f"devices with {cfg.num_kv_heads} KV heads (their copies are not "
+                         "built for quantized weights yet): quantize at load instead")
     if served != cfg:  # q/k/v cannot split G groups over more devices: whole, for now
         for layer in specs["layers"]:
             layer.update({k: PartitionSpec() for k in FUSED if k in layer and k != "w_gate_up"})
+    shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    if mode is not None:  # the quantized tree: int8/fp8 values and f32 scales
+        shapes = jax.eval_shape(functools.partial(quantization.quantize_params, mode=mode),
+                                shapes)
+        specs = quantization.partition_specs(specs, mode)
     target = jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
-                                                 sharding=NamedSharding(mesh, spec)),
-        param_shapes(cfg), specs, is_leaf=lambda x: isinstance(x, tuple))
+        lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                             sharding=NamedSharding(mesh, spec)),
+        shapes, specs)
     try:
         params = ocp.StandardCheckpointer().restore(pathlib.Path(path).resolve(), target)
     except (ValueError, KeyError) as e:
@@ -271,14 +284,34 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
     return copy(params)
 
 
+def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
+    """The quantization an orbax checkpoint's weights were written in (its
+    QUANTIZATION_FILE), None for float weights."""
+    path = pathlib.Path(model_dir) / QUANTIZATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        mode = json.loads(path.read_text()).get("mode")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object with a 'mode' ({e})") from None
+    quantization.check_mode(mode)
+    return mode
+
+
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                        dtype: str = "float32") -> None:
-    """Copy config and tokenizer files and write the weights as orbax `params/`."""
+                        dtype: str = "float32", quantization_mode: str | None = None) -> None:
+    """Copy config and tokenizer files and write the weights as orbax `params/`,
+    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given."""
+    quantization.check_mode(quantization_mode)
     src, dst = _model_dir(hf_dir), pathlib.Path(out_dir)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
     params = load_hf_params(src, cfg, dtype)
+    if quantization_mode is not None:
+        params = quantization.quantize_params(params, quantization_mode)
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / QUANTIZATION_FILE).write_text(json.dumps({"mode": quantization_mode}) + "\n")
     dst.mkdir(parents=True, exist_ok=True)
     for name in SIDE_FILES:
         if (src / name).is_file():

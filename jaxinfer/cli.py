@@ -144,7 +144,7 @@ def convert() -> None:
 
     if not FLAGS.model or not FLAGS.output:
         raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
-    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype)
+    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.quantization)
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
 
@@ -288,8 +288,9 @@ COMMANDS = {
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /health, /metrics)",
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
-    "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one",
-                       flags=("model", "output", "dtype")),
+    "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
+                       "(--quantization: quantized weights)",
+                       flags=("model", "output", "dtype", "quantization")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
                     "roofline and cost on a device; loads no weights",
                     flags=("model", "device", "tensor_parallel_size", "memory_gb",

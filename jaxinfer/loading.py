@@ -60,6 +60,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
                      else eos_token_ids_from_configs(root))
     defaults = default_sampling_params(root)
+    config = with_checkpoint_quantization(root, config)
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
@@ -90,6 +91,18 @@ def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
                            "pages, sized from this host's memory unless "
                            "kv_cache_memory_bytes is given)",
                            repr((served, settings, max_len, num_pages)))
+
+
+def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> EngineConfig:
+    """`config` serving a checkpoint written quantized (convert --quantization) in its
+    mode; asking for another mode is an error."""
+    written = checkpoint.checkpoint_quantization(root)
+    if written is None:
+        return config
+    if config.quantization not in (None, written):
+        raise ValueError(f"{root} holds {written} weights; quantization="
+                         f"{config.quantization!r} would need the float checkpoint")
+    return dataclasses.replace(config, quantization=written)
 
 
 def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:

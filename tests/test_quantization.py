@@ -116,3 +116,24 @@ def test_tensor_parallel_quantized_matches_one_device(hf_model_dirs, engines, mo
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization='int3' must be one of"):
         EngineConfig(quantization="int3")
+
+
+def test_quantized_orbax_checkpoint_loads_without_requantizing(hf_model_dirs, engines,
+                                                                tmp_path):
+    from jaxinfer import checkpoint
+
+    out = tmp_path / "w8a8"
+    checkpoint.convert_hf_to_orbax(hf_model_dirs["llama"], out, quantization_mode="w8a8")
+    assert checkpoint.checkpoint_quantization(out) == "w8a8"
+    llm = LLM(out, strict_compile=True, **SMALL)  # the mode comes from the checkpoint
+    restored = llm.engine.runner.params["layers"][1]["w_down"]
+    at_load = engines["w8a8"].engine.runner.params["layers"][1]["w_down"]
+    assert restored.mode == "w8a8" and restored.value.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(restored.value), np.asarray(at_load.value))
+    np.testing.assert_array_equal(np.asarray(restored.scale), np.asarray(at_load.scale))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert llm.generate([[1, 5, 9]], params)[0].token_ids == \
+        engines["w8a8"].generate([[1, 5, 9]], params)[0].token_ids
+    assert tree_bytes(llm.engine.runner.params) == llm.engine.memory_plan.weight_bytes
+    with pytest.raises(ValueError, match="holds w8a8 weights; quantization='int8'"):
+        LLM(out, quantization="int8", warm_up=False, **SMALL)
