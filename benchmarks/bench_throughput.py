@@ -61,13 +61,13 @@ def workload() -> tuple[list[list[int]], list[int]]:
     return prompts, outputs
 
 
-def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outputs: list
-                 ) -> dict:
+def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outputs: list,
+                 **settings: object) -> dict:
     seqs = FLAGS.max_num_seqs if scheduler == "continuous" else FLAGS.static_batch
     started = time.perf_counter()
     llm = LLM(model_dir, dtype=dtype, scheduler=scheduler, max_num_seqs=seqs,
               max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-              compilation_cache_dir="")
+              compilation_cache_dir="", **settings)
     warm = time.perf_counter() - started
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
     started = time.perf_counter()

@@ -4,6 +4,8 @@
 float32, the weight-read bound of a decode step on this machine. (XLA:CPU turns a
 bf16 weight into f32 for a dot of fewer than 16 rows, so a bf16 pass at batch 1 is
 no bound; the bf16 bound is the f32 time times bf16 bytes over f32 bytes.)
+`matmul_pass_seconds`: the same pass over given matrices with `rows` rows in each
+matrix's own dtype (int8 accumulates in int32), e.g. the int8 bound of w8a8.
 """
 
 from __future__ import annotations
@@ -25,18 +27,30 @@ def weight_pass_seconds(params: object, repeats: int = 20) -> tuple[float, int]:
     `params` (each weight contracted on its larger axis's partner, so all of it is read),
     and the f32 bytes read."""
     weights = [jnp.asarray(w, jnp.float32) for w in weight_matrices(params)]
-    rows = [jnp.ones((1, w.shape[0]), jnp.float32) for w in weights]
+    seconds = matmul_pass_seconds(weights, rows=1, repeats=repeats)
+    del weights
+    return seconds, sum(int(np.prod(w.shape)) * 4 for w in weight_matrices(params))
+
+
+def matmul_pass_seconds(weights: list[jax.Array], rows: int = 1, repeats: int = 20) -> float:
+    """Median seconds of one jitted pass of `rows` rows (in each weight's dtype) times
+    every matrix of `weights`, contracted on its first axis; int8 x int8 accumulates in
+    int32, anything else in float32."""
+    inputs = [jnp.ones((rows, w.shape[0]), w.dtype) for w in weights]
 
     @jax.jit
-    def one_pass(weights: list[jax.Array], rows: list[jax.Array]) -> jax.Array:
-        return sum(jnp.sum(x @ w) for x, w in zip(rows, weights, strict=True))
+    def one_pass(weights: list[jax.Array], inputs: list[jax.Array]) -> jax.Array:
+        return sum(jnp.sum(jnp.matmul(x, w, preferred_element_type=_accumulator(w.dtype)))
+                   .astype(jnp.float32) for x, w in zip(inputs, weights, strict=True))
 
-    one_pass(weights, rows).block_until_ready()
+    one_pass(weights, inputs).block_until_ready()
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        one_pass(weights, rows).block_until_ready()
+        one_pass(weights, inputs).block_until_ready()
         times.append(time.perf_counter() - began)
-    del weights
-    return float(np.median(times)), sum(int(np.prod(w.shape)) * 4
-                                        for w in weight_matrices(params))
+    return float(np.median(times))
+
+
+def _accumulator(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.int32) if jnp.dtype(dtype) == jnp.int8 else jnp.dtype(jnp.float32)
