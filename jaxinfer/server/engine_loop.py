@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import logging
 import queue
-import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -115,9 +114,8 @@ class EngineLoop:
     def __init__(self, engine: Engine, *, max_waiting_requests: int) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.healthy = True
         self.accepting = True
-        self.failure: str | None = None
+        self.failure: str | None = None  # set once engine.step() failed
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._streams: dict[str, tuple[Stream, list[bool]]] = {}  # id -> (stream, done[i])
         self._ids = itertools.count()
@@ -175,6 +173,10 @@ class EngineLoop:
         return await future
 
     @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams) + self._admitting
 
@@ -206,7 +208,8 @@ class EngineLoop:
         outputs = self.engine.step()
         for output in outputs:
             self._deliver(output)
-        self._count()
+        with self._lock:
+            self._count()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -301,7 +304,6 @@ class EngineLoop:
 
     def _fail_engine(self, error: Exception) -> None:
         log.exception("the engine failed; failing %d requests", len(self._streams))
-        self.healthy = False
         self.failure = f"{type(error).__name__}: {error}"
         for stream, _ in self._streams.values():
             stream.post(Update([], True, APIError(500, f"the engine failed: {self.failure}",
@@ -327,8 +329,8 @@ def _moved(piece: Piece, done: list[bool]) -> bool:
 def _param(submission: Submission, error: Exception) -> str:
     """The field an engine-side ValueError is about: the one it opens with (`top_k=...`,
     `min_tokens with 20 stop ids`), else the prompt."""
-    head = re.match(r"\w*", str(error)).group()
-    if head in SamplingParams.__dataclass_fields__:
+    head = protocol.error_field(error)
+    if head is not None:
         return submission.limit.field if head == "max_tokens" else head
     return "messages" if submission.messages is not None else "prompt"
 

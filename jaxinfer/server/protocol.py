@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -226,9 +227,17 @@ def _build(defaults: SamplingParams, given: dict[str, Any],
     try:
         return dataclasses.replace(defaults, **given)
     except ValueError as e:
-        field = str(e).split("=", 1)[0]
+        field = error_field(e) or ""
         raise APIError(400, str(e).replace(field, names.get(field, field), 1),
-                       param=names.get(field, field)) from None
+                       param=names.get(field, field) or None) from None
+
+
+def error_field(error: Exception) -> str | None:
+    """The SamplingParams field a ValueError opens with (`top_k=...`, `min_tokens with
+    20 stop ids`), None when it names none: SamplingParams and the engine word their
+    errors so."""
+    head = re.match(r"\w*", str(error)).group()
+    return head if head in SamplingParams.__dataclass_fields__ else None
 
 
 @dataclasses.dataclass(frozen=True)
