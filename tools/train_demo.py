@@ -22,9 +22,7 @@ import functools
 import json
 import pathlib
 import sys
-import sysconfig
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,8 @@ from absl import app, flags
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxinfer import checkpoint
+from jaxinfer.corpus import corpus_files as split_corpus
+from jaxinfer.corpus import read_texts
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import transformer
 
@@ -51,7 +51,6 @@ flags.DEFINE_string("corpus_dir", None, "directory of .py files; default: this P
 flags.DEFINE_enum("size", "small", ["small", "large"], "model shapes (see model_configs)")
 
 EOS = "<|endoftext|>"
-HELD_OUT_EVERY = 20
 # generation_config.json's sampling defaults, applied when a caller gives no
 # SamplingParams: chosen by reading samples of tools/demo_samples.py (checkpoints/README.md).
 SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}
@@ -76,21 +75,6 @@ def model_configs(vocab: int, seq_len: int, size: str = "small") -> dict[str, Mo
         "demo-draft": ModelConfig(hidden_size=96, intermediate_size=256, num_layers=2,
                                   num_heads=3, num_kv_heads=1, head_dim=32, **common),
     }
-
-
-def corpus_files() -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-    """(train, held-out) stdlib .py files, split by a hash of the relative path."""
-    root = pathlib.Path(FLAGS.corpus_dir or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and p.stat().st_size < 500_000)
-    held = [p for p in files if zlib.crc32(str(p.relative_to(root)).encode()) % HELD_OUT_EVERY
-            == 0]
-    held_set = set(held)
-    return [p for p in files if p not in held_set], held
-
-
-def read_texts(files: list[pathlib.Path]) -> list[str]:
-    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
@@ -183,7 +167,7 @@ def save(out: pathlib.Path, cfg: ModelConfig, params: dict, tok: Tokenizer,
 def main(argv: list[str]) -> None:
     del argv
     t0 = time.time()
-    train_files, held_files = corpus_files()
+    train_files, held_files = split_corpus(FLAGS.corpus_dir)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     tok = train_tokenizer(train_texts, FLAGS.vocab)
     train_data, held_data = encode_stream(tok, train_texts), encode_stream(tok, held_texts)

@@ -1,0 +1,45 @@
+"""The bundled corpus: this machine's Python standard library, split train / held-out.
+
+The demo models (checkpoints/) were trained on the standard library's own `.py` files,
+present offline on every machine; 1 file in `HELD_OUT_EVERY` (chosen by a CRC32 of its
+path relative to the library root) was held out and never trained on. The split lives
+here so the trainer (tools/train_demo.py), the default calibration set of
+`quantization="int4"` (training files) and the accuracy measurements of `eval_ppl`
+(held-out files) agree on it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+import zlib
+
+HELD_OUT_EVERY = 20
+MAX_FILE_BYTES = 500_000
+
+
+def stdlib_root() -> pathlib.Path:
+    """Where this interpreter's standard library lives."""
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: pathlib.Path | str | None = None
+                 ) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """(train, held-out) .py files under `root` (default: the standard library),
+    sorted, split by a hash of the relative path; site-packages excluded."""
+    root = pathlib.Path(root) if root else stdlib_root()
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and p.stat().st_size < MAX_FILE_BYTES)
+    held = [p for p in files if is_held_out(p.relative_to(root))]
+    held_set = set(held)
+    return [p for p in files if p not in held_set], held
+
+
+def is_held_out(relative_path: pathlib.Path | str) -> bool:
+    """Whether a file (path relative to the library root) was held out of training."""
+    return zlib.crc32(str(relative_path).encode()) % HELD_OUT_EVERY == 0
+
+
+def read_texts(files: list[pathlib.Path]) -> list[str]:
+    """Each file's text (undecodable bytes replaced)."""
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
