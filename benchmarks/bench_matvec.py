@@ -8,7 +8,12 @@ the GB/s of weight bytes read, and per row count the ratio of the bfloat16 pass 
 the bfloat16 weight-read bound issue 10 sets: half the float32 pass at one row (1.0
 would mean bf16 weights are read as fast as f32 ones, byte for byte).
 
-    python benchmarks/bench_matvec.py [--rows=1,2,4,16] [--preset=smollm-135m]
+With --layouts it also times bfloat16 and int8 weights (int8 activations, int32
+accumulation, the w8a8 dot) stored [in, out] against the same weights stored
+[out, in], the layout jaxinfer/quantization.py keeps: `out_in_speedup` is the [in, out]
+pass time over the [out, in] one.
+
+    python benchmarks/bench_matvec.py [--rows=1,2,4,16] [--preset=smollm-135m] [--layouts]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from jaxinfer.config import load_preset
 flags.DEFINE_list("rows", ["1", "2", "4", "16"], "row counts (tokens in the step)")
 flags.DEFINE_string("preset", "smollm-135m", "model shape")
 flags.DEFINE_integer("repeats", 20, "timed passes per case (median)")
+flags.DEFINE_bool("layouts", False, "also compare [in, out] with [out, in] weights")
 FLAGS = flags.FLAGS
 
 
@@ -39,16 +45,20 @@ def weights(dtype: jnp.dtype) -> list[jax.Array]:
                                                                             strict=True)]
 
 
-def pass_ms(ws: list[jax.Array], rows: int) -> float:
-    width = max(w.shape[0] for w in ws)
+def pass_ms(ws: list[jax.Array], rows: int, out_in: bool = False) -> float:
+    """Median ms of one pass; `out_in`: the weights are stored [out, in]."""
+    contracted = 1 if out_in else 0
+    width = max(w.shape[contracted] for w in ws)
+    accumulate = jnp.int32 if ws[0].dtype == jnp.int8 else jnp.float32
+    spec = "ri,oi->ro" if out_in else "ri,io->ro"
 
     @jax.jit
     def run(ws: list[jax.Array], x: jax.Array) -> jax.Array:
         acc = jnp.zeros((rows,), jnp.float32)
         for w in ws:
-            y = jnp.dot(x[:, :w.shape[0]].astype(w.dtype), w,
-                        preferred_element_type=jnp.float32)
-            acc = acc + y[:, :8].sum(-1)  # keep every dot live, read little
+            y = jnp.einsum(spec, x[:, :w.shape[contracted]].astype(w.dtype), w,
+                           preferred_element_type=accumulate)
+            acc = acc + y[:, :8].sum(-1).astype(jnp.float32)  # keep every dot live
         return acc
 
     x = jnp.ones((rows, width), jnp.float32)
@@ -59,6 +69,21 @@ def pass_ms(ws: list[jax.Array], rows: int) -> float:
         run(ws, x).block_until_ready()
         times.append(time.perf_counter() - started)
     return 1e3 * statistics.median(times)
+
+
+def layouts(bf16: list[jax.Array]) -> list[dict]:
+    """Per row count and dtype: ms with [in, out] and [out, in] weights."""
+    int8 = [jnp.clip(jnp.round(w.astype(jnp.float32) * 2000), -127, 127).astype(jnp.int8)
+            for w in bf16]
+    cases = []
+    for rows in map(int, FLAGS.rows):
+        for name, ws in (("bfloat16", bf16), ("int8", int8)):
+            in_out = pass_ms(ws, rows)
+            out_in = pass_ms([w.T.copy() for w in ws], rows, out_in=True)
+            cases.append({"rows": rows, "dtype": name, "in_out_ms": round(in_out, 2),
+                          "out_in_ms": round(out_in, 2),
+                          "out_in_speedup": round(in_out / out_in, 2)})
+    return cases
 
 
 def main(argv: list[str]) -> None:
@@ -76,6 +101,8 @@ def main(argv: list[str]) -> None:
     result["bf16_bound_ms"] = round(bound, 2)
     for case in result["cases"]:
         case["bf16_over_bound"] = round(case["bfloat16"]["ms"] / bound, 2)
+    if FLAGS.layouts:
+        result["layouts"] = layouts(by_dtype["bfloat16"])
     print(json.dumps(result, indent=2))
 
 

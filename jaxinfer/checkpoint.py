@@ -52,7 +52,7 @@ TOP_NAMES = {"embed": ("model.embed_tokens.weight", False),
              "final_norm": ("model.norm.weight", False), "lm_head": ("lm_head.weight", True)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATION_FILE = "quantization.json"  # orbax checkpoints: {"mode": "w8a8"}
+QUANTIZATION_FILE = "quantization.json"  # orbax: {"mode": "w8a8", "layout": 2}
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -291,10 +291,15 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     if not path.is_file():
         return None
     try:
-        mode = json.loads(path.read_text()).get("mode")
+        written = json.loads(path.read_text())
+        mode, layout = written.get("mode"), written.get("layout", 1)
     except (json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"{path}: not a JSON object with a 'mode' ({e})") from None
     quantization.check_mode(mode)
+    if layout != quantization.LAYOUT_VERSION:
+        raise ValueError(f"{path}: quantized layout {layout} was written by an older "
+                         f"jaxinfer (this one reads {quantization.LAYOUT_VERSION}): convert "
+                         "the float checkpoint again")
     return mode
 
 
@@ -311,7 +316,8 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if quantization_mode is not None:
         params = quantization.quantize_params(params, quantization_mode)
         dst.mkdir(parents=True, exist_ok=True)
-        (dst / QUANTIZATION_FILE).write_text(json.dumps({"mode": quantization_mode}) + "\n")
+        stamp = {"mode": quantization_mode, "layout": quantization.LAYOUT_VERSION}
+        (dst / QUANTIZATION_FILE).write_text(json.dumps(stamp) + "\n")
     dst.mkdir(parents=True, exist_ok=True)
     for name in SIDE_FILES:
         if (src / name).is_file():

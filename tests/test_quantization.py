@@ -32,10 +32,11 @@ def test_quantize_round_trip_is_bit_exact_against_numpy(mode):
     np.testing.assert_array_equal(np.asarray(q.scale), scale)
     np.testing.assert_array_equal(np.asarray(q.value).view(np.uint8), value.view(np.uint8))
     restored = np.asarray(quantization.dequantize(q))
-    np.testing.assert_array_equal(restored, value.astype(np.float32) * scale)
+    assert value.shape == (48, 64)  # stored [O, I]
+    np.testing.assert_array_equal(restored, (value.astype(np.float32) * scale[:, None]).T)
     step = scale if mode != "fp8" else np.abs(w).max(axis=0) / 8  # fp8: 3 mantissa bits
     assert np.all(np.abs(restored - w) <= step / 2 + 1e-7)
-    assert scale[7] == 1 and not np.asarray(q.value)[:, 7].astype(np.float32).any()
+    assert scale[7] == 1 and not np.asarray(q.value)[7].astype(np.float32).any()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -52,7 +53,7 @@ def test_quantized_linear_is_close_to_the_float_matmul(mode):
         xs = np.abs(x).max(axis=1, keepdims=True) / 127
         xq = np.clip(np.round(x / xs), -127, 127)
         value, scale = quantization.quantize_numpy(w, mode)
-        expected = (xq @ value.astype(np.float64)) * xs * scale
+        expected = (xq @ value.T.astype(np.float64)) * xs * scale
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -92,7 +93,14 @@ def test_weight_bytes_match_the_planner(engines, mode):
         rest = planner.weight_bytes(cfg, "float32") - 4 * sum(
             np.prod(w.shape) for layer in engine.runner.params["layers"]
             for name, w in layer.items() if name in quantization.QUANTIZED_WEIGHTS)
-        assert actual == linear + rest
+        # the LM head: int8/fp8 [V, D] and a scale per vocabulary row, replacing a float
+        # head or, tied, beside the float embedding table
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        head = vocab * hidden + 4 * vocab
+        if not cfg.tie_word_embeddings:
+            rest -= 4 * vocab * hidden
+        assert actual == linear + head + rest
+        assert engine.runner.params["lm_head"].value.shape == (vocab, hidden)
 
 
 @pytest.mark.parametrize("mode", ["w8a8", "fp8"])

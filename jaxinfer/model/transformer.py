@@ -146,12 +146,12 @@ def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> 
 def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and LM head (tied to the embedding when configured) -> f32[..., V]."""
     x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params.get("lm_head", params["embed"])
+    head = params.get("lm_head", params["embed"])  # a quantized model always has one
     rows = x.shape[0] if x.ndim == 2 else None
     min_rows = layers.min_matmul_rows(head.dtype)
     if rows is not None and rows < min_rows:  # see layers.min_matmul_rows
         x = jnp.pad(x, ((0, min_rows - rows), (0, 0)))
-    if not cfg.tie_word_embeddings:
+    if "lm_head" in params:
         logits = layers.linear(x, params["lm_head"])
     else:
         # Contract with the [V, D] table as stored: `x @ embed.T` made XLA:CPU convert the

@@ -90,7 +90,8 @@ def test_quantized_step_exports_for_cuda(mode, weight):
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
         num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="gpu"), TP)
     text = _export(cfg, BUCKETS[0], quantization=mode).mlir_module()
-    assert f"tensor<128x512x{weight}>" in text  # wqkv: int8/fp8 values, (8 + 2 x 4) x 32
+    assert f"tensor<512x128x{weight}>" in text  # wqkv values [O, I]: (8 + 2 x 4) x 32 rows
+    assert f"tensor<256x128x{weight}>" in text  # the LM head's quantized copy [V, D]
     dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
     int8_dots = [d for d in dots if "xi8>, tensor<" in d and "xi32>" in d]
-    assert len(int8_dots) == (4 * cfg.num_layers if mode == "w8a8" else 0)
+    assert len(int8_dots) == (4 * cfg.num_layers + 1 if mode == "w8a8" else 0)

@@ -102,7 +102,9 @@ def _check_quantized(device: str, mode: str, cfg) -> None:
         cfg.hidden_size * 2 * cfg.intermediate_size, cfg.intermediate_size * cfg.hidden_size))
     columns = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
-    assert report["plan"]["weight_bytes"] == bf16 - linear + 4 * columns
+    head = cfg.vocab_size * cfg.hidden_size  # int8 head: a copy when tied, else 2 -> 1 byte
+    head_bytes = (head if cfg.tie_word_embeddings else -head) + 4 * cfg.vocab_size
+    assert report["plan"]["weight_bytes"] == bf16 - linear + 4 * columns + head_bytes
 
 
 @pytest.mark.parametrize("device, mode", [
@@ -111,7 +113,8 @@ def _check_quantized(device: str, mode: str, cfg) -> None:
 def test_quantized_step_compiles(device, mode):
     """Quantized weights (jaxinfer/quantization.py) in the compiled step of a 4-layer
     Qwen3-0.6B shape: libtpu's argument bytes match the planner's quantized bytes (one
-    byte per linear weight plus f32 column scales; embedding and norms bf16)."""
+    byte per linear weight and LM head element plus f32 column scales; embedding and norms
+    bf16)."""
     _check_quantized(device, mode, dataclasses.replace(MODELS["qwen3-0.6b"](), num_layers=4))
 
 
