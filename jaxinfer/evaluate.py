@@ -99,6 +99,16 @@ def window_nll(out: RequestOutput) -> tuple[int, float]:
     return len(prompt) - 1, total
 
 
+def resolve_window(llm: LLM, window: int | None) -> int:
+    """`window`, or the default max_model_len - 1; ValueError outside [2, that]."""
+    limit = llm.max_model_len - 1
+    window = limit if window is None else window
+    if not 2 <= window <= limit:
+        raise ValueError(f"window={window} must be in [2, {limit}] (max_model_len "
+                         f"{llm.max_model_len} - 1: each window also generates one token)")
+    return window
+
+
 def perplexity(llm: LLM, files: str | Sequence[str | pathlib.Path], *,
                window: int | None = None, max_tokens_per_file: int | None = None) -> dict:
     """Score `files` (paths, or a spec for `expand_inputs`) through prompt logprobs;
@@ -106,11 +116,7 @@ def perplexity(llm: LLM, files: str | Sequence[str | pathlib.Path], *,
     `max_tokens_per_file`: score only each file's first tokens (a deterministic subset).
     The LLM must be made with `enable_prompt_logprobs=True`."""
     paths = expand_inputs(files if isinstance(files, str) else [str(f) for f in files])
-    limit = llm.max_model_len - 1
-    window = limit if window is None else window
-    if not 2 <= window <= limit:
-        raise ValueError(f"window={window} must be in [2, {limit}] (max_model_len "
-                         f"{llm.max_model_len} - 1: each window also generates one token)")
+    window = resolve_window(llm, window)
     if max_tokens_per_file is not None and max_tokens_per_file < 1:
         raise ValueError(f"max_tokens_per_file={max_tokens_per_file} must be >= 1")
     prompts, skipped = [], 0
