@@ -3,14 +3,15 @@
 
 How text is scored. Each file is tokenized on its own (the tokenizer adds no special
 tokens) and framed as the demo models were trained (tools/train_demo.py puts
-`<|endoftext|>`, id 0, between files): BOS, the file's tokens, EOS, with BOS the
-tokenizer's BOS id (else its first EOS id) and EOS its first EOS id; a tokenizer with
-neither adds nothing, and then a file's first token is not scored. Each framed file is
-cut into windows of at most `window` tokens (default: the engine's max_model_len - 1,
-the longest prompt that leaves room for the one token each request generates) that
-overlap by exactly one token: window j holds tokens [j (W - 1), j (W - 1) + W), so every
-token after the file's first is scored exactly once. Context does not carry over a
-window boundary (no sliding context): the first token scored in a window sees one token.
+`<|endoftext|>`, id 0, between files): BOS, the file's tokens, EOS (no EOS after a file
+cut short by `max_tokens_per_file`), with BOS the tokenizer's BOS id (else its first
+EOS id) and EOS its first EOS id; a tokenizer with neither adds nothing, and then a
+file's first token is not scored. Each framed file is cut into windows of at most
+`window` tokens (default: the engine's max_model_len - 1, the longest prompt that
+leaves room for the one token each request generates) that overlap by exactly one
+token: window j holds tokens [j (W - 1), j (W - 1) + W), so every token after the
+file's first is scored exactly once. Context does not carry over a window boundary (no
+sliding context): the first token scored in a window sees one token.
 Each window is one request with `prompt_logprobs=0`, `max_tokens=1` (greedy); the mean
 negative log-likelihood is over every scored token of every file, in nats per token,
 and perplexity is its exponential. Files with no text are skipped (and counted).
@@ -59,15 +60,16 @@ def expand_inputs(spec: str | Sequence[str]) -> list[pathlib.Path]:
 
 
 def frame_tokens(llm: LLM, text: str, max_tokens: int | None = None) -> list[int]:
-    """BOS, the text's tokens (the first `max_tokens` of them if given), EOS."""
+    """BOS, the text's tokens, EOS; with `max_tokens`, only the first that many of the
+    text's tokens, and no EOS after a text cut short."""
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise ValueError("eval_ppl needs a tokenizer (skip_tokenizer_init=False)")
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids, eos = ids[:max_tokens], None
     return ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
 
 

@@ -5,7 +5,9 @@ small: this module turns chunks of requests into the token ids, attention
 metadata, sampling rows and proposed ids of one bucket, all numpy; runner.py
 owns the device. A chunk's last `num_samples` tokens are sampled; each slot has
 `num_positions` (Q, see model/step.py) sampling rows, the unused ones greedy
-padding. Imports numpy, the model's input dataclasses, and engine.request.
+padding. `score_spans`/`score_targets` name the prompt positions a step scores for
+requests collecting prompt logprobs (the scoring step's inputs). Imports numpy, the
+model's input dataclasses, and engine.request.
 """
 
 from __future__ import annotations
