@@ -114,9 +114,9 @@ def main(argv: list[str]) -> None:
     real_step = engine.runner.execute
 
     def execute(plan: object) -> object:
-        bucket, samples = real_step(plan)
-        buckets.append(bucket)
-        return bucket, samples
+        result = real_step(plan)
+        buckets.append(result.bucket)
+        return result
 
     engine.runner.execute = execute
 

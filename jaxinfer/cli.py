@@ -1,7 +1,7 @@
 """Command line: `python -m jaxinfer <command> --flags`.
 
 `python -m jaxinfer --help` lists the commands (`COMMANDS`: generate, batch, serve, convert,
-plan, audit, aot), `python -m jaxinfer <command> --help` that command's flags with
+plan, audit, aot, eval_ppl), `python -m jaxinfer <command> --help` that command's flags with
 their defaults. Engine flags are derived from `EngineConfig`'s fields (name,
 default, type, choices and help text), so they cannot drift from it. Sampling flags
 default to unset: the checkpoint's generation_config.json defaults apply and a flag
@@ -41,7 +41,12 @@ flags.DEFINE_float("temperature", None, "0 = greedy; default: the checkpoint's")
 flags.DEFINE_float("top_p", None, "top-p (nucleus) sampling; default: the checkpoint's")
 flags.DEFINE_integer("top_k", None, "top-k sampling, 0 = off; default: the checkpoint's")
 flags.DEFINE_float("repetition_penalty", None, "1 = off; default: the checkpoint's")
-flags.DEFINE_string("input", None, "JSONL file of requests (batch) or prompts (audit)")
+flags.DEFINE_string("input", None, "JSONL file of requests (batch) or prompts (audit); "
+                    "eval_ppl: text files, comma-separated paths or globs")
+flags.DEFINE_integer("window", None, "eval_ppl: tokens per scored window, overlapping by one "
+                     "(jaxinfer/evaluate.py); default: max_model_len - 1")
+flags.DEFINE_integer("max_tokens_per_file", None, "eval_ppl: score only the first tokens of "
+                     "each file; default: all")
 flags.DEFINE_string("output", None, "JSONL results (batch); orbax directory (convert)")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
 flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache, in GB; "
@@ -249,6 +254,20 @@ def aot() -> None:
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
 
 
+def eval_ppl() -> None:
+    from jaxinfer import evaluate
+
+    if not FLAGS.input:
+        raise app.UsageError("eval_ppl needs --input=FILE[,FILE...] (paths or globs)")
+    files = evaluate.expand_inputs(FLAGS.input)  # bad inputs fail before warm-up
+    llm = make_llm(**COMMANDS["eval_ppl"].defaults, warm_up=False)
+    evaluate.resolve_window(llm, FLAGS.window)
+    llm.engine.warm_up()
+    report = evaluate.perplexity(llm, files, window=FLAGS.window,
+                                 max_tokens_per_file=FLAGS.max_tokens_per_file)
+    sys.stdout.write(json.dumps(report) + "\n")
+
+
 def serve() -> None:
     from jaxinfer import server
 
@@ -303,6 +322,11 @@ COMMANDS = {
                    flags=("model", "device", "tensor_parallel_size", "buckets",
                           "max_num_batched_tokens", *_PLAN_FLAGS),
                    defaults={"device": "v5e-1"}),
+    "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "
+                        "logprobs; prints one JSON object",
+                        flags=("model", "input", "window", "max_tokens_per_file",
+                               *ENGINE_FLAGS),
+                        defaults={"enable_prompt_logprobs": True}),
 }
 
 

@@ -252,6 +252,9 @@ class EngineConfig:
         None, "quantize the linear weights at load (jaxinfer/quantization.py): int8 "
         "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
         "(float8_e4m3fn weight-only); default: none", QUANTIZATION_MODES)
+    enable_prompt_logprobs: bool = _setting(
+        False, "compile a scoring variant of every mixed bucket at warm-up, so requests may "
+        "ask for prompt_logprobs (eval_ppl sets it)")
     tensor_parallel_size: int = _setting(
         1, "devices the model is split over (tensor parallelism); must divide the query "
         "heads, and divide the KV heads or be a multiple of them")

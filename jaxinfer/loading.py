@@ -75,7 +75,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
                           max_num_seqs=config.max_num_seqs,
                           min_tokens=runner_lib.min_step_tokens(config.dtype,
                                                                 config.quantization)),
-        attention_impl=config.attention_impl, quantization=config.quantization)
+        attention_impl=config.attention_impl, quantization=config.quantization,
+        enable_prompt_logprobs=config.enable_prompt_logprobs)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner)

@@ -27,7 +27,13 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState
 from jaxinfer.engine.page_pool import PagePool
-from jaxinfer.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from jaxinfer.engine.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
 from jaxinfer.loading import DEVICE_KV_FRACTION  # noqa: F401  (aot.py reads it here)
@@ -67,6 +73,7 @@ class Engine:
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[int, TextState] = {}  # id(Request) -> its text
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
         if warm_up:
             self.warm_up()
 
@@ -119,6 +126,10 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> None:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own)."""
+        if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} needs an engine made "
+                             "with enable_prompt_logprobs=True (LLM(..., "
+                             "enable_prompt_logprobs=True), --enable_prompt_logprobs)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True): "
                              "use stop_token_ids")
@@ -159,6 +170,8 @@ class Engine:
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
             self._texts[id(request)] = TextState(detokenizer, params.stop)
             children.append(request)
+        if params.prompt_logprobs is not None:
+            children[0].prompt_logprobs = []  # the first completion scores the prompt
         self._requests[request_id] = children
         self._outputs[request_id] = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
@@ -199,7 +212,8 @@ class Engine:
             return []
         started = time.perf_counter()
         compiles = self.compiles.begin()
-        bucket, samples = self.runner.execute(plan)
+        bucket, samples, prompt_scores = self.runner.execute(plan)
+        self._record_prompt_scores(plan, prompt_scores)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         for chunk in plan.chunks:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
@@ -246,9 +260,44 @@ class Engine:
             changed[request.request_id.rsplit("#", 1)[0]] = None
         return list(changed)
 
+    def _record_prompt_scores(self, plan: StepPlan,
+                              prompt_scores: list[runner_lib.PromptScores | None]) -> None:
+        """Append each chunk's scored prompt positions to its request's prompt_logprobs:
+        {prompt token: Logprob} plus the top k, vLLM's dict."""
+        for chunk, scores in zip(plan.chunks, prompt_scores, strict=True):
+            request = chunk.request
+            if scores is None or request.prompt_logprobs is None:
+                continue
+            if scores.first != len(request.prompt_logprobs):
+                raise RuntimeError(f"{request.request_id}: prompt position {scores.first} "
+                                   f"scored after {len(request.prompt_logprobs)}")
+            k = request.params.prompt_logprobs or 0
+            prompt = request.prompt_token_ids
+            for i in range(len(scores.logprobs)):
+                token = prompt[scores.first + i + 1]
+                entry = {token: Logprob(float(scores.logprobs[i]), int(scores.ranks[i]),
+                                        self._token_text(token))}
+                for rank, (top, logprob) in enumerate(zip(
+                        scores.top_ids[i, :k].tolist(), scores.top_logprobs[i, :k].tolist(),
+                        strict=True), start=1):
+                    entry.setdefault(top, Logprob(logprob, rank, self._token_text(top)))
+                request.prompt_logprobs.append(entry)
+
+    def _token_text(self, token: int) -> str | None:
+        """A token's own text (special tokens kept), as vLLM's `decoded_token`."""
+        if self.tokenizer is None:
+            return None
+        if token not in self._token_texts:
+            self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return self._token_texts[token]
+
     def _sync(self, request_id: str) -> RequestOutput:
         """Copy the completions' state into the prompt's RequestOutput, with deltas."""
         out = self._outputs[request_id]
+        first = self._requests[request_id][0]
+        if out.prompt_logprobs is None and first.prompt_logprobs is not None and not (
+                first.scoring_prompt):
+            out.prompt_logprobs = [None, *first.prompt_logprobs]
         for request, completion in zip(self._requests[request_id], out.outputs, strict=True):
             text = self._texts[id(request)]
             if request.finished and completion.finish_reason is None:

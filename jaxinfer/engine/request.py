@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs per token; the chosen one always added
+    prompt_logprobs: int | None = None  # top-k per prompt token; the prompt token always added
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -74,6 +75,9 @@ def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
         ("logprobs", p.logprobs is None or (_is_int(p.logprobs)
                                             and 0 <= p.logprobs <= MAX_LOGPROBS),
          f"None or an int in [0, {MAX_LOGPROBS}]"),
+        ("prompt_logprobs", p.prompt_logprobs is None or (
+            _is_int(p.prompt_logprobs) and 0 <= p.prompt_logprobs <= MAX_LOGPROBS),
+         f"None or an int in [0, {MAX_LOGPROBS}]"),
         ("stop", all(isinstance(s, str) and s for s in p.stop), "non-empty strings"),
         ("stop_token_ids", all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
          "non-negative ints"),
@@ -87,6 +91,19 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's logprob, its rank in the vocabulary (1 = most likely; 1 + the tokens with
+    a strictly higher logprob) and its text, as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
 
 
 class Status(enum.Enum):
@@ -116,6 +133,16 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    # Scored prompt tokens 1, 2, ... (entry i: token i + 1, scored at position i) when
+    # this request collects its prompt's logprobs (the first of n completions); else None.
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (`prompt_logprobs`): such a
+        request computes its whole prompt, taking no prefix-cache hits."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +186,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first,
+    # else {token_id: Logprob} of that prompt token and the top k; set once all are scored.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

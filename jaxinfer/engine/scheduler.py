@@ -10,7 +10,8 @@ latest-arrived running request is preempted: its pages are freed and it is
 recomputed later from its prompt and the tokens it had generated. With prefix
 caching (the pool's `enable_caching`) a request starts with every leading
 full page already cached (never its last token, whose logits are needed), each
-full page a request computes is registered, and the n > 1 siblings of a prompt
+full page a request computes is registered (a request scoring its prompt for
+`prompt_logprobs` takes no hits but registers its pages), and the n > 1 siblings of a prompt
 wait until one of them has computed the prompt, then share its pages. In "static"
 mode up to `max_num_seqs` requests form a batch (admitted as the token budget
 allows) and no other request starts until the whole batch has finished: the
@@ -166,8 +167,9 @@ class Scheduler:
 
     def _take_cached_pages(self, request: Request) -> None:
         """Start `request` on the cached pages of its leading full pages (not the last
-        token's page: its logits are needed)."""
-        if not self.pool.enable_caching:
+        token's page: its logits are needed). A request still scoring its prompt
+        (`prompt_logprobs`) takes none, as in vLLM: every prompt position must run."""
+        if not self.pool.enable_caching or request.scoring_prompt:
             return
         tokens = request.all_token_ids
         pages, serials = self.pool.match(tokens, self.page_size,

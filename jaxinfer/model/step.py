@@ -24,6 +24,10 @@ The packed output is one int32 array per step: i32[S, Q, 3 + 2k] with, per
 position, the sampled token id, its logprob's float32 bits, the proposed
 token's logprob bits (-inf where none), k top-logprob ids, and their logprob
 bits (`sampler.pack`/`unpack`).
+
+`score_step` is the same step plus prompt scoring (`SamplingParams.prompt_logprobs`):
+a second output i32[T, 2 + 2k] with, per token position, the raw logprob and rank of
+the next prompt token and the top k (model/scoring.py).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import sampler, transformer
+from jaxinfer.model import sampler, scoring, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
 
@@ -54,11 +59,39 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
     `decode_only`: every request has one token (a decode bucket; see transformer)."""
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
                                            cfg=cfg, decode_only=decode_only)  # f32[S * Q, V]
-    num_slots, num_positions = inputs.proposed_ids.shape
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
+    return kv_cache, _sample_packed(logits, inputs, num_logprobs)
+
+
+def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
+               score_inputs: scoring.ScoreInputs, *, cfg: ModelConfig, num_logprobs: int
+               ) -> tuple[KVCache, jax.Array, jax.Array]:
+    """`step` that also scores every token position (prompt logprobs): returns
+    (kv_cache, i32[S, Q, 3 + 2k] samples, i32[T, 2 + 2k] scores, see model/scoring.py).
+
+    A variant, not a branch of `step`: the LM head runs over all T tokens here (f32[T, V]
+    logits, then a log-softmax and a rank count over them), work the ordinary step never
+    does. The runner compiles it per mixed bucket only when the engine is made with
+    `enable_prompt_logprobs`, and runs it only for steps that score some position. The
+    sampled rows are taken from the same [T, V] logits, so sampling is unchanged (up to
+    float rounding of a matmul of another shape)."""
+    num_tokens = inputs.token_ids.shape[0]
+    every_token = dataclasses.replace(inputs.md, logits_indices=jnp.arange(
+        num_tokens, dtype=jnp.int32))
+    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, every_token,
+                                           cfg=cfg)  # f32[T, V]
+    logits = sharding.replicate(logits)
+    scores = scoring.pack(scoring.score(logits, score_inputs, num_logprobs=num_logprobs))
+    sampled = _sample_packed(logits[inputs.md.logits_indices], inputs, num_logprobs)
+    return kv_cache, sampled, scores
+
+
+def _sample_packed(logits: jax.Array, inputs: StepInputs, num_logprobs: int) -> jax.Array:
+    """i32[S, Q, 3 + 2k]: the samples of f32[S * Q, V] logits, packed."""
+    num_slots, num_positions = inputs.proposed_ids.shape
     out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs,
                          proposed_ids=inputs.proposed_ids.reshape(-1))
-    return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1)
+    return sampler.pack(out).reshape(num_slots, num_positions, -1)
 
 
 def logits(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,

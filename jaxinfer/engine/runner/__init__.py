@@ -26,8 +26,10 @@ from jaxinfer.engine.runner.inputs import (
 )
 from jaxinfer.engine.runner.runner import (
     COMPILE_THREADS,
+    PromptScores,
     Runner,
     Sample,
+    StepResult,
     compile_steps_for,
     input_spec,
     make_mesh,
@@ -36,8 +38,9 @@ from jaxinfer.engine.runner.runner import (
 )
 
 __all__ = [
-    "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "CompileCounter", "CompileSpan", "Runner",
-    "Sample", "build_metadata", "compile_steps_for", "device_memory_limit", "input_spec",
+    "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "CompileCounter", "CompileSpan",
+    "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
+    "device_memory_limit", "input_spec",
     "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
     "next_power_of_two",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",

@@ -5,7 +5,9 @@ small: this module turns chunks of requests into the token ids, attention
 metadata, sampling rows and proposed ids of one bucket, all numpy; runner.py
 owns the device. A chunk's last `num_samples` tokens are sampled; each slot has
 `num_positions` (Q, see model/step.py) sampling rows, the unused ones greedy
-padding. Imports numpy, the model's input dataclasses, and engine.request.
+padding. `score_spans`/`score_targets` name the prompt positions a step scores for
+requests collecting prompt logprobs (the scoring step's inputs). Imports numpy, the
+model's input dataclasses, and engine.request.
 """
 
 from __future__ import annotations
@@ -169,3 +171,50 @@ def _row(row: SampleRow | None) -> dict[str, float | int | bool]:
             "seeds": request.seed, "counters": generated,
             "prompt_lens": len(request.prompt_token_ids), "history_lens": len(row.token_ids),
             "ban_stop": generated < p.min_tokens, "logprobs": p.logprobs or 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSpan:
+    """The prompt positions one chunk scores: request positions `first` .. `first + count
+    - 1`, at token rows `row` .. `row + count - 1` of the step. Position p scores prompt
+    token p + 1, the request's `prompt_logprobs[p]` entry."""
+
+    first: int
+    count: int
+    row: int
+
+
+def score_spans(requests: Sequence[Request], chunks: Sequence[Chunk]
+                ) -> list[ScoreSpan | None]:
+    """Per chunk, the prompt positions it scores, or None: those of a request collecting
+    prompt logprobs that are in the chunk, not scored yet (a recompute after preemption
+    scores nothing twice) and followed by a prompt token (a chunk's last position scores
+    the first token of the next chunk, known from the prompt)."""
+    spans: list[ScoreSpan | None] = []
+    row = 0
+    for request, chunk in zip(requests, chunks, strict=True):
+        end = chunk.start + len(chunk.token_ids)
+        span = None
+        if request.prompt_logprobs is not None:
+            first = max(chunk.start, len(request.prompt_logprobs))
+            last = min(end, len(request.prompt_token_ids) - 1)  # one past the last scored
+            if first < last:
+                span = ScoreSpan(first=first, count=last - first, row=row + first - chunk.start)
+        spans.append(span)
+        row += len(chunk.token_ids)
+    return spans
+
+
+def score_targets(requests: Sequence[Request], spans: Sequence[ScoreSpan | None], *,
+                  num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[T] target ids, -1 where a row is not scored; i32[1] most top logprobs wanted)."""
+    targets = np.full(num_tokens, -1, np.int32)
+    num_top = 0
+    for request, span in zip(requests, spans, strict=True):
+        if span is None:
+            continue
+        prompt = request.prompt_token_ids
+        targets[span.row:span.row + span.count] = prompt[span.first + 1:
+                                                         span.first + 1 + span.count]
+        num_top = max(num_top, request.params.prompt_logprobs or 0)
+    return targets, np.array([num_top], np.int32)

@@ -3,7 +3,12 @@
 Holds the device params and the KV cache. `warm_up()` AOT-compiles the step
 for every bucket (KV cache donated) so nothing compiles mid-run; `execute()`
 pads a plan to its bucket, builds the step's numpy inputs, runs the compiled
-step and unpacks its one int32 result array. The runner's `compiles` counter
+step and unpacks its one int32 result array. With `enable_prompt_logprobs` warm-up
+also compiles the scoring variant of the step (model/step.py: `score_step`) for every
+mixed bucket; a step that scores some prompt position runs it in the mixed bucket of
+its size (never a decode bucket) and returns the scores as a second int32 array.
+Compiling it apart keeps the ordinary step free of [T, V] work, and engines that never
+score prompts free of its compile time. The runner's `compiles` counter
 (compiles.py) counts the compilations of the threads that drive it. Device
 questions (bandwidth, memory, the compilation cache) live in device.py.
 Multi-host (jaxinfer/distributed.py) needs nothing more here: every process passes the
@@ -20,6 +25,7 @@ import functools
 import logging
 import threading
 import time
+import typing
 from collections.abc import Sequence
 
 import jax
@@ -38,14 +44,17 @@ from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import (
     NUM_SAMPLE_POSITIONS,
     Chunk,
+    ScoreSpan,
     build_metadata,
     next_power_of_two,
     proposed_ids,
     sample_rows,
     sampling_inputs,
+    score_spans,
+    score_targets,
 )
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.model import layers, sampler, transformer
+from jaxinfer.model import layers, sampler, scoring, transformer
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import KV_PAGES_SPEC, init_kv_cache
 
@@ -65,6 +74,26 @@ class Sample:
     proposed_logprob: float  # of the token the chunk fed after this position; -inf if none
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """One chunk's scored prompt positions `first` .. `first + n - 1` (position p: prompt
+    token p + 1), numpy, from the scoring step."""
+
+    first: int
+    logprobs: np.ndarray  # f32[n]: raw logprob of the prompt token
+    ranks: np.ndarray  # i32[n]: its rank, >= 1
+    top_ids: np.ndarray  # i32[n, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[n, MAX_LOGPROBS]
+
+
+class StepResult(typing.NamedTuple):
+    """What `Runner.execute` returns: per chunk, its samples and its prompt scores."""
+
+    bucket: Bucket
+    samples: list[list[Sample]]
+    prompt_scores: list[PromptScores | None]
+
+
 class Runner:
     """Device state (params, KV cache) and the step compiled for every bucket."""
 
@@ -73,7 +102,8 @@ class Runner:
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, enable_prompt_logprobs: bool = False
+                 ) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
@@ -97,10 +127,15 @@ class Runner:
                                        in_shardings=(param_shardings, kv_shardings, whole),
                                        out_shardings=(kv_shardings, whole),
                                        donate_argnums=(1,)) for decode in (False, True)}
+        self.enable_prompt_logprobs = enable_prompt_logprobs
+        self._score_step = jax.jit(score_step_function(cfg),
+                                   in_shardings=(param_shardings, kv_shardings, whole, whole),
+                                   out_shardings=(kv_shardings, whole, whole),
+                                   donate_argnums=(1,))
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                in_shardings=(param_shardings, kv_shardings, whole, whole),
                                out_shardings=(kv_shardings, whole), donate_argnums=(1,))
-        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, scores)
         self._lower_lock = threading.Lock()
 
     @property
@@ -108,33 +143,45 @@ class Runner:
         return tree_bytes(self.params)
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
-        """Compile the step for every bucket; returns {"buckets": n, "seconds": t}.
+        """Compile the step for every bucket (and its scoring variant for every mixed one
+        with `enable_prompt_logprobs`); returns {"buckets": n, "scoring_buckets": m,
+        "seconds": t}.
 
         Buckets compile on `COMPILE_THREADS` threads (XLA releases the GIL while it
         compiles); each lowering is taken under a lock, as tracing is not thread-safe.
         """
         start = time.perf_counter()
         buckets = self.buckets.all()
+        jobs = [(b, False) for b in buckets]
+        if self.enable_prompt_logprobs:
+            jobs += [(b, True) for b in buckets if not b.decode]
         with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool, tqdm(
-                total=len(buckets), desc="compiling buckets", disable=not progress) as bar:
-            for bucket, seconds in pool.map(self._timed_compile, buckets):
-                log.info("compiled bucket %s in %.2fs", bucket, seconds)
+                total=len(jobs), desc="compiling buckets", disable=not progress) as bar:
+            for (bucket, scores), seconds in pool.map(self._timed_compile, jobs):
+                log.info("compiled bucket %s%s in %.2fs", bucket,
+                         " (scoring)" if scores else "", seconds)
                 bar.update()
-        return {"buckets": len(buckets), "seconds": time.perf_counter() - start}
+        return {"buckets": len(buckets), "scoring_buckets": len(jobs) - len(buckets),
+                "seconds": time.perf_counter() - start}
 
-    def _timed_compile(self, bucket: Bucket) -> tuple[Bucket, float]:
+    def _timed_compile(self, job: tuple[Bucket, bool]) -> tuple[tuple[Bucket, bool], float]:
         began = time.perf_counter()
-        self._compile(bucket)
-        return bucket, time.perf_counter() - began
+        self._compile(*job)
+        return job, time.perf_counter() - began
 
-    def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
-        if bucket not in self._compiled:
+    def _compile(self, bucket: Bucket, scores: bool = False) -> jax.stages.Compiled:
+        if (bucket, scores) not in self._compiled:
             spec = input_spec(bucket, page_size=self.page_size,
                               max_model_len=self.max_model_len)
             with self._lower_lock, jax.set_mesh(self.mesh):
-                lowered = self._steps[bucket.decode].lower(self.params, self.kv_cache, spec)
-            self._compiled[bucket] = lowered.compile()
-        return self._compiled[bucket]
+                if scores:
+                    lowered = self._score_step.lower(self.params, self.kv_cache, spec,
+                                                     score_input_spec(bucket))
+                else:
+                    lowered = self._steps[bucket.decode].lower(self.params, self.kv_cache,
+                                                               spec)
+            self._compiled[(bucket, scores)] = lowered.compile()
+        return self._compiled[(bucket, scores)]
 
     def _inputs(self, plan_chunks: Sequence, bucket: Bucket) -> model_step.StepInputs:
         q = NUM_SAMPLE_POSITIONS
@@ -152,19 +199,33 @@ class Runner:
             token_ids=token_ids, md=md, sampling=sampling,
             proposed_ids=proposed_ids(chunks, num_slots=bucket.num_slots, num_positions=q))
 
-    def execute(self, plan: StepPlan) -> tuple[Bucket, list[list[Sample]]]:
-        """Run one step; per chunk, a Sample for each of its `num_samples` positions."""
-        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks),
-                                   decode=all(c.num_tokens == 1 for c in plan.chunks))
-        compiled = self._compile(bucket)
-        self.kv_cache, packed = compiled(self.params, self.kv_cache,
-                                         self._inputs(plan.chunks, bucket))
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; per chunk, a Sample for each of its `num_samples` positions and
+        the PromptScores of the prompt positions it scores (None when none)."""
+        requests = [c.request for c in plan.chunks]
+        spans = score_spans(requests, [Chunk(c.token_ids, c.start, ()) for c in plan.chunks])
+        scores = any(span is not None for span in spans)
+        if scores and not self.enable_prompt_logprobs:
+            raise ValueError("a request asks for prompt_logprobs but this runner was made "
+                             "without enable_prompt_logprobs=True")
+        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks), decode=not scores and all(
+            c.num_tokens == 1 for c in plan.chunks))
+        compiled = self._compile(bucket, scores)
+        inputs = self._inputs(plan.chunks, bucket)
+        if scores:
+            targets, num_top = score_targets(requests, spans, num_tokens=bucket.num_tokens)
+            self.kv_cache, packed, packed_scores = compiled(
+                self.params, self.kv_cache, inputs, scoring.ScoreInputs(targets, num_top))
+            prompt_scores = _prompt_scores(np.asarray(packed_scores), spans)
+        else:
+            self.kv_cache, packed = compiled(self.params, self.kv_cache, inputs)
+            prompt_scores = [None] * len(plan.chunks)
         out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)  # fields [S, Q, ...]
         samples = [[Sample(int(out.token_ids[i, q]), float(out.logprobs[i, q]),
                            out.top_ids[i, q], out.top_logprobs[i, q],
                            float(out.proposed_logprobs[i, q]))
                     for q in range(chunk.num_samples)] for i, chunk in enumerate(plan.chunks)]
-        return bucket, samples
+        return StepResult(bucket, samples, prompt_scores)
 
     def logits(self, chunks: Sequence[Chunk]) -> np.ndarray:
         """Write the chunks' K/V and return f32[tokens, V] logits for every real token
@@ -190,6 +251,36 @@ def step_function(cfg: ModelConfig, *, decode_only: bool = False) -> functools.p
     `decode_only` for decode buckets (one token per request)."""
     return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS,
                              decode_only=decode_only)
+
+
+def score_step_function(cfg: ModelConfig) -> functools.partial:
+    """The scoring variant the runner compiles per mixed bucket with
+    `enable_prompt_logprobs`: (params, kv_cache, inputs, score_inputs) -> (kv_cache,
+    packed samples, packed scores)."""
+    return functools.partial(model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS)
+
+
+def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
+    """ShapeDtypeStructs of a bucket's ScoreInputs."""
+    return scoring.ScoreInputs(
+        target_ids=jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32),
+        num_top=jax.ShapeDtypeStruct((1,), jnp.int32))
+
+
+def _prompt_scores(packed: np.ndarray, spans: Sequence[ScoreSpan | None]
+                   ) -> list[PromptScores | None]:
+    """Per chunk, its rows of the step's packed i32[T, 2 + 2k] scores."""
+    out = scoring.unpack(packed, MAX_LOGPROBS)
+    result: list[PromptScores | None] = []
+    for span in spans:
+        if span is None:
+            result.append(None)
+            continue
+        rows = slice(span.row, span.row + span.count)
+        result.append(PromptScores(first=span.first, logprobs=out.logprobs[rows],
+                                   ranks=out.ranks[rows], top_ids=out.top_ids[rows],
+                                   top_logprobs=out.top_logprobs[rows]))
+    return result
 
 
 def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh:

@@ -1,0 +1,85 @@
+"""Prompt scoring on device: each position's raw logprob of a given next token, its rank
+and the top-k, for `SamplingParams.prompt_logprobs`.
+
+The scoring step (model/step.py: `score_step`) runs the LM head over every token of
+the step, f32[T, V]; `score` reduces those rows on device to what the host needs:
+per position the logprob of the token that follows it in the prompt (`target_ids`,
+-1 where the position is not scored), that token's rank (1 + the number of tokens with
+a strictly higher logprob, vLLM's rule) and the top `num_logprobs` ids and logprobs
+(skipped under `lax.cond` when no scored position wants any). Logprobs are the
+log-softmax of the raw logits: no temperature or penalties, vLLM's default.
+`pack`/`unpack` turn the result into one i32[T, 2 + 2k] array and back (host side,
+numpy), so only [T, 2 + 2k] words cross to the host, never [T, V] rows.
+
+Imports jax and numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoreInputs:
+    """Which positions of the step are scored, and against which token."""
+
+    target_ids: jax.Array  # i32[T]: the prompt token after each position; -1 = not scored
+    num_top: jax.Array  # i32[1]: the most top logprobs a scored position wants; 0 = none
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoreOutput:
+    """Per position of the step (jax arrays on device, numpy after `unpack`)."""
+
+    logprobs: jax.Array  # f32[T]: raw logprob of the target; 0 where not scored
+    ranks: jax.Array  # i32[T]: the target's rank, >= 1; 0 where not scored
+    top_ids: jax.Array  # i32[T, k]: -1 when the step wanted no top logprobs
+    top_logprobs: jax.Array  # f32[T, k]
+
+
+def score(logits: jax.Array, inputs: ScoreInputs, *, num_logprobs: int) -> ScoreOutput:
+    """Score f32[T, V] logits against `inputs.target_ids`; top `num_logprobs` per row."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, V]
+    scored = inputs.target_ids >= 0
+    target = jnp.maximum(inputs.target_ids, 0)[:, None]
+    chosen = jnp.take_along_axis(logprobs, target, axis=-1)  # f32[T, 1]
+    ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)
+    num_rows = logits.shape[0]
+    skipped = (jnp.full((num_rows, num_logprobs), -jnp.inf),
+               jnp.full((num_rows, num_logprobs), -1, jnp.int32))
+    top_logprobs, top_ids = jax.lax.cond(
+        inputs.num_top[0] > 0, lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
+        lambda _x: skipped, logprobs)
+    return ScoreOutput(logprobs=jnp.where(scored, chosen[:, 0], 0.0),
+                       ranks=jnp.where(scored, ranks, 0),
+                       top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+
+def pack(out: ScoreOutput) -> jax.Array:
+    """i32[T, 2 + 2k]: logprob bits, rank, k top ids, k top-logprob bits (float32 bits)."""
+
+    def bits(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+    return jnp.concatenate([bits(out.logprobs)[:, None], out.ranks[:, None].astype(jnp.int32),
+                            out.top_ids, bits(out.top_logprobs)], axis=-1)
+
+
+def unpack(packed: np.ndarray, num_logprobs: int) -> ScoreOutput:
+    """The numpy ScoreOutput of a `pack`ed i32[T, 2 + 2k] array (host side)."""
+    packed = np.asarray(packed)
+    k = num_logprobs
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != 2 + 2 * k:
+        raise ValueError(f"{packed.shape=} {packed.dtype=} must be int32[T, {2 + 2 * k}]")
+
+    def floats(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).view(np.float32)
+
+    return ScoreOutput(logprobs=floats(packed[:, 0]), ranks=packed[:, 1].copy(),
+                       top_ids=packed[:, 2:2 + k].copy(), top_logprobs=floats(packed[:, 2 + k:]))
