@@ -3,7 +3,7 @@
 The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
 uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
 (K in the low half, V in the high half), or four 8-bit ones (K0, V0, K1, V1 from the
-low byte up); `dequantize` then applies the page scale. Unpacking with shifts keeps
+low byte up); `dequantize` then applies the scale (scalar or per token). Unpacking with shifts keeps
 every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
 the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
 way. Imports only jax.
@@ -36,8 +36,10 @@ def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
     return byte(2 * head), byte(2 * head + 1)
 
 
-def dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
-    """Unpacked K or V in the queries' dtype, times its scale (8-bit pages)."""
+def dequantize(x: jax.Array, scale: float | jax.Array | None, dtype: jnp.dtype
+               ) -> jax.Array:
+    """Unpacked K or V in the queries' dtype, times its scale (8-bit pages): a scalar, or
+    a column f32[rows, 1] of per-token scales."""
     if scale is None:
         return x.astype(dtype)
     return (x.astype(jnp.float32) * scale).astype(dtype)
