@@ -68,9 +68,10 @@ def scales_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int
 
 
 def row_scales(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """f32[...]: max|x| over the last axis / QMAX[dtype]; an all-zero row gets 1."""
+    """f32[...]: max|x| over the last axis / QMAX[dtype]; an all-zero row gets 1. (Times
+    the f32 reciprocal, which XLA would substitute anyway: numpy gets the same bits.)"""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    return jnp.where(amax > 0, amax / QMAX[jnp.dtype(dtype)], 1.0)
+    return jnp.where(amax > 0, amax * np.float32(1 / QMAX[jnp.dtype(dtype)]), 1.0)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -111,7 +112,7 @@ def quantize_numpy(x: np.ndarray, dtype: jnp.dtype) -> tuple[np.ndarray, np.ndar
     qmax = QMAX[jnp.dtype(dtype)]
     x = np.asarray(x, np.float32)
     amax = np.abs(x).max(axis=-1)
-    scale = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+    scale = np.where(amax > 0, amax * np.float32(1 / qmax), np.float32(1)).astype(np.float32)
     y = np.clip(x / scale[..., None], -qmax, qmax)
     if jnp.issubdtype(dtype, jnp.integer):
         y = np.round(y)
