@@ -96,8 +96,8 @@ SLOW = pytest.mark.slow
     pytest.param("gpu", jnp.float8_e4m3fn, "page_boundary", (8, 2), marks=SLOW),
 ])
 def test_kernels_read_per_token_scales(impl, kv_dtype, scenario, heads):
-    """The kernel over 8-bit pages + kv_scales equals float attention (ours; JAX's in
-    the slow cases) over the dequantized float32 pages; unused slots hold NaN scales."""
+    """The kernel over 8-bit pages + kv_scales equals float attention (ours; JAX's too
+    for the reference) over the dequantized float32 pages; unused slots hold NaN scales."""
     num_heads, num_kv_heads = heads
     seq_lens = SCENARIOS[scenario]
     quantized, kv_scales, dequantized = make_scaled_case(
