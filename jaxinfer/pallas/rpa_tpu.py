@@ -25,12 +25,9 @@ shifts: float32 takes two words per head (K, V), bfloat16 one word per head (K l
 V high half), 8-bit one word per two heads (bytes K0, V0, K1, V1). So a program serves
 `heads_per_program` = max(1, packing // 2) KV heads and reads no byte it does not use.
 
-Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): with each page's words the
-program copies the page's [K, C] scales (every head: a whole-page copy, tile-aligned for
-page sizes that are multiples of 8) into a VMEM slot beside the KV slot, and picks its
-head's K and V columns f32[kv_block, 1] with a masked lane sum (the head is a program
-id, and a dynamic lane slice does not lower); K and V rows are multiplied by them after
-unpacking. The scale slots share the KV slots' semaphores.
+Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
+are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
+K and V columns, which multiply the unpacked rows.
 """
 
 from __future__ import annotations
@@ -334,20 +331,12 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
                  cfg)
 
 
-def _scales(refs: _Refs, slot: jax.Array, head: jax.Array, cfg: _Config
-            ) -> tuple[jax.Array | float | None, jax.Array | float | None]:
-    """(K scale, V scale) of KV head `head` for the block in `slot`: f32[kv_block, 1]
-    columns picked from the block's scales of every head (a masked lane sum: the head is
-    dynamic), or the scalar scales."""
+def _scales(refs: _Refs, slot: jax.Array, head: jax.Array, cfg: _Config) -> tuple:
+    """(K scale, V scale) of KV head `head` for the block in `slot`: per-token columns
+    (tpu_words.scale_columns), or the scalar scales."""
     if not cfg.scaled:
         return cfg.k_scale, cfg.v_scale
-    block = refs.s_buf[slot]  # f32[kv_block, C]
-    lane = lax.broadcasted_iota(jnp.int32, block.shape, 1)
-
-    def column(index: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.where(lane == index, block, 0.0), axis=1, keepdims=True)
-
-    return column(2 * head), column(2 * head + 1)
+    return tpu_words.scale_columns(refs.s_buf[slot], head)
 
 
 def _write_block(refs: _Refs, carry: tuple[tuple[jax.Array, ...], ...], valid: jax.Array,

@@ -45,6 +45,18 @@ def dequantize(x: jax.Array, scale: float | jax.Array | None, dtype: jnp.dtype
     return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
+def scale_columns(block: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K and V scale columns f32[kv_block, 1] of KV head `head` (dynamic: a program id)
+    from a block's scales of every head f32[kv_block, C] (K of head g at lane 2g, V at
+    2g + 1): a masked lane sum, as a dynamic lane slice does not lower."""
+    lane = lax.broadcasted_iota(jnp.int32, block.shape, 1)
+
+    def column(index: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(lane == index, block, 0.0), axis=1, keepdims=True)
+
+    return column(2 * head), column(2 * head + 1)
+
+
 def fold(x: jax.Array) -> jax.Array:
     """f[bq, R, H] -> f[bq * R, H] (through f32 when R splits packed rows)."""
     tokens, heads, head_dim = x.shape
