@@ -145,3 +145,23 @@ def test_names_of_8bit_kv_dtypes():
     assert kv_quant.storage_dtype("int8") == jnp.int8
     assert kv_quant.storage_dtype("bfloat16") == jnp.bfloat16
     assert kv_quant.is_quantized("fp8") and not kv_quant.is_quantized(jnp.float32)
+
+
+def test_tpu_kernel_scale_copies_have_no_dma_races(monkeypatch):
+    """The scale copies share the KV slots' semaphores and double buffering: the TPU
+    interpreter's race detector sees no conflict (KV blocks of one page: many blocks)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxinfer.pallas import rpa_tpu
+
+    monkeypatch.setattr(rpa_tpu, "KV_BLOCK_TOKENS", 16)
+    seq_lens = SCENARIOS["prefix_hit"]
+    quantized, kv_scales, dequantized = make_scaled_case(seq_lens, kv_dtype=jnp.int8)
+    out = rpa_tpu.ragged_paged_attention(
+        *quantized, sm_scale=0.2, kv_scales=kv_scales,
+        interpret=pltpu.InterpretParams(detect_races=True))
+    assert not mosaic_interpret.races.races_found
+    float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.2,
+                                                                impl="reference"))
+    check(out, float_attention(*dequantized), sum(q for q, _ in seq_lens), jnp.float32)
