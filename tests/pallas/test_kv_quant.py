@@ -97,7 +97,7 @@ SLOW = pytest.mark.slow
 ])
 def test_kernels_read_per_token_scales(impl, kv_dtype, scenario, heads):
     """The kernel over 8-bit pages + kv_scales equals float attention (ours; JAX's too
-    for the reference) over the dequantized float32 pages; unused slots hold NaN scales."""
+    in the slow reference case) over the dequantized float32 pages; unused slots hold NaN scales."""
     num_heads, num_kv_heads = heads
     seq_lens = SCENARIOS[scenario]
     quantized, kv_scales, dequantized = make_scaled_case(
@@ -107,7 +107,7 @@ def test_kernels_read_per_token_scales(impl, kv_dtype, scenario, heads):
     float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.2,
                                                                 impl="reference"))
     check(out, float_attention(*dequantized), real, jnp.float32)
-    if impl == "reference":
+    if impl == "reference" and kv_dtype == jnp.float8_e4m3fn:  # the slow case: JAX's, eager
         combined = (dequantized[0], kv_layout.combined_view(dequantized[1]),
                     *dequantized[2:])
         check(out, ref_ragged_paged_attention(*combined, sm_scale=0.2), real, jnp.float32)
