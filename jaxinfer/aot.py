@@ -130,7 +130,7 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
         params = jax.eval_shape(functools.partial(quantization.quantize_params,
                                                   mode=s.quantization), params)
     kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
-                       dtype=jnp.dtype(s.kv_dtype), backend="tpu", shards=shards)
+                       dtype=s.kv_dtype, backend="tpu", shards=shards)
     return params, kv
 
 

@@ -212,7 +212,7 @@ def load_preset(name_or_path: str) -> ModelConfig:
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", *DTYPES)
+KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8")  # jaxinfer/quantization.py
 
 
@@ -228,8 +228,9 @@ class EngineConfig:
     field from here: name, default, type, `choices` and `help` (see `_setting`)."""
 
     dtype: str = _setting("float32", "weights dtype", DTYPES)
-    kv_cache_dtype: str = _setting("auto", "KV pages dtype; auto: the weights' dtype",
-                                   KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _setting("auto", "KV pages dtype; auto: the weights' dtype; "
+                                   "int8, fp8 (float8_e4m3fn): 8-bit values with a float32 "
+                                   "scale per token and KV head", KV_CACHE_DTYPES)
     max_num_seqs: int = _setting(32, "requests in flight")
     max_num_batched_tokens: int = _setting(512, "tokens per step (the top token bucket)")
     max_model_len: int | None = _setting(None, "prompt + output; default: the model's maximum")

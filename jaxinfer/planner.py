@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import param_partition_specs, param_shapes
-from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas import kv_layout, kv_quant
 from jaxinfer.quantization import HEAD, QUANTIZED_WEIGHTS
 
 GB = 1e9
@@ -206,10 +206,13 @@ def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
     """K and V of one token over all layers on one device, as stored: heads padded to
     whole 32-bit words (`pallas/kv_layout.py`; only 8-bit pages with an odd head count
-    pad)."""
+    pad); 8-bit KV ("int8", "fp8") adds a float32 scale per real combined head
+    (`pallas/kv_quant.py`)."""
     heads = kv_heads_per_device(cfg, tensor_parallel_size)
-    combined = kv_layout.padded_heads_for(heads, kv_dtype)
-    return combined * cfg.head_dim * jnp.dtype(kv_dtype).itemsize * cfg.num_layers
+    dtype = kv_quant.storage_dtype(kv_dtype)
+    combined = kv_layout.padded_heads_for(heads, dtype)
+    scales = 4 * 2 * heads if kv_quant.is_quantized(dtype) else 0
+    return (combined * cfg.head_dim * dtype.itemsize + scales) * cfg.num_layers
 
 
 def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model_len: int,

@@ -195,3 +195,34 @@ def test_plan_that_does_not_fit_per_device_says_by_how_much():
                                          r"raise tensor_parallel_size"):
         planner.plan(cfg, dtype="bfloat16", max_model_len=8192, memory_bytes=2 * 10**9,
                      tensor_parallel_size=8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_plan_equals_the_engine_allocation_with_8bit_kv_and_scales(hf_model_dirs, kv_dtype):
+    """Pages plus their f32 scales per token and KV head, to the byte."""
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(
+        kv_cache_dtype=kv_dtype, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+        max_model_len=32, kv_cache_memory_bytes=123_457, compilation_cache_dir=""),
+        warm_up=False)
+    plan = engine.memory_plan
+    assert plan.kv_cache_bytes == runner.tree_bytes(engine.runner.kv_cache)
+    assert plan.num_pages == engine.scheduler.pool.num_pages == 123_457 // plan.page_bytes
+    cfg = checkpoint.load_config(hf_model_dirs["llama"])
+    combined = -(-2 * cfg.num_kv_heads // 4) * 4  # 8-bit pages: whole words of 4 heads
+    assert plan.kv_bytes_per_token == cfg.num_layers * (
+        combined * cfg.head_dim + 4 * 2 * cfg.num_kv_heads)
+
+
+def test_int8_kv_pool_holds_about_twice_the_pages_of_bf16():
+    """Llama 3.1 8B (8 KV heads of 128): an int8 token is 128 + 4 bytes per combined head
+    against 256, so 256 / 132 = 1.939x the pages for the same memory (the scales keep
+    it under 2)."""
+    cfg = load_preset("llama3.1-8b")
+    common = dict(dtype="bfloat16", max_model_len=8192, page_size=16,
+                  kv_cache_bytes=10 * 10**9)
+    bf16 = planner.plan(cfg, kv_dtype="bfloat16", **common)
+    int8 = planner.plan(cfg, kv_dtype="int8", **common)
+    assert int8.kv_bytes_per_token == 32 * 16 * (128 + 4)
+    assert bf16.kv_bytes_per_token == 32 * 16 * 256
+    assert int8.num_pages / bf16.num_pages == pytest.approx(256 / 132, rel=1e-4)
+    assert planner.plan(cfg, kv_dtype="fp8", **common).num_pages == int8.num_pages

@@ -4,8 +4,11 @@ The KV cache is a list with one array per layer, each [P, K, W, packing, H]
 (`pallas/kv_layout.py`): K and V interleaved on the combined-head axis (K at
 even, V at odd, JAX's `ref_ragged_paged_attention` order), packed into 32-bit
 words so TPU copies of one head's words are tile-aligned. Page 0 is the trash
-page that padding tokens write into. Imports jax, jaxinfer.config,
-jaxinfer.pallas, model.layers and model.fusion.
+page that padding tokens write into. With an 8-bit KV dtype (int8, fp8) each layer
+is a `QuantizedPages`: the pages and their scales f32[P, K, 2G], one per token and
+combined head, written at the same page slots (pallas/kv_quant.py). The structure is
+fixed per config; float caches are plain arrays as before. Imports jax,
+jaxinfer.config, jaxinfer.pallas, model.layers and model.fusion.
 """
 
 from __future__ import annotations
@@ -20,10 +23,22 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers
-from jaxinfer.pallas import kv_layout, ragged_paged_attention, reference
+from jaxinfer.pallas import kv_layout, kv_quant, ragged_paged_attention, reference
 
-KVCache = list[jax.Array]  # L x [P, K, W, packing, H]
 KV_PAGES_SPEC = P(None, None, sharding.MODEL_AXIS, None, None)  # split by KV head (words)
+KV_SCALES_SPEC = P(None, None, sharding.MODEL_AXIS)  # split by KV head, like the pages
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """One layer of an 8-bit KV cache: values and their per-token scales."""
+
+    pages: jax.Array  # int8/fp8[P, K, W, packing, H]
+    scales: jax.Array  # f32[P, K, 2G]: K scale of head g at 2g, V scale at 2g + 1
+
+
+KVCache = list[jax.Array] | list[QuantizedPages]  # L layers
 
 
 @jax.tree_util.register_dataclass
@@ -51,25 +66,40 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
 
 
 def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: jnp.dtype = jnp.float32, backend: str | None = None,
-                  shards: int = 1) -> list[jax.ShapeDtypeStruct]:
-    """Shapes and storage dtypes of the cache's L arrays, [P, K, W, packing, H] each;
+                  dtype: jnp.dtype | str = jnp.float32, backend: str | None = None,
+                  shards: int = 1) -> list:
+    """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, H] each
+    (a `QuantizedPages` with scales f32[P, K, 2G] for 8-bit `dtype`, "int8" or "fp8");
     with `shards` devices on the model axis, W is each device's words (its G / shards
     heads, padded to whole words) times `shards`, so a split of W gives whole heads."""
-    stored = kv_storage_dtype(dtype, backend)
+    stored = kv_storage_dtype(kv_quant.storage_dtype(dtype), backend)
     pages, size, words, packing, head_dim = kv_layout.kv_cache_shape(
         num_pages, page_size, cfg.num_kv_heads // shards, cfg.head_dim, stored)
-    shape = (pages, size, words * shards, packing, head_dim)
-    return [jax.ShapeDtypeStruct(shape, stored) for _ in range(cfg.num_layers)]
+    layer = jax.ShapeDtypeStruct((pages, size, words * shards, packing, head_dim), stored)
+    if kv_quant.is_quantized(stored):
+        scales = kv_quant.scales_shape(num_pages, page_size, cfg.num_kv_heads)
+        layer = QuantizedPages(layer, jax.ShapeDtypeStruct(scales, jnp.float32))
+    return [layer for _ in range(cfg.num_layers)]
+
+
+def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
+    """NamedShardings of a KV cache tree (arrays or specs): pages and scales split by
+    KV head over the model axis."""
+    def named(x: object) -> jax.sharding.NamedSharding:
+        spec = KV_PAGES_SPEC if len(x.shape) == 5 else KV_SCALES_SPEC
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    return jax.tree.map(named, kv_cache)
 
 
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: jnp.dtype = jnp.float32, shards: int = 1) -> KVCache:
-    """Zeroed cache: L arrays of [P, K, W, packing, H] in the storage dtype of `dtype`
-    (jit it with out_shardings to build a sharded cache without a whole copy)."""
-    return [jnp.zeros(spec.shape, spec.dtype)
-            for spec in kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
-                                      dtype=dtype, shards=shards)]
+                  dtype: jnp.dtype | str = jnp.float32, shards: int = 1) -> KVCache:
+    """Zeroed cache: L layers of [P, K, W, packing, H] in the storage dtype of `dtype`
+    (with their scales for 8-bit KV; jit it with out_shardings to build a sharded cache
+    without a whole copy)."""
+    return jax.tree.map(lambda spec: jnp.zeros(spec.shape, spec.dtype),
+                        kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
+                                      dtype=dtype, shards=shards))
 
 
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
@@ -86,13 +116,13 @@ def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
 def attention_block(
     layer: dict[str, jax.Array],
     x: jax.Array,  # f32[T, D], already normed
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array | QuantizedPages,  # [P, K, W, packing, H] (and scales)
     md: AttentionMetadata,
     cfg: ModelConfig,
     *,
     rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, 1, H] (layers.rope_tables)
     decode_only: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
     q, k, v = project_qkv(layer, x, cfg, rope)
@@ -101,27 +131,38 @@ def attention_block(
                                num_kv_heads=cfg.num_kv_heads // shards)
     if shards > 1:  # each device: its own KV heads, their pages, no communication
         heads = P(None, sharding.MODEL_AXIS, None)
-        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, KV_PAGES_SPEC, P()),
-                               out_specs=(heads, KV_PAGES_SPEC), check_vma=False)
+        kv_spec = KV_PAGES_SPEC
+        if isinstance(kv_pages, QuantizedPages):
+            kv_spec = QuantizedPages(KV_PAGES_SPEC, KV_SCALES_SPEC)
+        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, kv_spec, P()),
+                               out_specs=(heads, kv_spec), check_vma=False)
     out, kv_pages = attend(q, k, v, kv_pages, md)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
     return layers.linear(out, layer["wo"]), kv_pages
 
 
-def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array,
-                      md: AttentionMetadata, *, cfg: ModelConfig, decode_only: bool,
-                      num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
+                      kv_pages: jax.Array | QuantizedPages, md: AttentionMetadata, *,
+                      cfg: ModelConfig, decode_only: bool, num_kv_heads: int
+                      ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Write this step's K/V, then attend: (f[T, N, H], new kv_pages); on one device's
-    heads under tensor parallelism."""
-    kv_pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
-    stored_bits = kv_pages.dtype == reference.BF16_STORAGE
+    heads under tensor parallelism. 8-bit pages: quantized per token and head, queries
+    in float32."""
+    kv_scales = None
+    if isinstance(kv_pages, QuantizedPages):
+        pages, kv_scales = kv_quant.write_quantized_kv(kv_pages.pages, kv_pages.scales, k,
+                                                       v, md.slot_mapping)
+        query_dtype = jnp.float32
+    else:
+        pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
+        stored_bits = pages.dtype == reference.BF16_STORAGE
+        query_dtype = jnp.float32 if stored_bits else pages.dtype
     out = ragged_paged_attention(
-        q.astype(jnp.float32 if stored_bits else kv_pages.dtype), kv_pages, md.kv_lens,
-        md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=cfg.head_dim ** -0.5,
-        sliding_window=cfg.sliding_window, num_kv_heads=num_kv_heads,
-        impl=cfg.attention_impl, interpret=cfg.attention_interpret,
-        decode_only=decode_only)
-    return out, kv_pages
+        q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
+        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        num_kv_heads=num_kv_heads, impl=cfg.attention_impl,
+        interpret=cfg.attention_interpret, decode_only=decode_only, kv_scales=kv_scales)
+    return out, pages if kv_scales is None else QuantizedPages(pages, kv_scales)
 
 
 def dense_causal_attention(

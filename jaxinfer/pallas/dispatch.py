@@ -8,8 +8,9 @@ backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
 kernel in interpret mode on CPU (the TPU kernel in the TPU interpreter, with
 out-of-bounds reads raising). KV pages are `[P, K, W, packing, H]`
 (`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
-when 8-bit pages pad an odd head count (default: all of them). Imports jax and
-the sibling modules only.
+when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
+read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
+token and head (`kv_quant.py`). Imports jax and the sibling modules only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.pallas import kv_layout, reference
+from jaxinfer.pallas import kv_layout, kv_quant, reference
 
 IMPLS = ("auto", "tpu", "gpu", "reference")
 KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
@@ -40,6 +41,7 @@ def validate_inputs(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
+    kv_scales: jax.Array | None = None,  # f32[P, K, 2G]
 ) -> None:
     """Trace-time checks of shapes, dtypes and settings; errors name the argument."""
     if queries.ndim != 3:
@@ -53,7 +55,24 @@ def validate_inputs(
     _validate_metadata(kv_lens, page_indices, cu_q_lens, num_seqs)
     _validate_settings(kv_pages.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
                        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
-                       v_scale=v_scale)
+                       v_scale=v_scale, per_token=kv_scales is not None)
+    if kv_scales is not None:
+        _validate_kv_scales(kv_pages, kv_scales,
+                            num_kv_heads or kv_layout.padded_heads(kv_pages) // 2)
+
+
+def _validate_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array, num_kv_heads: int
+                        ) -> None:
+    """kv_scales is f32[P, K, 2G] beside 8-bit pages (kv_quant.py)."""
+    if kv_pages.dtype not in (jnp.int8, jnp.float8_e4m3fn):
+        raise ValueError(f"kv_scales is for int8 or float8_e4m3fn kv_pages, not "
+                         f"{jnp.dtype(kv_pages.dtype).name}")
+    if kv_scales.dtype != jnp.float32:
+        raise ValueError(f"kv_scales dtype {kv_scales.dtype} must be float32")
+    want = kv_quant.scales_shape(kv_pages.shape[0], kv_pages.shape[1], num_kv_heads)
+    if kv_scales.shape != want:
+        raise ValueError(f"kv_scales must be [P, K, 2G] = {want} for these kv_pages and "
+                         f"num_kv_heads={num_kv_heads}, got shape {kv_scales.shape}")
 
 
 def _validate_layout(queries: jax.Array, kv_pages: jax.Array, num_kv_heads: int | None
@@ -99,7 +118,8 @@ def _validate_metadata(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: j
 
 def _validate_settings(kv_dtype: jnp.dtype, *, sm_scale: float, sliding_window: int | None,
                        soft_cap: float | None, mask_value: float | None,
-                       k_scale: float | None, v_scale: float | None) -> None:
+                       k_scale: float | None, v_scale: float | None,
+                       per_token: bool = False) -> None:
     if not isinstance(sm_scale, int | float) or sm_scale <= 0:
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive number")
     if sliding_window is not None and (not isinstance(sliding_window, int)
@@ -113,8 +133,12 @@ def _validate_settings(kv_dtype: jnp.dtype, *, sm_scale: float, sliding_window: 
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not scale > 0:
             raise ValueError(f"{name}={scale!r} must be > 0 or None")
-        if quantized and scale is None:
-            raise ValueError(f"{name} is required for {jnp.dtype(kv_dtype).name} kv_pages")
+        if per_token and scale is not None:
+            raise ValueError(f"{name}={scale!r} and kv_scales exclude each other: give "
+                             "one scale per cache or one per token")
+        if quantized and scale is None and not per_token:
+            raise ValueError(f"{name} (or kv_scales) is required for "
+                             f"{jnp.dtype(kv_dtype).name} kv_pages")
 
 
 def resolve_impl(impl: str) -> str:
@@ -144,13 +168,14 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     decode_only: bool = False,
+    kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head, 8-bit pages
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc).
     `decode_only`: a static promise that every request has one query token; the
     reference then compiles its per-token path alone (the kernels need no hint)."""
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
-                    num_kv_heads=num_kv_heads)
+                    num_kv_heads=num_kv_heads, kv_scales=kv_scales)
     args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, **settings)
     chosen = resolve_impl(impl)

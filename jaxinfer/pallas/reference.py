@@ -17,6 +17,9 @@ that runs only as far as the longest KV in the step (not the page table's
 width), with an online softmax in float32. K and V are gathered apart, each
 straight into the layout its dot wants (XLA:CPU's gathers are the cost here).
 
+8-bit pages are read times a scalar `k_scale`/`v_scale` or, with `kv_scales`
+f32[P, K, 2G], times each row's own scale (`kv_quant.py`).
+
 Pages of dtype uint16 hold bfloat16 bit patterns: the CPU storage of a bf16
 KV cache (`BF16_STORAGE`). On XLA:CPU a bf16 scatter is upcast over the whole
 pool, and a bf16 gather in a loop gets its convert hoisted into a whole-pool
@@ -92,6 +95,7 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
     decode_only: bool = False,
+    kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head (kv_quant.py)
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over the paged KV of its own request. `decode_only`
     (static): every request has one query token, in the first rows, so the per-token
@@ -116,7 +120,7 @@ def ragged_paged_attention(
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
                     k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block,
-                    num_kv_heads=num_kv_heads)
+                    num_kv_heads=num_kv_heads, kv_scales=kv_scales)
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
@@ -197,7 +201,7 @@ def _attend_by_requests(
             pages = jax.lax.dynamic_slice_in_dim(rows[i], b * pages_per_block, pages_per_block)
             pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
             k, v = _gather_kv(kv_pages, pages, num_kv_heads, settings["k_scale"],
-                              settings["v_scale"])
+                              settings["v_scale"], settings["kv_scales"])
             return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos,
                                     mask_value=mask_value, **settings)
 
@@ -249,7 +253,7 @@ def _attend_tokens(
         pages = jax.lax.dynamic_slice_in_dim(rows, b * pages_per_block, pages_per_block, 1)
         pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         k, v = _gather_kv(kv_pages, pages, num_kv_heads, settings["k_scale"],
-                          settings["v_scale"])
+                          settings["v_scale"], settings["kv_scales"])
         return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos, mask_value=mask_value,
                                 **settings)
 
@@ -262,8 +266,10 @@ def _attend_tokens(
 
 
 def _gather_kv(kv_pages: jax.Array, pages: jax.Array, num_kv_heads: int,
-               k_scale: float | None, v_scale: float | None) -> tuple[jax.Array, jax.Array]:
-    """K and V of `pages` i32[..., n] as f32[..., n * K, G, H] each, gathered apart."""
+               k_scale: float | None, v_scale: float | None,
+               kv_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """K and V of `pages` i32[..., n] as f32[..., n * K, G, H] each, gathered apart;
+    8-bit rows times their scalar scale or their own scale in `kv_scales` f32[P, K, 2G]."""
     num_pages, page_size, combined, head_dim = kv_pages.shape
     view = kv_pages.reshape(num_pages, page_size, combined // 2, 2, head_dim)
 
@@ -273,6 +279,9 @@ def _gather_kv(kv_pages: jax.Array, pages: jax.Array, num_kv_heads: int,
         if x.dtype == BF16_STORAGE:
             x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
         x = _dequantize(x, scale, jnp.float32)
+        if kv_scales is not None:  # [..., n, K, G, 1]: each row's own scale
+            rows = kv_scales.reshape(num_pages, page_size, -1, 2)[pages, :, :, index]
+            x = x * rows[..., None]
         return x.reshape(*pages.shape[:-1], -1, num_kv_heads, head_dim)
 
     return half(0, k_scale), half(1, v_scale)
@@ -293,9 +302,10 @@ def _kv_block_update(
     mask_value: float,
     k_scale: float | None,
     v_scale: float | None,
+    kv_scales: jax.Array | None,
 ) -> tuple[jax.Array, ...]:
     """One KV block of the online softmax, per-token KV or one block shared by all rows."""
-    del k_scale, v_scale  # applied by _gather_kv
+    del k_scale, v_scale, kv_scales  # applied by _gather_kv
     running_max, total, acc = carry
     shared = k.ndim == 3
     present = pos[None, :] < kv_len[:, None]  # [Tb, Cb]: slots holding real KV

@@ -18,6 +18,8 @@ Same contract as `reference.ragged_paged_attention` (JAX's
 
 Tuning constants live in `GpuTuning` / `choose_tuning`, apart from the logic.
 float8_e4m3fn KV needs compute capability >= 8.9 (Triton's fp8 conversions).
+With `kv_scales` f32[P, K, 2G] (`kv_quant.py`) each K and V row is multiplied by its
+own scale, gathered by page id like the row, before the dots.
 KV pages arrive as [P, K, W, packing, H] (`kv_layout.py`) and are read through
 the free reshape to [P, K, W * packing, H]: row-major order makes the packed
 layout the familiar combined-head axis. Imports jax, numpy and `kv_layout`.
@@ -141,6 +143,7 @@ class _Static:
     sliding_window: int | None
     soft_cap: float | None
     mask_value: float
+    scaled: bool = False  # kv_scales given: K and V rows times their own scales
 
 
 def _kv_range(q_pos0: jax.Array, ntok: jax.Array, kv_len: jax.Array, st: _Static,
@@ -158,14 +161,18 @@ def _kv_range(q_pos0: jax.Array, ntok: jax.Array, kv_len: jax.Array, st: _Static
 
 def _kv_step(kb: jax.Array, carry: tuple[jax.Array, ...], *, q: jax.Array, q_pos: jax.Array,
              req: jax.Array, kv_len: jax.Array, head: jax.Array, pi_ref: Ref,
-             kv_ref: Ref, st: _Static) -> tuple[jax.Array, ...]:
+             kv_ref: Ref, s_ref: Ref | None, st: _Static) -> tuple[jax.Array, ...]:
     """One online-softmax step over KV tokens [kb * block_kv, (kb + 1) * block_kv)."""
     acc, m, l = carry
     pos = kb * st.block_kv + jnp.arange(st.block_kv, dtype=jnp.int32)  # [Bk]
     page = pi_ref[req, jnp.minimum(pos // st.page_size, st.pages_per_seq - 1)]
     slot = pos % st.page_size
-    k = kv_ref[page, slot, 2 * head, :].astype(q.dtype)  # [Bk, H], gathered by page id
-    v = kv_ref[page, slot, 2 * head + 1, :].astype(q.dtype)
+    k = kv_ref[page, slot, 2 * head, :]  # [Bk, H], gathered by page id
+    v = kv_ref[page, slot, 2 * head + 1, :]
+    if s_ref is not None:  # per-token scales f32[Bk], gathered the same way
+        k = k.astype(jnp.float32) * s_ref[page, slot, 2 * head][:, None]
+        v = v.astype(jnp.float32) * s_ref[page, slot, 2 * head + 1][:, None]
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     present = pos < kv_len
     v = jnp.where(present[:, None], v, 0)  # unused slots may hold NaN: 0 * NaN = NaN
     s = plgpu.dot(q, k, trans_b=True) * st.scale  # f32[rows, Bk]
@@ -183,9 +190,10 @@ def _kv_step(kb: jax.Array, carry: tuple[jax.Array, ...], *, q: jax.Array, q_pos
     return acc, m_new, l
 
 
-def _kernel(meta_ref: Ref, pi_ref: Ref, q_ref: Ref, kv_ref: Ref, *out_refs: Ref,
+def _kernel(meta_ref: Ref, pi_ref: Ref, q_ref: Ref, kv_ref: Ref, *refs: Ref,
             st: _Static) -> None:
-    """One (query block, KV head, KV split) program."""
+    """One (query block, KV head, KV split) program; `refs`: [kv scales,] outputs."""
+    s_ref, out_refs = (refs[0], refs[1:]) if st.scaled else (None, refs)
     block, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     req, tok0, ntok, q_pos0, kv_len = (meta_ref[block, f] for f in range(META_FIELDS))
     rows, head_dim = st.bq * st.heads, q_ref.shape[-1]
@@ -198,7 +206,7 @@ def _kernel(meta_ref: Ref, pi_ref: Ref, q_ref: Ref, kv_ref: Ref, *out_refs: Ref,
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), st.mask_value, jnp.float32), jnp.zeros((rows,), jnp.float32))
     step = functools.partial(_kv_step, q=q, q_pos=q_pos, req=req, kv_len=kv_len, head=head,
-                             pi_ref=pi_ref, kv_ref=kv_ref, st=st)
+                             pi_ref=pi_ref, kv_ref=kv_ref, s_ref=s_ref, st=st)
     acc, m, l = jax.lax.fori_loop(start, end, step, init)
     if st.k_splits == 1:
         (o_ref,) = out_refs
@@ -244,6 +252,7 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     interpret: bool = False,
     tuning: GpuTuning | None = None,
+    kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc)."""
     tokens, num_heads, head_dim = queries.shape
@@ -266,18 +275,21 @@ def ragged_paged_attention(
                  scale=sm_scale * (1.0 if k_scale is None else k_scale),
                  v_scale=1.0 if v_scale is None else v_scale, sliding_window=sliding_window,
                  soft_cap=soft_cap,
-                 mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value)
+                 mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
+                 scaled=kv_scales is not None)
     q = queries.reshape(tokens, num_kv_heads, group, head_dim)
     if heads != group:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, heads - group), (0, 0)))
     meta = _block_table(cu_q_lens, kv_lens, num_seqs, tokens=tokens, bq=bq)
-    out = _call(meta, page_indices, q, kv_pages, st=st, tuning=tuning, interpret=interpret)
+    kv = (kv_pages,) if kv_scales is None else (kv_pages, kv_scales)
+    out = _call(meta, page_indices, q, *kv, st=st, tuning=tuning, interpret=interpret)
     return out[:, :, :group].reshape(tokens, num_heads, head_dim)
 
 
-def _call(meta: jax.Array, page_indices: jax.Array, q: jax.Array, kv_pages: jax.Array, *,
+def _call(meta: jax.Array, page_indices: jax.Array, q: jax.Array, *kv: jax.Array,
           st: _Static, tuning: GpuTuning, interpret: bool) -> jax.Array:
-    """Launch the kernel (and the split combine): f[T, G, Rp, H]."""
+    """Launch the kernel (and the split combine): f[T, G, Rp, H]; `kv`: the pages [and
+    their scales]."""
     _, num_kv_heads, heads, _ = q.shape
     splits = st.k_splits
     if splits == 1:
@@ -294,7 +306,7 @@ def _call(meta: jax.Array, page_indices: jax.Array, q: jax.Array, kv_pages: jax.
                                              num_stages=tuning.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_bq{st.bq}_r{heads}_kv{st.block_kv}_z{splits}",
-    )(meta, page_indices, q, kv_pages)
+    )(meta, page_indices, q, *kv)
     if splits == 1:
         return outs[0]
     return _combine(*outs, st.v_scale, q.dtype)

@@ -24,6 +24,10 @@ copy is tile-aligned for every dtype) and unpacks K and V from the words as uint
 shifts: float32 takes two words per head (K, V), bfloat16 one word per head (K low half,
 V high half), 8-bit one word per two heads (bytes K0, V0, K1, V1). So a program serves
 `heads_per_program` = max(1, packing // 2) KV heads and reads no byte it does not use.
+
+Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
+are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
+K and V columns, which multiply the unpacked rows.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class _Config:
     v_scale: float | None
     heads_per_program: int  # KV heads one program serves: max(1, packing // 2)
     words_per_program: int  # words of each token it copies: max(1, 2 // packing)
+    scaled: bool = False  # kv_scales given: a scale per token and combined head
 
     @property
     def kv_block(self) -> int:
@@ -98,6 +103,8 @@ class _Refs(NamedTuple):
     kv_buf: Any  # VMEM [2 slots, words_per_program, kv_block, packing, H]
     kv_sems: Any  # DMA semaphores [2], one per KV slot
     io_sems: Any  # DMA semaphores [2]: query copy, output copy
+    scales: Any = None  # HBM f32[P, K, C] (kv_scales), or None
+    s_buf: Any = None  # VMEM f32[2 slots, kv_block, C], or None
 
 
 class _Request(NamedTuple):
@@ -133,6 +140,7 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (inputs pre-validated).
 
@@ -154,7 +162,8 @@ def ragged_paged_attention(
                   sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
                   mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale,
                   heads_per_program=per_program,
-                  words_per_program=max(1, 2 // kv_layout.packing(kv_pages.dtype)))
+                  words_per_program=max(1, 2 // kv_layout.packing(kv_pages.dtype)),
+                  scaled=kv_scales is not None)
     # Token-major, heads grouped by KV head (padded to whole programs), `q_block` padding
     # tokens at the end so a fixed-size block copy starting at any real token stays in
     # bounds.
@@ -165,15 +174,15 @@ def ragged_paged_attention(
     scalars = (kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs)
     for decode in (False, True):
         cfg = _Config(decode=decode, q_block=1 if decode else q_block, **common)
-        out = _attention_pass(cfg, scalars, grouped, kv_pages, out, tokens=tokens,
+        out = _attention_pass(cfg, scalars, grouped, kv_pages, kv_scales, out, tokens=tokens,
                               interpret=interpret)
     out = out[:tokens, :num_kv_heads]
     return out.reshape(tokens, num_heads, head_dim)
 
 
 def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.Array,
-                    kv_pages: jax.Array, out: jax.Array, *, tokens: int,
-                    interpret: bool | pltpu.InterpretParams) -> jax.Array:
+                    kv_pages: jax.Array, kv_scales: jax.Array | None, out: jax.Array, *,
+                    tokens: int, interpret: bool | pltpu.InterpretParams) -> jax.Array:
     """One pallas_call writing its requests' rows of `out` (aliased in place)."""
     _, padded_heads, heads_per_kv, head_dim = grouped.shape
     num_slots = scalars[0].shape[0]
@@ -188,15 +197,19 @@ def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.A
         pltpu.SemaphoreType.DMA((2,)),  # kv_sems
         pltpu.SemaphoreType.DMA((2,)),  # io_sems
     ]
+    operands = [grouped, kv_pages]
+    if cfg.scaled:  # s_buf: the scales of a KV block, whole pages (all heads) per slot
+        operands.append(kv_scales)
+        scratch.append(pltpu.VMEM((2, cfg.kv_block, kv_scales.shape[2]), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(num_slots, padded_heads // cfg.heads_per_program),
-        in_specs=[hbm, hbm, hbm], out_specs=hbm, scratch_shapes=scratch)
+        in_specs=[hbm] * (len(operands) + 1), out_specs=hbm, scratch_shapes=scratch)
     kernel = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         grid_spec=grid_spec,
-        input_output_aliases={len(scalars) + 2: 0},  # `out` is updated in place
+        input_output_aliases={len(scalars) + len(operands): 0},  # `out` updated in place
         cost_estimate=_cost_estimate(cfg, grouped, kv_pages, tokens=tokens,
                                      num_slots=num_slots),
         # "arbitrary" (sequential) on both axes: see the note on spills in `_query_block`.
@@ -204,7 +217,7 @@ def _attention_pass(cfg: _Config, scalars: tuple[jax.Array, ...], grouped: jax.A
         interpret=_interpret_params(interpret),
         name="rpa_decode" if cfg.decode else "rpa_prefill",
     )
-    return kernel(*scalars, grouped, kv_pages, out)
+    return kernel(*scalars, *operands, out)
 
 
 def _cost_estimate(cfg: _Config, grouped: jax.Array, kv_pages: jax.Array, *, tokens: int,
@@ -216,6 +229,8 @@ def _cost_estimate(cfg: _Config, grouped: jax.Array, kv_pages: jax.Array, *, tok
     heads, head_dim = grouped.shape[1] * grouped.shape[2], grouped.shape[3]
     context = cfg.pages_per_seq * cfg.page_size
     kv_token_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.dtype.itemsize
+    if cfg.scaled:  # f32 scales of every combined head beside the values
+        kv_token_bytes += 4 * kv_layout.padded_heads(kv_pages)
     if cfg.decode:
         queries = blocks = min(num_slots, tokens)
     else:
@@ -233,11 +248,15 @@ def _interpret_params(interpret: bool | pltpu.InterpretParams) -> Any:
 
 
 def _kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_ref: Any,
-            q_hbm: Any, kv_hbm: Any, aliased_out: Any, o_hbm: Any, q_buf: Any, o_buf: Any,
-            kv_buf: Any, kv_sems: Any, io_sems: Any, *, cfg: _Config) -> None:
-    """Program (request slot, KV-head group): every query block of the request, if ours."""
-    del aliased_out  # the same buffer as `o_hbm`
-    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, q_buf, o_buf, kv_buf, kv_sems, io_sems)
+            *refs: Any, cfg: _Config) -> None:
+    """Program (request slot, KV-head group): every query block of the request, if ours.
+    `refs`: q, kv pages, [kv scales,] the aliased out (the same buffer as out), out,
+    q_buf, o_buf, kv_buf, kv_sems, io_sems[, s_buf]."""
+    if cfg.scaled:
+        q_hbm, kv_hbm, s_hbm, _, o_hbm, *scratch, s_buf = refs
+    else:
+        (q_hbm, kv_hbm, _, o_hbm, *scratch), s_hbm, s_buf = refs, None, None
+    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, *scratch, scales=s_hbm, s_buf=s_buf)
     slot, group = pl.program_id(0), pl.program_id(1)
     q_start = cu_q_lens_ref[slot]
     q_len = cu_q_lens_ref[slot + 1] - q_start
@@ -300,7 +319,8 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
                  for w in range(cfg.words_per_program)]  # u32[kv_block, H] each
         return tuple(
             _online_softmax(q, *tpu_words.unpack_kv(words, h, refs.kv_buf.dtype), carry[h],
-                            kb * cfg.kv_block, first_pos, keys, cfg)
+                            kb * cfg.kv_block, first_pos, keys, cfg,
+                            _scales(refs, slot, req.group * cfg.heads_per_program + h, cfg))
             for h, q in enumerate(qs))
 
     rows, head_dim = qs[0].shape
@@ -309,6 +329,14 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: _Config) -> None
     carry = lax.fori_loop(kb_lo, kb_hi, body, (init,) * cfg.heads_per_program)
     _write_block(refs, carry, req.q_len - first, refs.out.at[pl.ds(t0, cfg.q_block), heads],
                  cfg)
+
+
+def _scales(refs: _Refs, slot: jax.Array, head: jax.Array, cfg: _Config) -> tuple:
+    """(K scale, V scale) of KV head `head` for the block in `slot`: per-token columns
+    (tpu_words.scale_columns), or the scalar scales."""
+    if not cfg.scaled:
+        return cfg.k_scale, cfg.v_scale
+    return tpu_words.scale_columns(refs.s_buf[slot], head)
 
 
 def _write_block(refs: _Refs, carry: tuple[tuple[jax.Array, ...], ...], valid: jax.Array,
@@ -349,6 +377,9 @@ def _copy_page(refs: _Refs, req: _Request, page: jax.Array, p: int, slot: jax.Ar
     for w in range(cfg.words_per_program):
         src = refs.kv_pages.at[physical, :, req.group * cfg.words_per_program + w]  # [K, pk, H]
         action(pltpu.make_async_copy(src, refs.kv_buf.at[slot, w, rows], refs.kv_sems.at[slot]))
+    if cfg.scaled:  # the page's scales of every head: [K, C], a whole-page copy
+        action(pltpu.make_async_copy(refs.scales.at[physical], refs.s_buf.at[slot, rows],
+                                     refs.kv_sems.at[slot]))
 
 
 def _online_softmax(
@@ -360,11 +391,12 @@ def _online_softmax(
     first_pos: jax.Array,  # KV position of the query block's first token
     keys: _KeyRange,
     cfg: _Config,
+    scales: tuple[jax.Array | float | None, jax.Array | float | None],  # K, V (_scales)
 ) -> tuple[jax.Array, ...]:
     """Fold one KV block into the running softmax of the query rows."""
     m_prev, l_prev, acc_prev = carry
-    k = tpu_words.dequantize(k, cfg.k_scale, q.dtype)
-    v = tpu_words.dequantize(v, cfg.v_scale, q.dtype)
+    k = tpu_words.dequantize(k, scales[0], q.dtype)
+    v = tpu_words.dequantize(v, scales[1], q.dtype)
     key_row = kv_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
     v = jnp.where((key_row >= keys.lo) & (key_row < keys.hi), v, 0)  # stale slots: NaN*0
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

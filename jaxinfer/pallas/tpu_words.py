@@ -3,7 +3,7 @@
 The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
 uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
 (K in the low half, V in the high half), or four 8-bit ones (K0, V0, K1, V1 from the
-low byte up); `dequantize` then applies the page scale. Unpacking with shifts keeps
+low byte up); `dequantize` then applies the scale (scalar or per token). Unpacking with shifts keeps
 every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
 the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
 way. Imports only jax.
@@ -36,11 +36,25 @@ def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
     return byte(2 * head), byte(2 * head + 1)
 
 
-def dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
-    """Unpacked K or V in the queries' dtype, times its scale (8-bit pages)."""
+def dequantize(x: jax.Array, scale: float | jax.Array | None, dtype: jnp.dtype
+               ) -> jax.Array:
+    """Unpacked K or V in the queries' dtype, times its scale (8-bit pages): a scalar, or
+    a column f32[rows, 1] of per-token scales."""
     if scale is None:
         return x.astype(dtype)
     return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def scale_columns(block: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K and V scale columns f32[kv_block, 1] of KV head `head` (dynamic: a program id)
+    from a block's scales of every head f32[kv_block, C] (K of head g at lane 2g, V at
+    2g + 1): a masked lane sum, as a dynamic lane slice does not lower."""
+    lane = lax.broadcasted_iota(jnp.int32, block.shape, 1)
+
+    def column(index: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(lane == index, block, 0.0), axis=1, keepdims=True)
+
+    return column(2 * head), column(2 * head + 1)
 
 
 def fold(x: jax.Array) -> jax.Array:

@@ -30,16 +30,16 @@ TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128
 BUCKETS = (Bucket(4, 4, True), Bucket(16, 4, False))
 
 
-def _export(cfg: ModelConfig, bucket: Bucket,
-            quantization: str | None = None) -> jax.export.Exported:
+def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
+            kv_dtype: str = "bfloat16") -> jax.export.Exported:
     """The step of `cfg` (the served model) for `bucket`, bf16, exported for CUDA."""
     mesh = sharding.make_mesh(TP)
-    params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization)
+    params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization, kv_dtype=kv_dtype)
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     if quantization is not None:
         shapes = jax.eval_shape(functools.partial(quantize_params, mode=quantization), shapes)
-    kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=jnp.bfloat16,
+    kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=kv_dtype,
                        backend="gpu", shards=TP)
     step = jax.jit(step_function(cfg, decode_only=bucket.decode),
                    in_shardings=(params_sh, kv_sh, whole), out_shardings=(kv_sh, whole),
@@ -95,3 +95,24 @@ def test_quantized_step_exports_for_cuda(mode, weight):
     dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
     int8_dots = [d for d in dots if "xi8>, tensor<" in d and "xi32>" in d]
     assert len(int8_dots) == (4 * cfg.num_layers + 1 if mode == "w8a8" else 0)
+
+
+@pytest.mark.parametrize("kv_dtype, stored", [("int8", "i8"), ("fp8", "f8E4M3FN")])
+def test_step_with_8bit_kv_and_scales_exports_for_cuda(kv_dtype, stored):
+    """8-bit pages and their f32 scales per token and head (pallas/kv_quant.py), both
+    split by KV head; the Triton kernel reads the scales."""
+    if jax.device_count() < TP:
+        pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
+    cfg = sharding.served_config(ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="gpu"), TP)
+    exported = _export(cfg, BUCKETS[1], kv_dtype=kv_dtype)
+    text = exported.mlir_module()
+    assert text.count(TRITON_CALL) == cfg.num_layers
+    # inside shard_map: one KV head's pages (padded to a word of 4) and its 2 scales
+    assert f"tensor<{PAGES}x{PAGE_SIZE}x1x4x32x{stored}>" in text
+    assert f"tensor<{PAGES}x{PAGE_SIZE}x2xf32>" in text
+    assert '#sdy.sharding<@mesh, [{}, {}, {"model"}]>' in text  # the scales, by head
+    pages, scales = exported.out_avals[:2]
+    assert pages.shape == (PAGES, PAGE_SIZE, TP, 4, 32)
+    assert scales.shape == (PAGES, PAGE_SIZE, 2 * TP) and scales.dtype == jnp.float32

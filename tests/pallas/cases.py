@@ -75,3 +75,28 @@ def check(out, ref, real: int, dtype) -> None:
     tol = TOL[jnp.dtype(dtype)]
     np.testing.assert_allclose(out[:real], np.asarray(ref, np.float32)[:real], atol=tol,
                                rtol=tol)
+
+
+def make_scaled_case(seq_lens, *, kv_dtype, dtype=jnp.float32, **layout):
+    """(args with 8-bit pages, kv_scales f32[P, K, 2G], args with the dequantized float32
+    pages): K/V quantized per token and head (kv_quant.py). Unused slots keep NaN scales
+    (and 127 values), so a kernel that reads a scale it must not use is caught."""
+    from jaxinfer.pallas import kv_quant
+
+    float_args = make_case(seq_lens, dtype=dtype, kv_dtype=jnp.float32, **layout)
+    pages = np.asarray(kv_layout.combined_view(float_args[1]))  # [P, K, 2G, H], NaN unused
+    unused = np.isnan(pages).any(axis=-1)  # [P, K, 2G]
+    values, scales = kv_quant.quantize_numpy(np.where(np.isnan(pages), 0, pages), kv_dtype)
+    values = np.where(unused[..., None], np.asarray(127, values.dtype), values)
+    scales = np.where(unused, np.nan, scales).astype(np.float32)
+    dequantized = np.where(unused[..., None], np.nan,
+                           values.astype(np.float32) * scales[..., None])
+    num_pages, page_size, combined_heads, head_dim = pages.shape
+    shape = kv_layout.kv_cache_shape(num_pages, page_size, combined_heads // 2, head_dim,
+                                     kv_dtype)
+    padded = np.pad(values, ((0, 0), (0, 0), (0, shape[2] * shape[3] - combined_heads),
+                             (0, 0)), constant_values=np.asarray(99, values.dtype))
+    quantized = (float_args[0], jnp.asarray(padded).reshape(shape), *float_args[2:])
+    reference_args = (float_args[0], jnp.asarray(dequantized[:, :, :, None]).reshape(
+        num_pages, page_size, combined_heads, 1, head_dim), *float_args[2:])
+    return quantized, jnp.asarray(scales), reference_args

@@ -78,7 +78,8 @@ def test_validator_checks_num_kv_heads_against_the_words():
 
 def test_quantized_pages_need_scales():
     args = _args(kv_dtype=jnp.int8)
-    with pytest.raises(ValueError, match="k_scale is required for int8 kv_pages"):
+    with pytest.raises(ValueError, match=r"k_scale \(or kv_scales\) is required for int8 "
+                       "kv_pages"):
         ragged_paged_attention(*args)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from pairwise import covers_all_pairs, pairwise
 
-from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas import kv_layout, kv_quant
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 MATRIX = {
@@ -30,6 +30,14 @@ MATRIX = {
     "soft_cap": [None, 30.0],
 }
 GENERATIONS = ["v5e", "v5p", "v6e"]
+# 8-bit pages with a scale per token and head (kv_scales): the engine's quantized cache.
+SCALED = [dict(dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, page_size=page_size,
+               heads=heads, sliding_window=window, soft_cap=None)
+          for dtype, kv_dtype, head_dim, page_size, heads, window in [
+              ("float32", "int8", 64, 16, (5, 1), None),  # the demo model's shape
+              ("bfloat16", "int8", 128, 64, (32, 8), 128),
+              ("float32", "float8_e4m3fn", 128, 16, (16, 8), None),
+              ("bfloat16", "float8_e4m3fn", 64, 128, (9, 3), None)]]
 TOKENS, SLOTS, CONTEXT = 128, 16, 2048
 PAIRWISE = pairwise(MATRIX)
 FULL = [dict(zip(MATRIX, values, strict=True)) for values in itertools.product(*MATRIX.values())]
@@ -41,8 +49,9 @@ def _case_id(case: dict) -> str:
             f"-n{n}g{g}-w{case['sliding_window']}-c{case['soft_cap']}")
 
 
-def compile_kernel(case: dict, chip) -> str:
-    """Compile the kernel for `chip`; returns the compiled HLO text."""
+def compile_kernel(case: dict, chip, per_token_scales: bool = False) -> str:
+    """Compile the kernel for `chip`; returns the compiled HLO text. `per_token_scales`:
+    8-bit pages read with kv_scales f32[P, K, 2G] (pallas/kv_quant.py)."""
     sharding = jax.sharding.SingleDeviceSharding(chip)
     num_heads, num_kv_heads = case["heads"]
     kv_dtype, head_dim, page_size = jnp.dtype(case["kv_dtype"]), case["head_dim"], case["page_size"]
@@ -53,8 +62,14 @@ def compile_kernel(case: dict, chip) -> str:
              ((SLOTS,), jnp.int32), ((SLOTS, pages_per_seq), jnp.int32),
              ((SLOTS + 1,), jnp.int32), ((1,), jnp.int32)]
     scales = {"k_scale": 0.05, "v_scale": 0.05} if kv_dtype.itemsize == 1 else {}
+    if per_token_scales:
+        specs.append((kv_quant.scales_shape(shape[0], page_size, num_kv_heads), jnp.float32))
+        scales = {}
 
     def attend(*args):
+        if per_token_scales:
+            *args, kv_scales = args
+            scales["kv_scales"] = kv_scales
         return ragged_paged_attention(
             *args, sm_scale=head_dim ** -0.5, sliding_window=case["sliding_window"],
             soft_cap=case["soft_cap"], num_kv_heads=num_kv_heads, impl="tpu", **scales)
@@ -87,3 +102,11 @@ def test_kernel_compiles_pairwise(case, generation, chips):
 @pytest.mark.parametrize("case", FULL, ids=_case_id)
 def test_kernel_compiles_full_matrix(case, generation, chips):
     _check(case, chips[generation])
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("case", SCALED, ids=_case_id)
+def test_kernel_with_per_token_scales_compiles(case, generation, chips):
+    text = compile_kernel(case, chips[generation], per_token_scales=True)
+    assert text.count("tpu_custom_call") >= 2
+    assert "rpa_prefill" in text and "rpa_decode" in text

@@ -123,3 +123,30 @@ def test_quantized_step_compiles(device, mode):
                                           ("v5e-1", "int8")])
 def test_quantized_step_compiles_whole_model(device, mode):
     _check_quantized(device, mode, MODELS["qwen3-0.6b"]())
+
+
+# A 2 GB pool: with the whole chip's pool the compile runs out of HBM, as the f32 scales
+# [P, K, 2G] are re-laid out with their minor axis padded to 128 lanes, a temporary of
+# one layer's scales x 128 / 2G (see pallas/kv_quant.py).
+QUANT_KV_SETTINGS = dataclasses.replace(SETTINGS, max_num_seqs=16, max_num_batched_tokens=128,
+                                        max_model_len=1024, kv_cache_memory_bytes=2 * 10**9)
+
+
+@pytest.mark.parametrize("kv_dtype, device", [
+    ("int8", "v5e-1"), ("fp8", "v6e-1"),  # about 80 s each here
+    pytest.param("fp8", "v5e-1", marks=pytest.mark.slow),
+    pytest.param("int8", "v6e-1", marks=pytest.mark.slow)])
+def test_step_with_8bit_kv_and_scales_compiles(kv_dtype, device):
+    """A small model (Qwen3-0.6B's layers, 2 of them) with 8-bit pages and their f32
+    scales per token and KV head (pallas/kv_quant.py): the Mosaic kernel reads both."""
+    cfg = dataclasses.replace(load_preset("qwen3-0.6b"), num_layers=2)
+    settings = dataclasses.replace(QUANT_KV_SETTINGS, kv_dtype=kv_dtype)
+    report = aot.compile_report(cfg, device=device, settings=settings, buckets="ends")
+    assert report["fits"], report
+    stored = {"int8": "s8", "fp8": "f8e4m3fn"}[kv_dtype]
+    pages = report["plan"]["num_pages"]
+    for row in report["buckets"]:
+        assert row["mosaic_kernels"] == 2 * cfg.num_layers
+        assert row["kv_pages"] == [f"{stored}[{pages},16,{cfg.num_kv_heads // 2},4,"
+                                   f"{cfg.head_dim}]"]
+        assert row["args_vs_plan"] < 0.001  # pages + scales, as planned

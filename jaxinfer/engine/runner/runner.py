@@ -56,7 +56,14 @@ from jaxinfer.engine.runner.inputs import (
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.model import layers, sampler, scoring, transformer
 from jaxinfer.model import step as model_step
-from jaxinfer.model.attention import KV_PAGES_SPEC, init_kv_cache
+from jaxinfer.model.attention import (
+    KV_PAGES_SPEC,
+    KV_SCALES_SPEC,
+    QuantizedPages,
+    init_kv_cache,
+    kv_cache_shardings,
+)
+from jaxinfer.pallas import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,8 @@ class Runner:
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh, quantization)
+        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh, quantization,
+                                                              kv_dtype=kv_dtype)
         if quantization is not None and quantization_lib.mode_of(params) is None:  # at load
             params = jax.jit(functools.partial(quantization_lib.quantize_params,
                                                mode=quantization),
@@ -121,7 +129,7 @@ class Runner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
-                              dtype=jnp.dtype(kv_dtype), shards=shards),
+                              dtype=kv_quant.storage_dtype(kv_dtype), shards=shards),
             out_shardings=kv_shardings)()
         self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
                                        in_shardings=(param_shardings, kv_shardings, whole),
@@ -330,8 +338,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     if cfg.num_kv_heads % shards:
         raise ValueError(f"cfg.num_kv_heads={cfg.num_kv_heads} must be divisible by the "
                          f"{shards} devices: pass sharding.served_config(cfg, {shards})")
-    param_shardings, kv_shardings, whole = step_shardings(cfg, mesh,
-                                                          quantization_lib.mode_of(params))
+    param_shardings, _, whole = step_shardings(cfg, mesh, quantization_lib.mode_of(params))
+    kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
     steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
@@ -353,13 +361,17 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
 
 
 def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None,
-                   ) -> tuple[object, list, NamedSharding]:
-    """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's."""
+                   kv_dtype: str = "float32") -> tuple[object, list, NamedSharding]:
+    """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's;
+    8-bit `kv_dtype` ("int8", "fp8"): each layer's pages and scales split by KV head."""
     shards = mesh.shape[sharding.MODEL_AXIS]
     specs = quantization_lib.partition_specs(transformer.param_partition_specs(cfg, shards),
                                              quantization)
     params = sharding.named(mesh, specs)
-    kv_cache = [NamedSharding(mesh, KV_PAGES_SPEC)] * cfg.num_layers
+    layer = NamedSharding(mesh, KV_PAGES_SPEC)
+    if kv_quant.is_quantized(kv_dtype):
+        layer = QuantizedPages(layer, NamedSharding(mesh, KV_SCALES_SPEC))
+    kv_cache = [layer] * cfg.num_layers
     return params, kv_cache, sharding.replicated(mesh)
 
 
