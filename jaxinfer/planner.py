@@ -32,7 +32,7 @@ from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout
-from jaxinfer.quantization import QUANTIZED_WEIGHTS
+from jaxinfer.quantization import QUANTIZED_WEIGHTS, quantized_bytes
 
 GB = 1e9
 DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
@@ -175,14 +175,13 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
                  quantization: str | None = None) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
-    take one byte per element plus a float32 scale per output column held there
-    (jaxinfer/quantization.py)."""
+    take one byte per element plus a float32 scale per output column held there, int4
+    half a byte plus its group scales (jaxinfer/quantization.py `quantized_bytes`)."""
     check_tensor_parallel(cfg, tensor_parallel_size)
     total = 0
     for name, shape, n, spec in _device_shapes(cfg, tensor_parallel_size):
         if quantization is not None and name in QUANTIZED_WEIGHTS:
-            split_columns = len(spec) > 1 and spec[1] is not None
-            total += n + 4 * (shape[1] // tensor_parallel_size if split_columns else shape[1])
+            total += quantized_bytes(name, shape, spec, quantization, tensor_parallel_size)
         else:
             total += n * jnp.dtype(dtype).itemsize
     return total

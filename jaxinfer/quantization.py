@@ -11,6 +11,7 @@ channel, applied to the four linear weights of every layer (`wqkv`, `wo`,
   max |x| / 127), `int8 x int8 -> int32` dots, rescaled by both scales: the fast path
   on CPU (JAX_ON_CPU.md) and on the MXU of TPU v5e/v6e.
 - "fp8": float8_e4m3fn weights (max 448), weight-only like "int8".
+- "int4": 4-bit weights, group-wise along the input axis, weight-only (see below).
 The embedding and the LM head stay in the model's dtype: the embedding is a gather
 (a step reads only its rows), and a tied table serves as both, so quantizing the head
 would add a second copy; its logits also set every sampling decision.
@@ -18,8 +19,28 @@ would add a second copy; its logits also set every sampling decision.
 A quantized weight is a registered dataclass (`QuantizedWeight`: value [I, O],
 scale [O]) inside the usual params dict, so jit, sharding and orbax handle it like
 any array pair; `partition_specs` derives its specs from the float weight's (the
-value as the weight, the scale along the output columns). Imports jax, numpy and
-ml_dtypes and jaxinfer.config.
+value as the weight, the scale along the output columns).
+
+int4 (`quantize_int4`): one group of rows per `int4_group(I)`: 128 rows where 128
+divides the input size I, else 64, else 32 (SmolLM-135M: 64 for its 576 inputs, 128
+for 1536; the demo model: 64 for 320, 32 for 864); any other I is refused. Asymmetric:
+each group and output column has a bfloat16 step d and offset m (its minimum) and
+codes c in 0..15 with w ~= c * d + m (llama.cpp's q4_1 form, no integer zero point).
+Measured on the demo model (benchmarks/int4_accuracy.py), symmetric codes (-7..7 times
+max|w| / 7) lose more perplexity than this at the same group size, and the offset costs
+2 bytes a group. Storage: value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1
+(high nibble); scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
++ 4 * O * I / group, a quarter of bf16's plus the scales (`quantized_bytes`). Under
+tensor parallelism a weight split by input rows (wo, w_down) must give every device
+whole groups (checked by `quantized_bytes`, which the planner calls). Compute,
+weight-only: the codes are unpacked and scaled to a bfloat16 [I, O] weight right before
+a bf16 x bf16 -> f32 dot. XLA:CPU materializes that bf16 weight every step (a loop
+fusion writes it, then the dot reads it: slower than bf16 weights, reported by
+benchmarks/bench_quant.py); on TPU the unpack-and-scale is an elementwise producer of
+the dot that XLA may fuse into the matmul's operand; on GPU XLA emits the same
+producer fusion before a cuBLAS or Triton gemm. The activation-aware scales (AWQ)
+are chosen before quantizing, by jaxinfer/awq.py, and folded into the float weights.
+Imports jax, numpy and ml_dtypes and jaxinfer.config.
 """
 
 from __future__ import annotations
@@ -37,9 +58,11 @@ from jaxinfer.config import QUANTIZATION_MODES
 
 MODES = QUANTIZATION_MODES
 QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
-STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 INT8_MAX = 127.0
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+INT4_GROUPS = (128, 64, 32)  # rows per int4 group: the first that divides the input size
+INT4_TOP = 15  # int4 codes 0..15
 
 
 @jax.tree_util.register_dataclass
@@ -47,13 +70,15 @@ FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 class QuantizedWeight:
     """A linear weight w[I, O] ~= value * scale (per output column)."""
 
-    value: jax.Array  # int8 | float8_e4m3fn [I, O]
-    scale: jax.Array  # f32[O]
+    value: jax.Array  # int8 | float8_e4m3fn [I, O]; int4: uint8[I / 2, O] (two rows a byte)
+    scale: jax.Array  # f32[O]; int4: bf16[2, I / group, O] (step, offset)
     mode: str = dataclasses.field(metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.value.shape
+        """The float weight's shape [I, O]."""
+        rows, columns = self.value.shape
+        return (2 * rows, columns) if self.mode == "int4" else (rows, columns)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -67,7 +92,10 @@ def check_mode(mode: str | None) -> None:
 
 
 def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
-    """w [I, O] -> QuantizedWeight with per-column scales (a zero column gets scale 1)."""
+    """w [I, O] -> QuantizedWeight with per-column scales (a zero column gets scale 1);
+    int4: per group of rows and column (`quantize_int4`)."""
+    if mode == "int4":
+        return quantize_int4(w)
     w = w.astype(jnp.float32)
     top = INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX
     amax = jnp.max(jnp.abs(w), axis=0)
@@ -83,6 +111,8 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
 
 def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """The numpy twin of `quantize` (value, scale), for exactness tests."""
+    if mode == "int4":
+        return _quantize_int4_with(np, w, ml_dtypes.bfloat16)
     w = w.astype(np.float32)
     top = np.float32(INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX)
     amax = np.abs(w).max(axis=0)
@@ -94,7 +124,78 @@ def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The float32 weight [I, O] a quantized one stands for."""
+    if w.mode == "int4":
+        return _dequantize_int4_with(jnp, w.value, w.scale)
     return w.value.astype(jnp.float32) * w.scale
+
+
+def int4_group(rows: int) -> int:
+    """Rows per int4 group for a weight of `rows` inputs: the first of INT4_GROUPS that
+    divides it."""
+    for group in INT4_GROUPS:
+        if rows % group == 0:
+            return group
+    raise ValueError(f"int4 needs a linear weight's input size divisible by one of "
+                     f"{INT4_GROUPS}; got {rows}")
+
+
+def quantize_int4(w: jax.Array) -> QuantizedWeight:
+    """w [I, O] -> int4 codes packed two a byte, with a bf16 step and offset per group
+    of `int4_group(I)` rows and column (see the module docstring)."""
+    value, scale = _quantize_int4_with(jnp, w, jnp.bfloat16)
+    return QuantizedWeight(value, scale, "int4")
+
+
+def dequantize_numpy(value: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The numpy twin of `dequantize` for int4 (value, scale as `quantize_numpy` gives)."""
+    return _dequantize_int4_with(np, value, scale)
+
+
+def _quantize_int4_with(xp: Any, w: Any, bfloat16: Any) -> tuple[Any, Any]:
+    """`quantize_int4` written once for jax.numpy and numpy (bit-exact twins): the
+    step and offset are rounded to bf16 first, and the codes computed from the rounded
+    values; a constant group gets step 1 and codes 0."""
+    rows, columns = w.shape
+    groups = w.astype(xp.float32).reshape(rows // int4_group(rows), -1, columns)
+    low, high = groups.min(axis=1), groups.max(axis=1)
+    step = ((high - low) * xp.float32(1 / INT4_TOP)).astype(bfloat16).astype(xp.float32)
+    step = xp.where(step > 0, step, xp.float32(1))
+    offset = low.astype(bfloat16).astype(xp.float32)
+    codes = xp.clip(xp.round((groups - offset[:, None]) / step[:, None]), 0, INT4_TOP)
+    codes = codes.astype(xp.uint8).reshape(rows // 2, 2, columns)
+    value = codes[:, 0] | (codes[:, 1] << 4)
+    return value, xp.stack([step, offset]).astype(bfloat16)
+
+
+def _dequantize_int4_with(xp: Any, value: Any, scale: Any) -> Any:
+    """f32 [I, O] = codes * step + offset, per group (the product is exact in f32)."""
+    rows, columns = 2 * value.shape[0], value.shape[1]
+    codes = xp.stack([value & 15, value >> 4], axis=1).astype(xp.float32)
+    step, offset = scale.astype(xp.float32)
+    groups = codes.reshape(step.shape[0], -1, columns)
+    return (groups * step[:, None] + offset[:, None]).reshape(rows, columns)
+
+
+def quantized_bytes(name: str, shape: tuple[int, int], spec: P, mode: str,
+                    tensor_parallel_size: int = 1) -> int:
+    """Bytes on one of `tensor_parallel_size` devices of the float weight `name` of
+    `shape`, split by `spec` (transformer.param_partition_specs), quantized in `mode`.
+    int4: a weight split by input rows must give each device whole groups."""
+    rows, columns = shape
+    tp = tensor_parallel_size
+    split_rows = len(spec) > 0 and spec[0] is not None
+    split_columns = len(spec) > 1 and spec[1] is not None
+    if mode != "int4":
+        return rows * columns // tp ** (split_rows + split_columns) + 4 * (
+            columns // tp if split_columns else columns)
+    group = int4_group(rows)
+    if split_rows and (rows // tp) % group:
+        raise ValueError(f"int4 groups of {group} rows straddle the {tp} devices' shares "
+                         f"of {name} [{rows}, {columns}] (split by input rows, {rows // tp} "
+                         f"each): tensor_parallel_size={tp} must divide {rows // group}")
+    elements = rows * columns // tp ** (split_rows + split_columns)
+    return elements // 2 + 4 * elements // group
 
 
 def quantize_params(params: dict, mode: str) -> dict:
@@ -115,7 +216,10 @@ def partition_specs(specs: dict, mode: str | None) -> dict:
 
 
 def _weight_spec(spec: P, mode: str) -> QuantizedWeight:
+    rows = spec[0] if len(spec) > 0 else None
     columns = spec[1] if len(spec) > 1 else None
+    if mode == "int4":  # packed rows as the weight's rows; scale [2, groups, O]
+        return QuantizedWeight(P(rows, columns), P(None, rows, columns), mode)
     return QuantizedWeight(spec, P(columns), mode)
 
 
@@ -128,6 +232,9 @@ def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         xq = jnp.clip(jnp.round(x / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         y = jnp.matmul(xq, w.value, preferred_element_type=jnp.int32)
         return y.astype(jnp.float32) * x_scale * w.scale
+    if w.mode == "int4":  # weight-only: unpack and scale to bf16 inside the step
+        return jnp.matmul(x.astype(jnp.bfloat16), dequantize(w).astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
     y = jnp.matmul(x.astype(jnp.bfloat16), w.value.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)
     return y * w.scale
