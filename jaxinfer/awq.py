@@ -126,7 +126,7 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: np.ndarray,
     x = layers.embed(jnp.asarray(params["embed"]), jnp.asarray(token_ids))
     new_layers = []
     for layer in params["layers"]:
-        inputs, x = _layer_inputs(layer, x, cfg=cfg)
+        inputs, x = layer_inputs(layer, x, cfg=cfg)
         new_layers.append(calibrate_layer(layer, inputs, cfg, quantizer))
     log.info("AWQ calibration on %d tokens: %.1f s", token_ids.size,
              time.perf_counter() - started)
@@ -134,7 +134,7 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: np.ndarray,
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _layer_inputs(layer: dict, x: jax.Array, *, cfg: ModelConfig
+def layer_inputs(layer: dict, x: jax.Array, *, cfg: ModelConfig
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
     """The four linears' inputs f32[B * T, I] in one float layer, and its output."""
     batch, tokens, _ = x.shape

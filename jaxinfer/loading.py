@@ -66,6 +66,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     memory_plan = plan_memory(served, config, max_len)
+    if config.quantization is not None:  # raises if int4 groups would straddle devices
+        planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
+                             config.quantization)
     check_same_engine(served, config, max_len, memory_plan.num_pages)
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
     if config.quantization == "int4" and quantization.mode_of(params) is None:
