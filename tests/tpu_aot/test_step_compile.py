@@ -102,16 +102,20 @@ def _check_quantized(device: str, mode: str, cfg) -> None:
         cfg.hidden_size * 2 * cfg.intermediate_size, cfg.intermediate_size * cfg.hidden_size))
     columns = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
+    if mode == "int4":  # half a byte a weight, bf16 step and offset per 128 rows (Qwen3)
+        assert report["plan"]["weight_bytes"] == bf16 - 2 * linear + linear // 2 + linear // 32
+        return
     assert report["plan"]["weight_bytes"] == bf16 - linear + 4 * columns
 
 
 @pytest.mark.parametrize("device, mode", [
-    ("v5e-1", "w8a8"), ("v6e-1", "w8a8"),
+    ("v5e-1", "w8a8"), ("v6e-1", "w8a8"), ("v5e-1", "int4"), ("v6e-1", "int4"),
     pytest.param("v5e-1", "int8", marks=pytest.mark.slow)])
 def test_quantized_step_compiles(device, mode):
     """Quantized weights (jaxinfer/quantization.py) in the compiled step of a 4-layer
     Qwen3-0.6B shape: libtpu's argument bytes match the planner's quantized bytes (one
-    byte per linear weight plus f32 column scales; embedding and norms bf16)."""
+    byte per linear weight plus f32 column scales, int4 half a byte plus bf16 group
+    scales; embedding and norms bf16)."""
     _check_quantized(device, mode, dataclasses.replace(MODELS["qwen3-0.6b"](), num_layers=4))
 
 
