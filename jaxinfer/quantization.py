@@ -36,9 +36,13 @@ whole groups (checked by `quantized_bytes`, which the planner calls). Compute,
 weight-only: the codes are unpacked and scaled to a bfloat16 [I, O] weight right before
 a bf16 x bf16 -> f32 dot. XLA:CPU materializes that bf16 weight every step (a loop
 fusion writes it, then the dot reads it: slower than bf16 weights, reported by
-benchmarks/bench_quant.py); on TPU the unpack-and-scale is an elementwise producer of
-the dot that XLA may fuse into the matmul's operand; on GPU XLA emits the same
-producer fusion before a cuBLAS or Triton gemm. The activation-aware scales (AWQ)
+benchmarks/bench_quant.py). On TPU (v5e, libtpu's AOT HLO of a decode step) XLA
+unpacks and converts the codes in loop fusions whose outputs it places in on-chip
+memory (S(1)), and fuses the step and offset into the multiply-reduce that computes a
+one-row dot, so HBM is read for the packed bytes and scales only. For GPU the exported
+StableHLO holds the same unpack (shift, and, convert, multiply, add) before a bf16
+dot_general; XLA:GPU fuses such producers into its Triton gemm or runs them as a
+separate fusion before cuBLAS (not compiled here: no CUDA compiler). The activation-aware scales (AWQ)
 are chosen before quantizing, by jaxinfer/awq.py, and folded into the float weights.
 Imports jax, numpy and ml_dtypes and jaxinfer.config.
 """
