@@ -8,9 +8,12 @@ held-out files of the bundled corpus (jaxinfer/corpus.py: never trained on, neve
 calibrated on), tokenized by the demo's tokenizer; perplexity = exp(mean NLL of every
 next token). "int4" rows run the engine's int4 pytree and matmul (bf16 activations);
 "fake" rows hold the weights rounded through 4 bits and back in float32 (the same
-forward for both schemes). Prints one JSON object.
+forward for both schemes). Then the engine itself (`LLM(quantization="int4")`, AWQ on
+the default calibration, against `LLM()` in float32): greedy continuations of
+`--prompts` held-out prompts, the fraction of positions where the tokens agree.
+Prints one JSON object.
 
-    python benchmarks/int4_accuracy.py [--windows=32] [--window_tokens=256]
+    python benchmarks/int4_accuracy.py [--windows=32] [--window_tokens=256] [--prompts=32]
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from jaxinfer.tokenizer import Tokenizer
 
 flags.DEFINE_integer("windows", 32, "held-out windows (one per file)")
 flags.DEFINE_integer("window_tokens", 256, "tokens per window")
+flags.DEFINE_integer("prompts", 32, "engine: held-out prompts (0 skips the engine part)")
+flags.DEFINE_integer("prompt_tokens", 32, "engine: tokens per prompt")
+flags.DEFINE_integer("output_tokens", 32, "engine: greedy tokens per prompt")
 FLAGS = flags.FLAGS
 
 
@@ -75,6 +81,25 @@ def fake_quantized(params: dict, quantizer: awq.Quantizer) -> dict:
     return params | {"layers": layers}
 
 
+def greedy_agreement(prompts: list[list[int]]) -> dict:
+    """Greedy continuations of the float32 and int4 engines: agreeing positions."""
+    from jaxinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.output_tokens, ignore_eos=True)
+    outputs = {}
+    for mode in (None, "int4"):
+        llm = LLM(DEFAULT_MODEL, quantization=mode, max_num_seqs=8,
+                  max_num_batched_tokens=256, max_model_len=128)
+        outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+    pairs = [(a, b) for x, y in zip(outputs[None], outputs["int4"], strict=True)
+             for a, b in zip(x, y, strict=True)]
+    same_first = sum(x[0] == y[0] for x, y in zip(outputs[None], outputs["int4"], strict=True))
+    return {"prompts": len(prompts), "output_tokens": FLAGS.output_tokens,
+            "token_agreement": round(sum(a == b for a, b in pairs) / len(pairs), 4),
+            "first_token_agreement": round(same_first / len(prompts), 4)}
+
+
 def main(argv: list[str]) -> None:
     del argv
     cfg = checkpoint.load_config(DEFAULT_MODEL)
@@ -95,6 +120,10 @@ def main(argv: list[str]) -> None:
         ppl[f"fake_{name}_awq"] = perplexity(fake_quantized(scaled, quantizer), cfg, windows)
     out["perplexity"] = {k: round(v, 4) for k, v in ppl.items()}
     out["vs_float32"] = {k: round(v / ppl["float32"] - 1, 4) for k, v in ppl.items()}
+    if FLAGS.prompts:
+        prompts = held_out_windows(tokenizer, FLAGS.windows + FLAGS.prompts,
+                                   FLAGS.prompt_tokens)[FLAGS.windows:]  # other files
+        out["engine_greedy"] = greedy_agreement([list(map(int, p)) for p in prompts])
     sys.stdout.write(json.dumps(out, indent=1) + "\n")
 
 

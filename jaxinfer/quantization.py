@@ -1,8 +1,8 @@
 """Quantized linear weights: the pytree, quantize_params(), and the matmuls that use them.
 
-Modes (`EngineConfig.quantization`), all symmetric with one float32 scale per output
-channel, applied to the four linear weights of every layer (`wqkv`, `wo`,
-`w_gate_up`, `w_down`):
+Modes (`EngineConfig.quantization`), applied to the four linear weights of every layer
+(`wqkv`, `wo`, `w_gate_up`, `w_down`); int8, w8a8 and fp8 are symmetric with one
+float32 scale per output channel:
 - "int8": int8 weights, weight-only: the matmul dequantizes them to bfloat16 inside
   the dot (activations bfloat16, f32 accumulation). XLA fuses the convert into the dot
   on TPU and GPU; XLA:CPU materializes the converted weight every step, so on CPU
@@ -26,10 +26,11 @@ divides the input size I, else 64, else 32 (SmolLM-135M: 64 for its 576 inputs, 
 for 1536; the demo model: 64 for 320, 32 for 864); any other I is refused. Asymmetric:
 each group and output column has a bfloat16 step d and offset m (its minimum) and
 codes c in 0..15 with w ~= c * d + m (llama.cpp's q4_1 form, no integer zero point).
-Measured on the demo model (benchmarks/int4_accuracy.py), symmetric codes (-7..7 times
-max|w| / 7) lose more perplexity than this at the same group size, and the offset costs
-2 bytes a group. Storage: value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1
-(high nibble); scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
+Why: on the demo model's held-out perplexity (benchmarks/int4_accuracy.py) symmetric
+codes (-7..7 times max|w| / 7, same groups) cost +2.5% round-to-nearest and +2.1%
+with AWQ, against +2.1% and +1.3% for these; the offset costs 2 bytes a group.
+Storage: value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1 (high nibble);
+scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
 + 4 * O * I / group, a quarter of bf16's plus the scales (`quantized_bytes`). Under
 tensor parallelism a weight split by input rows (wo, w_down) must give every device
 whole groups (checked by `quantized_bytes`, which the planner calls). Compute,
@@ -41,9 +42,10 @@ unpacks and converts the codes in loop fusions whose outputs it places in on-chi
 memory (S(1)), and fuses the step and offset into the multiply-reduce that computes a
 one-row dot, so HBM is read for the packed bytes and scales only. For GPU the exported
 StableHLO holds the same unpack (shift, and, convert, multiply, add) before a bf16
-dot_general; XLA:GPU fuses such producers into its Triton gemm or runs them as a
-separate fusion before cuBLAS (not compiled here: no CUDA compiler). The activation-aware scales (AWQ)
-are chosen before quantizing, by jaxinfer/awq.py, and folded into the float weights.
+dot_general; what XLA:GPU makes of it is not checked here (no CUDA compiler): its
+Triton gemm emitter can fuse such a producer, else it runs as a fusion before cuBLAS.
+The activation-aware scales (AWQ) are chosen before quantizing, by jaxinfer/awq.py,
+and folded into the float weights.
 Imports jax, numpy and ml_dtypes and jaxinfer.config.
 """
 
