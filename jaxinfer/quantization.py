@@ -159,19 +159,30 @@ def dequantize_numpy(value: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def _quantize_int4_with(xp: Any, w: Any, bfloat16: Any) -> tuple[Any, Any]:
-    """`quantize_int4` written once for jax.numpy and numpy (bit-exact twins): the
-    step and offset are rounded to bf16 first, and the codes computed from the rounded
-    values; a constant group gets step 1 and codes 0."""
+    """`quantize_int4` written once for jax.numpy and numpy (bit-exact twins, eager or
+    under jit): the step and offset are rounded to bf16 first, and the codes computed
+    from the rounded values; a constant group gets step 1 and codes 0."""
     rows, columns = w.shape
     groups = w.astype(xp.float32).reshape(rows // int4_group(rows), -1, columns)
     low, high = groups.min(axis=1), groups.max(axis=1)
-    step = ((high - low) * xp.float32(1 / INT4_TOP)).astype(bfloat16).astype(xp.float32)
+    step = _to_bf16_precision(xp, (high - low) * xp.float32(1 / INT4_TOP), bfloat16)
     step = xp.where(step > 0, step, xp.float32(1))
-    offset = low.astype(bfloat16).astype(xp.float32)
-    codes = xp.clip(xp.round((groups - offset[:, None]) / step[:, None]), 0, INT4_TOP)
+    offset = _to_bf16_precision(xp, low, bfloat16)
+    # times the reciprocal: under jit XLA rewrites a division by a broadcast so
+    inverse = xp.float32(1) / step
+    codes = xp.clip(xp.round((groups - offset[:, None]) * inverse[:, None]), 0, INT4_TOP)
     codes = codes.astype(xp.uint8).reshape(rows // 2, 2, columns)
     value = codes[:, 0] | (codes[:, 1] << 4)
     return value, xp.stack([step, offset]).astype(bfloat16)
+
+
+def _to_bf16_precision(xp: Any, x: Any, bfloat16: Any) -> Any:
+    """f32 x rounded to the nearest bfloat16 (ties to even), kept f32. Under jit XLA
+    drops an f32 -> bf16 -> f32 round trip (it allows excess precision), so jax rounds
+    with reduce_precision, which it keeps."""
+    if xp is np:
+        return x.astype(bfloat16).astype(np.float32)
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def _dequantize_int4_with(xp: Any, value: Any, scale: Any) -> Any:

@@ -7,6 +7,7 @@ and the CLI's convert."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -47,6 +48,9 @@ def test_int4_round_trip_is_bit_exact_against_numpy():
     assert q.scale.dtype == jnp.bfloat16 and q.scale.shape == (2, 3, 40)
     np.testing.assert_array_equal(np.asarray(q.value), value)
     np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint16), scale.view(np.uint16))
+    jitted = jax.jit(functools.partial(quantization.quantize, mode="int4"))(w)  # as at load
+    np.testing.assert_array_equal(np.asarray(jitted.value), value)
+    np.testing.assert_array_equal(np.asarray(jitted.scale).view(np.uint16), scale.view(np.uint16))
     restored = np.asarray(quantization.dequantize(q))
     np.testing.assert_array_equal(restored, quantization.dequantize_numpy(value, scale))
     step, offset = (np.repeat(x.astype(np.float32), 64, axis=0) for x in scale)
