@@ -27,8 +27,8 @@ for 1536; the demo model: 64 for 320, 32 for 864); any other I is refused. Asymm
 each group and output column has a bfloat16 step d and offset m (its minimum) and
 codes c in 0..15 with w ~= c * d + m (llama.cpp's q4_1 form, no integer zero point).
 Why: on the demo model's held-out perplexity (benchmarks/int4_accuracy.py) symmetric
-codes (-7..7 times max|w| / 7, same groups) cost +2.5% round-to-nearest and +2.1%
-with AWQ, against +2.1% and +1.3% for these; the offset costs 2 bytes a group.
+codes (-7..7 times max|w| / 7, same groups) cost +2.6% round-to-nearest and +2.3%
+with AWQ, against +2.0% and +1.3% for these; the offset costs 2 bytes a group.
 Storage: value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1 (high nibble);
 scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
 + 4 * O * I / group, a quarter of bf16's plus the scales (`quantized_bytes`). Under
