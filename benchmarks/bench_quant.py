@@ -1,10 +1,12 @@
 """Weight quantization (issue 13): batch-1 decode and a mixed workload, bf16 vs int8,
-w8a8 and fp8, against weight-read bounds measured in the same run.
+w8a8, fp8 and int4, against weight-read bounds measured in the same run.
 
 A random-weight model of a preset's shape (default SmolLM-135M, as
 benchmarks/bench_throughput.py makes it, saved in bfloat16) is loaded once per mode,
 each a fresh `LLM(dtype="bfloat16", quantization=...)` (the previous one freed first):
-"bf16" (no quantization, the baseline), "int8", "w8a8", "fp8" (jaxinfer/quantization.py).
+"bf16" (no quantization, the baseline), "int8", "w8a8", "fp8", "int4"
+(jaxinfer/quantization.py; int4's load includes its AWQ calibration, jaxinfer/awq.py, on
+the default corpus windows: its warmup_seconds).
 Per mode, after warm-up: batch-1 greedy decode tokens/s (median of `--repeats`
 requests; the decode steps after the first token, timed from the stream), its weight
 bytes as planned (`memory_plan.weight_bytes`) and as loaded (`tree_bytes(params)`), its
@@ -19,7 +21,7 @@ keeps it). Then bench_throughput's
 continuous-batching workload (smaller by default) per `--mixed_modes`. The issue's
 targets are reported as booleans. Prints one JSON object.
 
-    python benchmarks/bench_quant.py [--modes=bf16,int8,w8a8,fp8] [--mixed_modes=bf16,w8a8]
+    python benchmarks/bench_quant.py [--modes=bf16,int8,w8a8,fp8,int4] [--mixed_modes=bf16,w8a8]
         [--num_requests=24] [--output_tokens=128] [--repeats=5]
 """
 
@@ -42,7 +44,7 @@ from absl import app, flags
 from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.engine import runner as engine_runner
 
-MODES = {"bf16": None, "int8": "int8", "w8a8": "w8a8", "fp8": "fp8"}
+MODES = {"bf16": None, "int8": "int8", "w8a8": "w8a8", "fp8": "fp8", "int4": "int4"}
 DTYPE = "bfloat16"
 TARGET_SPEEDUP = 1.5
 TARGET_BOUND_FRACTION = 0.8

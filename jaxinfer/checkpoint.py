@@ -6,7 +6,7 @@ Loading needs no torch and never executes code from the checkpoint. An orbax
 checkpoint is the same directory with `params/` (orbax) in place of the
 safetensors files. Checkpoints keep HF's separate q/k/v and gate/up tensors; params
 (and so orbax checkpoints) hold them fused (model/fusion.py). Imports numpy, jax,
-orbax, config, model, safetensors_file.
+orbax, config, model, safetensors_file, quantization and awq (int4 convert).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import quantization, safetensors_file, shard_source, sharding
+from jaxinfer import awq, quantization, safetensors_file, shard_source, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.transformer import (
@@ -304,15 +304,22 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
 
 
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                        dtype: str = "float32", quantization_mode: str | None = None) -> None:
+                        dtype: str = "float32", quantization_mode: str | None = None,
+                        calibration_data: str | os.PathLike | None = None) -> None:
     """Copy config and tokenizer files and write the weights as orbax `params/`,
-    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given."""
+    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given;
+    int4 first folds in activation-aware scales chosen on `calibration_data` (awq.py)."""
     quantization.check_mode(quantization_mode)
+    if calibration_data is not None and quantization_mode != "int4":
+        raise ValueError(f"calibration_data={str(calibration_data)!r} needs "
+                         f"quantization_mode='int4', not {quantization_mode!r}")
     src, dst = _model_dir(hf_dir), pathlib.Path(out_dir)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
     params = load_hf_params(src, cfg, dtype)
+    if quantization_mode == "int4":
+        params = awq.calibrate_checkpoint(params, cfg, src, calibration_data)
     if quantization_mode is not None:
         params = quantization.quantize_params(params, quantization_mode)
         dst.mkdir(parents=True, exist_ok=True)

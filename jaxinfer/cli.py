@@ -149,7 +149,8 @@ def convert() -> None:
 
     if not FLAGS.model or not FLAGS.output:
         raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
-    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.quantization)
+    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.quantization,
+                                   FLAGS.calibration_data)
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
 
@@ -309,7 +310,8 @@ COMMANDS = {
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
                        "(--quantization: quantized weights)",
-                       flags=("model", "output", "dtype", "quantization")),
+                       flags=("model", "output", "dtype", "quantization",
+                              "calibration_data")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
                     "roofline and cost on a device; loads no weights",
                     flags=("model", "device", "tensor_parallel_size", "memory_gb",

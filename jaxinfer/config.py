@@ -213,7 +213,7 @@ DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" /
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
-QUANTIZATION_MODES = ("int8", "w8a8", "fp8")  # jaxinfer/quantization.py
+QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/quantization.py
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -252,7 +252,11 @@ class EngineConfig:
     quantization: str | None = _setting(
         None, "quantize the linear weights at load (jaxinfer/quantization.py): int8 "
         "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
-        "(float8_e4m3fn weight-only); default: none", QUANTIZATION_MODES)
+        "(float8_e4m3fn weight-only), int4 (group-wise, activation-aware scales: "
+        "jaxinfer/awq.py); default: none", QUANTIZATION_MODES)
+    calibration_data: str | None = _setting(
+        None, "int4: a JSONL file of {\"text\": ...} lines to choose the activation-aware "
+        "scales on; default: windows of the bundled corpus's training files")
     enable_prompt_logprobs: bool = _setting(
         False, "compile a scoring variant of every mixed bucket at warm-up, so requests may "
         "ask for prompt_logprobs (eval_ppl sets it)")
@@ -277,6 +281,9 @@ class EngineConfig:
                              f"{self.max_num_seqs=}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"{self.max_model_len=} must be > 1 or None")
+        if self.calibration_data is not None and self.quantization != "int4":
+            raise ValueError(f"calibration_data={self.calibration_data!r} needs "
+                             f"quantization='int4', not {self.quantization!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")
 

@@ -10,7 +10,8 @@ of RAM), reads the weights and builds the `Runner` that holds params and KV cach
 
 Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
 runner package, `checkpoint` and `planner`. Imports config, checkpoint, planner,
-tokenizer, distributed, engine.request, engine.buckets and the runner package; never
+tokenizer, distributed, engine.request, engine.buckets and the runner package, and awq
+(int4 calibration on a float checkpoint, before the runner quantizes); never
 engine.engine.
 """
 
@@ -21,7 +22,7 @@ import logging
 import os
 import pathlib
 
-from jaxinfer import checkpoint, distributed, planner, sharding
+from jaxinfer import awq, checkpoint, distributed, planner, quantization, sharding
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
@@ -65,8 +66,13 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     memory_plan = plan_memory(served, config, max_len)
+    if config.quantization is not None:  # raises if int4 groups would straddle devices
+        planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
+                             config.quantization)
     check_same_engine(served, config, max_len, memory_plan.num_pages)
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
+    if config.quantization == "int4" and quantization.mode_of(params) is None:
+        params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
     runner = runner_lib.Runner(
         served, params, mesh=mesh, num_pages=memory_plan.num_pages,
         page_size=config.page_size,

@@ -32,7 +32,7 @@ from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout, kv_quant
-from jaxinfer.quantization import HEAD, QUANTIZED_WEIGHTS
+from jaxinfer.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 
 GB = 1e9
 DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
@@ -176,19 +176,20 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
-    plus a float32 scale per output column held there (jaxinfer/quantization.py)."""
+    plus a float32 scale per output column held there, int4 half a byte plus its group
+    scales (jaxinfer/quantization.py `quantized_bytes`; an int4 model's head is int8)."""
     check_tensor_parallel(cfg, tensor_parallel_size)
     tp, total = tensor_parallel_size, 0
-    quantized = (*QUANTIZED_WEIGHTS, HEAD) if quantization is not None else ()
     for name, shape, n, spec in _device_shapes(cfg, tp):
-        if name in quantized:
-            split_columns = len(spec) > 1 and spec[1] is not None
-            total += n + 4 * (shape[1] // tp if split_columns else shape[1])
+        if quantization is not None and name in QUANTIZED_WEIGHTS:
+            total += quantized_bytes(name, shape, spec, quantization, tp)
+        elif quantization is not None and name == HEAD:
+            total += quantized_bytes(name, shape, spec, head_mode(quantization), tp)
         else:
             total += n * jnp.dtype(dtype).itemsize
         if name == "embed" and quantization is not None and cfg.tie_word_embeddings:
-            split_vocab = len(spec) > 0 and spec[0] is not None  # the head's copy, [V, D]
-            total += n + 4 * (shape[0] // tp if split_vocab else shape[0])
+            head_spec = PartitionSpec(*reversed((tuple(spec) + (None, None))[:2]))
+            total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(quantization), tp)
     return total
 
 

@@ -1,8 +1,8 @@
 """Quantized linear weights: the pytree, quantize_params(), and the matmuls that use them.
 
-Modes (`EngineConfig.quantization`), all symmetric with one float32 scale per output
-channel, applied to the four linear weights of every layer (`wqkv`, `wo`,
-`w_gate_up`, `w_down`):
+Modes (`EngineConfig.quantization`), applied to the four linear weights of every layer
+(`wqkv`, `wo`, `w_gate_up`, `w_down`); int8, w8a8 and fp8 are symmetric with one
+float32 scale per output channel:
 - "int8": int8 weights, weight-only: the matmul dequantizes them to bfloat16 inside
   the dot (activations bfloat16, f32 accumulation). XLA fuses the convert into the dot
   on TPU and GPU; XLA:CPU materializes the converted weight every step, so on CPU
@@ -11,7 +11,9 @@ channel, applied to the four linear weights of every layer (`wqkv`, `wo`,
   max |x| / 127), `int8 x int8 -> int32` dots, rescaled by both scales: the fast path
   on CPU (JAX_ON_CPU.md) and on the MXU of TPU v5e/v6e.
 - "fp8": float8_e4m3fn weights (max 448), weight-only like "int8".
-The LM head is quantized too, in the same mode, with one scale per vocabulary row
+- "int4": 4-bit weights, group-wise along the input axis, weight-only (see below).
+The LM head is quantized too, in the same mode (int4 models: "int8", as llama.cpp
+keeps a Q4 model's output matrix at 6-8 bits), with one scale per vocabulary row
 (`lm_head`, value [V, D]): at batch 1 it is the largest single read of a small model
 (SmolLM-135M: 28 M of its 135 M parameters). With tied embeddings that is a second,
 quantized copy of the table: the embedding itself stays in the model's dtype, since a
@@ -29,7 +31,35 @@ XLA:CPU's few-row dots read 1.2-1.7x faster than the [I, O] layout, for int8 x i
 and for bfloat16 alike (`benchmarks/bench_matvec.py --layouts`, 30 SmolLM-135M layers:
 at 2 rows int8 13.7 vs 22.6 ms, bf16 30.8 vs 46.7 ms; at 4 rows 1.18x and 1.40x).
 The float weights keep [I, O]: changing them touches every loader and sharding rule,
-and is left for later. Imports jax, numpy and ml_dtypes and jaxinfer.config.
+and is left for later.
+
+int4 (`quantize_int4`): one group of rows per `int4_group(I)`: 128 rows where 128
+divides the input size I, else 64, else 32 (SmolLM-135M: 64 for its 576 inputs, 128
+for 1536; the demo model: 64 for 320, 32 for 864); any other I is refused. Asymmetric:
+each group and output column has a bfloat16 step d and offset m (its minimum) and
+codes c in 0..15 with w ~= c * d + m (llama.cpp's q4_1 form, no integer zero point).
+Why: on the demo model's held-out perplexity (benchmarks/int4_accuracy.py) symmetric
+codes (-7..7 times max|w| / 7, same groups) cost +2.6% round-to-nearest and +2.3%
+with AWQ, against +2.0% and +1.3% for these; the offset costs 2 bytes a group.
+Storage (not [O, I] like the 8-bit modes: the codes are unpacked to a bf16 [I, O]
+weight anyway): value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1 (high nibble);
+scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
++ 4 * O * I / group, a quarter of bf16's plus the scales (`quantized_bytes`). Under
+tensor parallelism a weight split by input rows (wo, w_down) must give every device
+whole groups (checked by `quantized_bytes`, which the planner calls). Compute,
+weight-only: the codes are unpacked and scaled to a bfloat16 [I, O] weight right before
+a bf16 x bf16 -> f32 dot. XLA:CPU materializes that bf16 weight every step (a loop
+fusion writes it, then the dot reads it: slower than bf16 weights, reported by
+benchmarks/bench_quant.py). On TPU (v5e, libtpu's AOT HLO of a decode step) XLA
+unpacks and converts the codes in loop fusions whose outputs it places in on-chip
+memory (S(1)), and fuses the step and offset into the multiply-reduce that computes a
+one-row dot, so HBM is read for the packed bytes and scales only. For GPU the exported
+StableHLO holds the same unpack (shift, and, convert, multiply, add) before a bf16
+dot_general; what XLA:GPU makes of it is not checked here (no CUDA compiler): its
+Triton gemm emitter can fuse such a producer, else it runs as a fusion before cuBLAS.
+The activation-aware scales (AWQ) are chosen before quantizing, by jaxinfer/awq.py,
+and folded into the float weights.
+Imports jax, numpy and ml_dtypes and jaxinfer.config.
 """
 
 from __future__ import annotations
@@ -49,23 +79,28 @@ MODES = QUANTIZATION_MODES
 QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 HEAD = "lm_head"  # quantized in every mode, a copy of a tied embedding table
 LAYOUT_VERSION = 2  # 2: values [O, I] and a quantized head; written beside orbax params
-STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 INT8_MAX = 127.0
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+INT4_GROUPS = (128, 64, 32)  # rows per int4 group: the first that divides the input size
+INT4_TOP = 15  # int4 codes 0..15
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A linear weight w[I, O] ~= (value * scale[:, None]).T (value stored [O, I])."""
+    """A linear weight w[I, O] ~= (value * scale[:, None]).T (value stored [O, I]);
+    int4: see `quantize_int4`."""
 
-    value: jax.Array  # int8 | float8_e4m3fn [O, I]
-    scale: jax.Array  # f32[O]
+    value: jax.Array  # int8 | float8_e4m3fn [O, I]; int4: uint8[I / 2, O] (two rows a byte)
+    scale: jax.Array  # f32[O]; int4: bf16[2, I / group, O] (step, offset)
     mode: str = dataclasses.field(metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical weight's shape [I, O]."""
+        if self.mode == "int4":
+            return (2 * self.value.shape[0], self.value.shape[1])
         return self.value.shape[::-1]
 
     @property
@@ -81,7 +116,9 @@ def check_mode(mode: str | None) -> None:
 
 def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
     """w [I, O] -> QuantizedWeight with per-column scales (a zero column gets scale 1),
-    its value stored [O, I]."""
+    its value stored [O, I]; int4: per group of rows and column (`quantize_int4`)."""
+    if mode == "int4":
+        return quantize_int4(w)
     w = w.astype(jnp.float32).T
     top = INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX
     amax = jnp.max(jnp.abs(w), axis=1)
@@ -97,6 +134,8 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
 
 def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """The numpy twin of `quantize` (value [O, I], scale [O]), for exactness tests."""
+    if mode == "int4":
+        return _quantize_int4_with(np, w, ml_dtypes.bfloat16)
     w = w.astype(np.float32).T
     top = np.float32(INT8_MAX if STORAGE[mode] == jnp.int8 else FP8_MAX)
     amax = np.abs(w).max(axis=1)
@@ -109,7 +148,88 @@ def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """The f32 [I, O] weight a quantized one stands for."""
+    if w.mode == "int4":
+        return _dequantize_int4_with(jnp, w.value, w.scale)
     return (w.value.astype(jnp.float32) * w.scale[:, None]).T
+
+
+def int4_group(rows: int) -> int:
+    """Rows per int4 group for a weight of `rows` inputs: the first of INT4_GROUPS that
+    divides it."""
+    for group in INT4_GROUPS:
+        if rows % group == 0:
+            return group
+    raise ValueError(f"int4 needs a linear weight's input size divisible by one of "
+                     f"{INT4_GROUPS}; got {rows}")
+
+
+def quantize_int4(w: jax.Array) -> QuantizedWeight:
+    """w [I, O] -> int4 codes packed two a byte, with a bf16 step and offset per group
+    of `int4_group(I)` rows and column (see the module docstring)."""
+    value, scale = _quantize_int4_with(jnp, w, jnp.bfloat16)
+    return QuantizedWeight(value, scale, "int4")
+
+
+def dequantize_numpy(value: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The numpy twin of `dequantize` for int4 (value, scale as `quantize_numpy` gives)."""
+    return _dequantize_int4_with(np, value, scale)
+
+
+def _quantize_int4_with(xp: Any, w: Any, bfloat16: Any) -> tuple[Any, Any]:
+    """`quantize_int4` written once for jax.numpy and numpy (bit-exact twins, eager or
+    under jit): the step and offset are rounded to bf16 first, and the codes computed
+    from the rounded values; a constant group gets step 1 and codes 0."""
+    rows, columns = w.shape
+    groups = w.astype(xp.float32).reshape(rows // int4_group(rows), -1, columns)
+    low, high = groups.min(axis=1), groups.max(axis=1)
+    step = _to_bf16_precision(xp, (high - low) * xp.float32(1 / INT4_TOP), bfloat16)
+    step = xp.where(step > 0, step, xp.float32(1))
+    offset = _to_bf16_precision(xp, low, bfloat16)
+    # times the reciprocal: under jit XLA rewrites a division by a broadcast so
+    inverse = xp.float32(1) / step
+    codes = xp.clip(xp.round((groups - offset[:, None]) * inverse[:, None]), 0, INT4_TOP)
+    codes = codes.astype(xp.uint8).reshape(rows // 2, 2, columns)
+    value = codes[:, 0] | (codes[:, 1] << 4)
+    return value, xp.stack([step, offset]).astype(bfloat16)
+
+
+def _to_bf16_precision(xp: Any, x: Any, bfloat16: Any) -> Any:
+    """f32 x rounded to the nearest bfloat16 (ties to even), kept f32. Under jit XLA
+    drops an f32 -> bf16 -> f32 round trip (it allows excess precision), so jax rounds
+    with reduce_precision, which it keeps."""
+    if xp is np:
+        return x.astype(bfloat16).astype(np.float32)
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def _dequantize_int4_with(xp: Any, value: Any, scale: Any) -> Any:
+    """f32 [I, O] = codes * step + offset, per group (the product is exact in f32)."""
+    rows, columns = 2 * value.shape[0], value.shape[1]
+    codes = xp.stack([value & 15, value >> 4], axis=1).astype(xp.float32)
+    step, offset = scale.astype(xp.float32)
+    groups = codes.reshape(step.shape[0], -1, columns)
+    return (groups * step[:, None] + offset[:, None]).reshape(rows, columns)
+
+
+def quantized_bytes(name: str, shape: tuple[int, int], spec: P, mode: str,
+                    tensor_parallel_size: int = 1) -> int:
+    """Bytes on one of `tensor_parallel_size` devices of the float weight `name` of
+    `shape`, split by `spec` (transformer.param_partition_specs), quantized in `mode`.
+    int4: a weight split by input rows must give each device whole groups."""
+    rows, columns = shape
+    tp = tensor_parallel_size
+    split_rows = len(spec) > 0 and spec[0] is not None
+    split_columns = len(spec) > 1 and spec[1] is not None
+    if mode != "int4":
+        return rows * columns // tp ** (split_rows + split_columns) + 4 * (
+            columns // tp if split_columns else columns)
+    group = int4_group(rows)
+    if split_rows and (rows // tp) % group:
+        raise ValueError(f"int4 groups of {group} rows straddle the {tp} devices' shares "
+                         f"of {name} [{rows}, {columns}] (split by input rows, {rows // tp} "
+                         f"each): tensor_parallel_size={tp} must divide {rows // group}")
+    elements = rows * columns // tp ** (split_rows + split_columns)
+    return elements // 2 + 4 * elements // group
 
 
 def quantize_params(params: dict, mode: str) -> dict:
@@ -118,7 +238,12 @@ def quantize_params(params: dict, mode: str) -> dict:
     layers = [{name: quantize(value, mode) if name in QUANTIZED_WEIGHTS else value
                for name, value in layer.items()} for layer in params["layers"]]
     head = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
-    return params | {"layers": layers, HEAD: quantize(head, mode)}
+    return params | {"layers": layers, HEAD: quantize(head, head_mode(mode))}
+
+
+def head_mode(mode: str) -> str:
+    """The LM head's mode in a model quantized in `mode` (int4: int8, weight-only)."""
+    return "int8" if mode == "int4" else mode
 
 
 def partition_specs(specs: dict, mode: str | None) -> dict:
@@ -130,11 +255,13 @@ def partition_specs(specs: dict, mode: str | None) -> dict:
     layers = [{name: _weight_spec(spec, mode) if name in QUANTIZED_WEIGHTS else spec
                for name, spec in layer.items()} for layer in specs["layers"]]
     head = specs[HEAD] if HEAD in specs else P(*reversed(tuple(specs["embed"])))
-    return specs | {"layers": layers, HEAD: _weight_spec(head, mode)}
+    return specs | {"layers": layers, HEAD: _weight_spec(head, head_mode(mode))}
 
 
 def _weight_spec(spec: P, mode: str) -> QuantizedWeight:
     rows, columns = (tuple(spec) + (None, None))[:2]
+    if mode == "int4":  # packed rows as the weight's rows; scale [2, groups, O]
+        return QuantizedWeight(P(rows, columns), P(None, rows, columns), mode)
     return QuantizedWeight(P(columns, rows), P(columns), mode)
 
 
@@ -147,6 +274,9 @@ def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         xq = jnp.clip(jnp.round(x / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         y = jnp.einsum("...i,oi->...o", xq, w.value, preferred_element_type=jnp.int32)
         return y.astype(jnp.float32) * x_scale * w.scale
+    if w.mode == "int4":  # weight-only: unpack and scale to bf16 inside the step
+        return jnp.matmul(x.astype(jnp.bfloat16), dequantize(w).astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.value.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)
     return y * w.scale
@@ -157,9 +287,12 @@ def is_quantized(x: Any) -> bool:
 
 
 def mode_of(params: dict) -> str | None:
-    """The quantization of a params tree (arrays or specs), None when float."""
-    weights = [w for layer in params["layers"] for w in layer.values()]
-    modes = {w.mode for w in [*weights, params.get(HEAD)] if is_quantized(w)}
+    """The quantization of a params tree (arrays or specs), None when float; the head's
+    mode must be `head_mode` of the layers'."""
+    modes = {w.mode for layer in params["layers"] for w in layer.values() if is_quantized(w)}
+    head = params.get(HEAD)
+    if is_quantized(head) and {head_mode(m) for m in modes} != {head.mode}:
+        modes.add(head.mode)
     if len(modes) > 1:
         raise ValueError(f"params mix quantization modes {sorted(modes)}")
     return modes.pop() if modes else None

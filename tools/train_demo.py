@@ -32,9 +32,9 @@ from absl import app, flags
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxinfer import checkpoint
+from jaxinfer.config import ModelConfig
 from jaxinfer.corpus import corpus_files as split_corpus
 from jaxinfer.corpus import read_texts
-from jaxinfer.config import ModelConfig
 from jaxinfer.model import transformer
 
 FLAGS = flags.FLAGS

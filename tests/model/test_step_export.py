@@ -116,3 +116,22 @@ def test_step_with_8bit_kv_and_scales_exports_for_cuda(kv_dtype, stored):
     pages, scales = exported.out_avals[:2]
     assert pages.shape == (PAGES, PAGE_SIZE, TP, 4, 32)
     assert scales.shape == (PAGES, PAGE_SIZE, 2 * TP) and scales.dtype == jnp.float32
+
+
+def test_int4_step_exports_for_cuda():
+    """int4 weights (packed uint8 codes, bf16 group scales) unpacked and scaled inside
+    the step, then bf16 dots; wo and w_down split by rows over 4 devices in whole groups
+    of 128 (512 and 512 inputs, 128 rows a device)."""
+    if jax.device_count() < TP:
+        pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
+    cfg = sharding.served_config(ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=512,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, attention_impl="gpu"), TP)
+    text = _export(cfg, BUCKETS[0], quantization="int4").mlir_module()
+    assert "tensor<64x1024xui8>" in text  # wqkv: 128 rows packed two a byte, 16 x 64 cols
+    assert "tensor<2x1x1024xbf16>" in text  # its step and offset: one group of 128 rows
+    assert "tensor<256x128xui8>" in text  # w_down [512, 128] packed
+    assert "stablehlo.shift_right_logical" in text  # the high nibbles, unpacked on device
+    dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
+    assert not [d for d in dots if "xui8>" in d]  # weight-only: bf16 dots
+    assert "tensor<256x128xi8>" in text  # the LM head: int8 [V, D], weight-only

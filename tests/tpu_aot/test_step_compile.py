@@ -104,17 +104,22 @@ def _check_quantized(device: str, mode: str, cfg) -> None:
                                 + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
     head = cfg.vocab_size * cfg.hidden_size  # int8 head: a copy when tied, else 2 -> 1 byte
     head_bytes = (head if cfg.tie_word_embeddings else -head) + 4 * cfg.vocab_size
-    assert report["plan"]["weight_bytes"] == bf16 - linear + 4 * columns + head_bytes
+    if mode == "int4":  # half a byte a weight, bf16 step and offset per 128 rows (Qwen3)
+        quantized = bf16 - 2 * linear + linear // 2 + linear // 32
+    else:
+        quantized = bf16 - linear + 4 * columns
+    assert report["plan"]["weight_bytes"] == quantized + head_bytes
 
 
 @pytest.mark.parametrize("device, mode", [
-    ("v5e-1", "w8a8"), ("v6e-1", "w8a8"),
+    ("v5e-1", "w8a8"), ("v6e-1", "w8a8"), ("v5e-1", "int4"),
+    pytest.param("v6e-1", "int4", marks=pytest.mark.slow),
     pytest.param("v5e-1", "int8", marks=pytest.mark.slow)])
 def test_quantized_step_compiles(device, mode):
     """Quantized weights (jaxinfer/quantization.py) in the compiled step of a 4-layer
     Qwen3-0.6B shape: libtpu's argument bytes match the planner's quantized bytes (one
-    byte per linear weight and LM head element plus f32 column scales; embedding and norms
-    bf16)."""
+    byte per linear weight and LM head element plus f32 column scales, int4 half a byte
+    plus bf16 group scales with an int8 head; embedding and norms bf16)."""
     _check_quantized(device, mode, dataclasses.replace(MODELS["qwen3-0.6b"](), num_layers=4))
 
 
