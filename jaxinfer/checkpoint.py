@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import quantization, safetensors_file, shard_source, sharding
+from jaxinfer import compressed_tensors, quantization, safetensors_file, shard_source, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.transformer import (
@@ -84,15 +84,22 @@ def fuse(params: Params, cfg: ModelConfig) -> Params:
 
 
 def load_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory (HF or orbax)."""
+    """The ModelConfig of a checkpoint directory (HF or orbax). A `quantization_config`
+    other than compressed-tensors FP8 is refused here, before any weight is read."""
+    hf = read_hf_config(model_dir)
+    compressed_tensors.scheme_of(hf, _model_dir(model_dir) / "config.json")
+    return ModelConfig.from_hf(hf)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    """The config.json of a checkpoint directory, as a dict."""
     path = _model_dir(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (is this a model directory?)")
     try:
-        hf = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return ModelConfig.from_hf(hf)
 
 
 def load_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
@@ -114,23 +121,37 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     """Read safetensors tensors into our params pytree, checking names and shapes. Each
     leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
     gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
-    devices than KV heads."""
+    devices than KV heads. A compressed-tensors FP8 checkpoint's linear weights become
+    fp8 QuantizedWeights made of its float8 values and scales (compressed_tensors.py)."""
     _check_dtype(dtype)
-    tensors = _checked_tensors(_model_dir(model_dir), cfg)
+    root = _model_dir(model_dir)
+    scheme = compressed_tensors.scheme_of(read_hf_config(root), root / "config.json")
+    tensors = _checked_tensors(root, cfg, scheme)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
     sharding.validate(cfg, shards, mesh.size)
     served = sharding.served_config(cfg, shards)
     reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
     layouts = leaf_layouts(served)
-    specs = param_partition_specs(served, shards)
+    specs = quantization.partition_specs(param_partition_specs(served, shards),
+                                         scheme and compressed_tensors.MODE)
     target = np.dtype(jnp.dtype(dtype))
 
-    def leaf(path: tuple, shape: tuple[int, ...], spec: PartitionSpec) -> jax.Array:
-        name = leaf_name(path)
+    def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
+              spec: PartitionSpec, dtype: np.dtype) -> jax.Array:
         return jax.make_array_from_callback(
             shape, NamedSharding(mesh, spec),
-            lambda index: reader.slice_of(name, layouts[name], shape, index, target))
+            lambda index: reader.slice_of(name, layout, shape, index, dtype))
+
+    def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
+        name = leaf_name(path)
+        if not quantization.is_quantized(spec):
+            return array(name, layouts[name], shape, spec, target)
+        scale_layout = compressed_tensors.scale_layout(layouts[name])
+        return quantization.QuantizedWeight(
+            array(name, layouts[name], shape, spec.value, compressed_tensors.FP8),
+            array(f"{name}.scale", scale_layout, shape[1:], spec.scale, np.dtype(np.float32)),
+            spec.mode)
 
     shapes = param_shapes(served)
     return jax.tree_util.tree_map_with_path(
@@ -162,10 +183,27 @@ def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
     return out
 
 
-def _checked_tensors(root: pathlib.Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def fp8_weight_names(cfg: ModelConfig) -> list[str]:
+    """HF names of the weights a compressed-tensors FP8 checkpoint must store as fp8:
+    the parts of every layer's `quantization.QUANTIZED_WEIGHTS`."""
+    parts = {p for key in quantization.QUANTIZED_WEIGHTS
+             for p in (FUSED[key][1] if key in FUSED else (key,))}
+    return [name for name, (path, _) in hf_names(cfg).items()
+            if path[0] == "layers" and path[-1] in parts]
+
+
+def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
+                     scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
-    dtypes are those `cfg` describes."""
+    dtypes are those `cfg` describes; with a compressed-tensors `scheme`, the fp8
+    weights' scales added as float32 [out] `<module>.weight_scale` tensors."""
     tensors = _read_tensors(root)
+    fp8_names, scales = set(), {}
+    if scheme is not None:
+        fp8_names = set(fp8_weight_names(cfg))
+        scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
+        for note in scheme.notes():
+            log.warning("%s: loading fp8 weights as they are, but %s", root, note)
     expected = hf_names(cfg)
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -184,10 +222,10 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig) -> dict[str, np.ndarr
             hf_want = want[::-1] if transposed else want
             raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
                              f"expected {hf_want} from config.json")
-        if array.dtype.name not in FLOAT_DTYPES:
+        if array.dtype.name not in FLOAT_DTYPES and name not in fp8_names:
             raise ValueError(f"{root}: tensor {name} has unsupported dtype "
                              f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
-    return tensors
+    return tensors | scales
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -286,9 +324,14 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
 
 def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     """The quantization an orbax checkpoint's weights were written in (its
-    QUANTIZATION_FILE), None for float weights."""
+    QUANTIZATION_FILE), or "fp8" for an HF compressed-tensors FP8 checkpoint
+    (compressed_tensors.py); None for float weights."""
     path = pathlib.Path(model_dir) / QUANTIZATION_FILE
     if not path.is_file():
+        config = pathlib.Path(model_dir) / "config.json"
+        if config.is_file() and compressed_tensors.scheme_of(read_hf_config(model_dir),
+                                                             config):
+            return compressed_tensors.MODE
         return None
     try:
         mode = json.loads(path.read_text()).get("mode")
@@ -301,15 +344,22 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
                         dtype: str = "float32", quantization_mode: str | None = None) -> None:
     """Copy config and tokenizer files and write the weights as orbax `params/`,
-    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given."""
+    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given or
+    the checkpoint is pre-quantized (compressed-tensors FP8: kept as it is)."""
     quantization.check_mode(quantization_mode)
     src, dst = _model_dir(hf_dir), pathlib.Path(out_dir)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
+    written = checkpoint_quantization(src)
+    if written is not None and quantization_mode not in (None, written):
+        raise ValueError(f"{src} holds {written} weights; quantization="
+                         f"{quantization_mode!r} would need the float checkpoint")
+    quantization_mode = quantization_mode or written
     params = load_hf_params(src, cfg, dtype)
     if quantization_mode is not None:
-        params = quantization.quantize_params(params, quantization_mode)
+        if quantization.mode_of(params) is None:
+            params = quantization.quantize_params(params, quantization_mode)
         dst.mkdir(parents=True, exist_ok=True)
         (dst / QUANTIZATION_FILE).write_text(json.dumps({"mode": quantization_mode}) + "\n")
     dst.mkdir(parents=True, exist_ok=True)
