@@ -341,6 +341,17 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     return mode
 
 
+def served_quantization(model_dir: str | os.PathLike, requested: str | None) -> str | None:
+    """The mode a checkpoint directory is served in: that of its weights if written
+    quantized (`checkpoint_quantization`; asking for another is an error), else
+    `requested`."""
+    written = checkpoint_quantization(model_dir)
+    if written is not None and requested not in (None, written):
+        raise ValueError(f"{model_dir} holds {written} weights; quantization="
+                         f"{requested!r} would need the float checkpoint")
+    return written or requested
+
+
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
                         dtype: str = "float32", quantization_mode: str | None = None) -> None:
     """Copy config and tokenizer files and write the weights as orbax `params/`,
@@ -351,11 +362,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
-    written = checkpoint_quantization(src)
-    if written is not None and quantization_mode not in (None, written):
-        raise ValueError(f"{src} holds {written} weights; quantization="
-                         f"{quantization_mode!r} would need the float checkpoint")
-    quantization_mode = quantization_mode or written
+    quantization_mode = served_quantization(src, quantization_mode)
     params = load_hf_params(src, cfg, dtype)
     if quantization_mode is not None:
         if quantization.mode_of(params) is None:

@@ -159,6 +159,20 @@ def _model_config() -> object:
     return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
 
 
+def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
+    """`settings` in the mode of a --model directory written quantized (orbax convert
+    --quantization, or a compressed-tensors FP8 checkpoint), as loading serves it."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    if not model.is_dir():
+        return settings
+    return dataclasses.replace(
+        settings, quantization=checkpoint.served_quantization(model, settings.quantization))
+
+
 def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, int]:
     """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
@@ -196,7 +210,7 @@ def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None
 def plan() -> None:
     from jaxinfer import planner
 
-    settings, cfg = engine_config(), _model_config()
+    settings, cfg = _with_checkpoint_quantization(engine_config()), _model_config()
     acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
     tp = _plan_tensor_parallel_size(cfg, acc)
     bandwidth = FLAGS.bandwidth_gb_per_s
@@ -233,7 +247,7 @@ def aot() -> None:
     from jaxinfer import aot as aot_lib
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
-    cfg, engine = _model_config(), engine_config()
+    cfg, engine = _model_config(), _with_checkpoint_quantization(engine_config())
     settings = aot_lib.Settings(
         dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,

@@ -94,15 +94,11 @@ def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
 
 
 def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> EngineConfig:
-    """`config` serving a checkpoint written quantized (convert --quantization) in its
-    mode; asking for another mode is an error."""
-    written = checkpoint.checkpoint_quantization(root)
-    if written is None:
-        return config
-    if config.quantization not in (None, written):
-        raise ValueError(f"{root} holds {written} weights; quantization="
-                         f"{config.quantization!r} would need the float checkpoint")
-    return dataclasses.replace(config, quantization=written)
+    """`config` serving a checkpoint written quantized (convert --quantization, or a
+    compressed-tensors FP8 checkpoint) in its mode; asking for another mode is an error."""
+    mode = checkpoint.served_quantization(root, config.quantization)
+    return config if mode == config.quantization else dataclasses.replace(
+        config, quantization=mode)
 
 
 def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:

@@ -303,3 +303,20 @@ def test_scheme_reports_what_is_not_used():
     weight_only["config_groups"]["group_0"]["input_activations"] = None
     assert compressed_tensors.scheme_of({"quantization_config": weight_only}, "x").notes() == []
     assert compressed_tensors.scheme_of({}, "x") is None
+
+
+def test_cli_plan_counts_the_checkpoint_in_fp8(fp8):
+    import os
+    import subprocess
+    import sys
+
+    from jaxinfer import planner
+
+    root = fp8["channel"][0]
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer", "plan", f"--model={root}", "--memory_gb=1"],
+        cwd=pathlib.Path(__file__).parent.parent, capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr
+    fp8_bytes = planner.weight_bytes(checkpoint.load_config(root), "float32", 1, "fp8")
+    assert json.loads(result.stdout)["weight_bytes"] == fp8_bytes
