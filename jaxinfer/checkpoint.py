@@ -5,8 +5,11 @@ model.safetensors.index.json), tokenizer files and generation_config.json.
 Loading needs no torch and never executes code from the checkpoint. An orbax
 checkpoint is the same directory with `params/` (orbax) in place of the
 safetensors files. Checkpoints keep HF's separate q/k/v and gate/up tensors; params
-(and so orbax checkpoints) hold them fused (model/fusion.py). Imports numpy, jax,
-orbax, config, model, safetensors_file.
+(and so orbax checkpoints) hold them fused (model/fusion.py). A compressed-tensors FP8
+checkpoint's layer projections load as they are stored, as fp8 QuantizedWeights
+(compressed_tensors.py); any other quantization_config is refused by load_config.
+Imports numpy, jax, orbax, config, model, quantization, safetensors_file,
+shard_source, sharding, compressed_tensors.
 """
 
 from __future__ import annotations

@@ -198,6 +198,26 @@ def test_tensor_parallel_gives_the_same_tokens(fp8, engine):
         assert scale.addressable_shards[0].data.shape[0] == scale.shape[0] // tp
 
 
+def test_each_device_reads_only_its_slice_of_the_fp8_tensors(fp8):
+    from jaxinfer import shard_source, sharding
+
+    root = fp8["tensor"][0]
+    log = shard_source.ReadLog()
+    params = checkpoint.load_params(root, checkpoint.load_config(root), mesh=sharding.make_mesh(2),
+                                    log=log)
+    reads: dict[str, list[int]] = {}
+    for name, _, nbytes in log.reads:
+        reads.setdefault(name, []).append(nbytes)
+    for key in quantization.QUANTIZED_WEIGHTS:
+        weight = params["layers"][1][key]
+        for name, leaf in ((f"layers.1.{key}", weight.value), (f"layers.1.{key}.scale",
+                                                                 weight.scale)):
+            shard_bytes = leaf.addressable_shards[0].data.nbytes  # fp8 / f32, as read
+            slices = len({str(s.index) for s in leaf.addressable_shards})
+            assert reads[name] == [shard_bytes] * slices, name
+        assert weight.value.addressable_shards[0].data.nbytes == weight.value.nbytes // 2
+
+
 def test_convert_to_orbax_keeps_fp8(fp8, engine, tmp_path):
     out = tmp_path / "orbax"
     checkpoint.convert_hf_to_orbax(fp8["channel"][0], out)
@@ -303,6 +323,14 @@ def test_scheme_reports_what_is_not_used():
     weight_only["config_groups"]["group_0"]["input_activations"] = None
     assert compressed_tensors.scheme_of({"quantization_config": weight_only}, "x").notes() == []
     assert compressed_tensors.scheme_of({}, "x") is None
+    mixed = quantization_config("channel", format="mixed-precision")  # groups name theirs
+    mixed["config_groups"]["group_1"] = mixed["config_groups"]["group_0"] | {
+        "weights": weight_args("tensor"), "targets": ["re:.*down_proj"]}
+    assert compressed_tensors.scheme_of({"quantization_config": mixed}, "x").strategies == \
+        ("channel", "tensor")
+    mixed["config_groups"]["group_1"]["format"] = "pack-quantized"
+    with pytest.raises(ValueError, match=r"config_groups\['group_1'\]: format='pack-quantized'"):
+        compressed_tensors.scheme_of({"quantization_config": mixed}, "x")
 
 
 def test_cli_plan_counts_the_checkpoint_in_fp8(fp8):
