@@ -186,15 +186,6 @@ def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
     return out
 
 
-def fp8_weight_names(cfg: ModelConfig) -> list[str]:
-    """HF names of the weights a compressed-tensors FP8 checkpoint must store as fp8:
-    the parts of every layer's `quantization.QUANTIZED_WEIGHTS`."""
-    parts = {p for key in quantization.QUANTIZED_WEIGHTS
-             for p in (FUSED[key][1] if key in FUSED else (key,))}
-    return [name for name, (path, _) in hf_names(cfg).items()
-            if path[0] == "layers" and path[-1] in parts]
-
-
 def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
                      scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
@@ -203,7 +194,8 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
     tensors = _read_tensors(root)
     fp8_names, scales = set(), {}
     if scheme is not None:
-        fp8_names = set(fp8_weight_names(cfg))
+        fp8_names = {n for n, (path, _) in hf_names(cfg).items()  # layer projections
+                     if path[-1] in compressed_tensors.FP8_PARTS}
         scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
         for note in scheme.notes():
             log.warning("%s: loading fp8 weights as they are, but %s", root, note)

@@ -55,6 +55,8 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"
 ZERO_POINTS = (".weight_zero_point", ".input_zero_point")
+FP8_PARTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # of quantization.py's
+# QUANTIZED_WEIGHTS, as checkpoint.LAYER_NAMES names their unfused parts
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.output_scale",
              "v_proj.output_scale")
 

@@ -323,6 +323,9 @@ def test_scheme_reports_what_is_not_used():
     weight_only["config_groups"]["group_0"]["input_activations"] = None
     assert compressed_tensors.scheme_of({"quantization_config": weight_only}, "x").notes() == []
     assert compressed_tensors.scheme_of({}, "x") is None
+    parts = {p for key in quantization.QUANTIZED_WEIGHTS  # what fp8 params quantize
+             for p in (checkpoint.FUSED[key][1] if key in checkpoint.FUSED else (key,))}
+    assert parts == set(compressed_tensors.FP8_PARTS)
     mixed = quantization_config("channel", format="mixed-precision")  # groups name theirs
     mixed["config_groups"]["group_1"] = mixed["config_groups"]["group_0"] | {
         "weights": weight_args("tensor"), "targets": ["re:.*down_proj"]}
