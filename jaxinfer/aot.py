@@ -87,6 +87,7 @@ class Settings:
     kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
     tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
+    quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -112,7 +113,8 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
-                  tensor_parallel_size=tensor_parallel_size, quantization=s.quantization)
+                  tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
+                  quantized_head=s.quantized_head)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * DEVICE_KV_FRACTION)
@@ -127,8 +129,8 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
                           param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
     if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
-        params = jax.eval_shape(functools.partial(quantization.quantize_params,
-                                                  mode=s.quantization), params)
+        params = jax.eval_shape(functools.partial(
+            quantization.quantize_params, mode=s.quantization, head=s.quantized_head), params)
     kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
                        dtype=s.kv_dtype, backend="tpu", shards=shards)
     return params, kv

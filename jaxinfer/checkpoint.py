@@ -5,8 +5,12 @@ model.safetensors.index.json), tokenizer files and generation_config.json.
 Loading needs no torch and never executes code from the checkpoint. An orbax
 checkpoint is the same directory with `params/` (orbax) in place of the
 safetensors files. Checkpoints keep HF's separate q/k/v and gate/up tensors; params
-(and so orbax checkpoints) hold them fused (model/fusion.py). Imports numpy, jax,
-orbax, config, model, safetensors_file, quantization and awq (int4 convert).
+(and so orbax checkpoints) hold them fused (model/fusion.py). A compressed-tensors FP8
+checkpoint's layer projections load as they are stored, as fp8 QuantizedWeights
+(compressed_tensors.py; its float LM head is quantized by the runner, as for every
+quantized model); any other quantization_config is refused by load_config.
+Imports numpy, jax, orbax, config, model, quantization, safetensors_file,
+shard_source, sharding, compressed_tensors and awq (int4 convert).
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import awq, quantization, safetensors_file, shard_source, sharding
+from jaxinfer import (
+    awq,
+    compressed_tensors,
+    quantization,
+    safetensors_file,
+    shard_source,
+    sharding,
+)
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.transformer import (
@@ -84,15 +95,22 @@ def fuse(params: Params, cfg: ModelConfig) -> Params:
 
 
 def load_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory (HF or orbax)."""
+    """The ModelConfig of a checkpoint directory (HF or orbax). A `quantization_config`
+    other than compressed-tensors FP8 is refused here, before any weight is read."""
+    hf = read_hf_config(model_dir)
+    compressed_tensors.scheme_of(hf, _model_dir(model_dir) / "config.json")
+    return ModelConfig.from_hf(hf)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    """The config.json of a checkpoint directory, as a dict."""
     path = _model_dir(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (is this a model directory?)")
     try:
-        hf = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return ModelConfig.from_hf(hf)
 
 
 def load_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
@@ -114,23 +132,45 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     """Read safetensors tensors into our params pytree, checking names and shapes. Each
     leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
     gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
-    devices than KV heads."""
+    devices than KV heads. A compressed-tensors FP8 checkpoint's linear weights become
+    fp8 QuantizedWeights made of its float8 values and scales (compressed_tensors.py)."""
     _check_dtype(dtype)
-    tensors = _checked_tensors(_model_dir(model_dir), cfg)
+    root = _model_dir(model_dir)
+    scheme = compressed_tensors.scheme_of(read_hf_config(root), root / "config.json")
+    tensors = _checked_tensors(root, cfg, scheme)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
     sharding.validate(cfg, shards, mesh.size)
     served = sharding.served_config(cfg, shards)
     reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
     layouts = leaf_layouts(served)
-    specs = param_partition_specs(served, shards)
+    specs = quantization.partition_specs(param_partition_specs(served, shards),
+                                         scheme and compressed_tensors.MODE, head=False)
     target = np.dtype(jnp.dtype(dtype))
 
-    def leaf(path: tuple, shape: tuple[int, ...], spec: PartitionSpec) -> jax.Array:
-        name = leaf_name(path)
+    def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
+              spec: PartitionSpec, dtype: np.dtype) -> jax.Array:
         return jax.make_array_from_callback(
             shape, NamedSharding(mesh, spec),
-            lambda index: reader.slice_of(name, layouts[name], shape, index, target))
+            lambda index: reader.slice_of(name, layout, shape, index, dtype))
+
+    def stored_value(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
+                     spec: PartitionSpec) -> jax.Array:
+        """A fp8 weight [I, O] as QuantizedWeight stores it, [O, I] (HF's own layout)."""
+        return jax.make_array_from_callback(
+            shape[::-1], NamedSharding(mesh, spec),
+            lambda index: np.ascontiguousarray(reader.slice_of(
+                name, layout, shape, index[::-1], compressed_tensors.FP8).T))
+
+    def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
+        name = leaf_name(path)
+        if not quantization.is_quantized(spec):
+            return array(name, layouts[name], shape, spec, target)
+        scale_layout = compressed_tensors.scale_layout(layouts[name])
+        return quantization.QuantizedWeight(
+            stored_value(name, layouts[name], shape, spec.value),
+            array(f"{name}.scale", scale_layout, shape[1:], spec.scale, np.dtype(np.float32)),
+            spec.mode)
 
     shapes = param_shapes(served)
     return jax.tree_util.tree_map_with_path(
@@ -162,10 +202,19 @@ def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
     return out
 
 
-def _checked_tensors(root: pathlib.Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
+                     scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
-    dtypes are those `cfg` describes."""
+    dtypes are those `cfg` describes; with a compressed-tensors `scheme`, the fp8
+    weights' scales added as float32 [out] `<module>.weight_scale` tensors."""
     tensors = _read_tensors(root)
+    fp8_names, scales = set(), {}
+    if scheme is not None:
+        fp8_names = {n for n, (path, _) in hf_names(cfg).items()  # layer projections
+                     if path[-1] in compressed_tensors.FP8_PARTS}
+        scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
+        for note in scheme.notes():
+            log.warning("%s: loading fp8 weights as they are, but %s", root, note)
     expected = hf_names(cfg)
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -184,10 +233,10 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig) -> dict[str, np.ndarr
             hf_want = want[::-1] if transposed else want
             raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
                              f"expected {hf_want} from config.json")
-        if array.dtype.name not in FLOAT_DTYPES:
+        if array.dtype.name not in FLOAT_DTYPES and name not in fp8_names:
             raise ValueError(f"{root}: tensor {name} has unsupported dtype "
                              f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
-    return tensors
+    return tensors | scales
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -264,9 +313,10 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     if mode is not None:  # the quantized tree: int8/fp8 values and f32 scales
-        shapes = jax.eval_shape(functools.partial(quantization.quantize_params, mode=mode),
-                                shapes)
-        specs = quantization.partition_specs(specs, mode)
+        head = quantized_head(pathlib.Path(path).parent)
+        shapes = jax.eval_shape(functools.partial(quantization.quantize_params, mode=mode,
+                                                  head=head), shapes)
+        specs = quantization.partition_specs(specs, mode, head=head)
     target = jax.tree.map(
         lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                              sharding=NamedSharding(mesh, spec)),
@@ -286,9 +336,14 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
 
 def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     """The quantization an orbax checkpoint's weights were written in (its
-    QUANTIZATION_FILE), None for float weights."""
+    QUANTIZATION_FILE), or "fp8" for an HF compressed-tensors FP8 checkpoint
+    (compressed_tensors.py); None for float weights."""
     path = pathlib.Path(model_dir) / QUANTIZATION_FILE
     if not path.is_file():
+        config = pathlib.Path(model_dir) / "config.json"
+        if config.is_file() and compressed_tensors.scheme_of(read_hf_config(model_dir),
+                                                             config):
+            return compressed_tensors.MODE
         return None
     try:
         written = json.loads(path.read_text())
@@ -303,12 +358,39 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     return mode
 
 
+def quantized_head(model_dir: str | os.PathLike) -> bool:
+    """Whether a quantized model served from `model_dir` has a quantized LM head: yes,
+    unless its checkpoint keeps the head float, as a compressed-tensors checkpoint does
+    (it lists lm_head among the modules it leaves unquantized; a quantized head is
+    refused) and its orbax conversion records in QUANTIZATION_FILE."""
+    root = pathlib.Path(model_dir)
+    if (root / QUANTIZATION_FILE).is_file():
+        return bool(json.loads((root / QUANTIZATION_FILE).read_text()).get("quantized_head",
+                                                                          True))
+    config = root / "config.json"
+    return not (config.is_file() and compressed_tensors.scheme_of(read_hf_config(root),
+                                                                   config))
+
+
+def served_quantization(model_dir: str | os.PathLike, requested: str | None) -> str | None:
+    """The mode a checkpoint directory is served in: that of its weights if written
+    quantized (`checkpoint_quantization`; asking for another is an error), else
+    `requested`."""
+    written = checkpoint_quantization(model_dir)
+    if written is not None and requested not in (None, written):
+        raise ValueError(f"{model_dir} holds {written} weights; quantization="
+                         f"{requested!r} would need the float checkpoint")
+    return written or requested
+
+
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
                         dtype: str = "float32", quantization_mode: str | None = None,
                         calibration_data: str | os.PathLike | None = None) -> None:
     """Copy config and tokenizer files and write the weights as orbax `params/`,
-    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given;
-    int4 first folds in activation-aware scales chosen on `calibration_data` (awq.py)."""
+    quantized (and QUANTIZATION_FILE saying how) when `quantization_mode` is given or
+    the checkpoint is pre-quantized (compressed-tensors FP8: its layers kept as they are,
+    the head quantized); int4 first folds in activation-aware scales chosen on
+    `calibration_data` (awq.py)."""
     quantization.check_mode(quantization_mode)
     if calibration_data is not None and quantization_mode != "int4":
         raise ValueError(f"calibration_data={str(calibration_data)!r} needs "
@@ -317,13 +399,16 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
+    quantization_mode = served_quantization(src, quantization_mode)
     params = load_hf_params(src, cfg, dtype)
     if quantization_mode == "int4":
         params = awq.calibrate_checkpoint(params, cfg, src, calibration_data)
     if quantization_mode is not None:
-        params = quantization.quantize_params(params, quantization_mode)
+        if quantization.mode_of(params) is None:
+            params = quantization.quantize_params(params, quantization_mode)
         dst.mkdir(parents=True, exist_ok=True)
-        stamp = {"mode": quantization_mode, "layout": quantization.LAYOUT_VERSION}
+        stamp = {"mode": quantization_mode, "layout": quantization.LAYOUT_VERSION,
+                 "quantized_head": quantization.has_quantized_head(params)}
         (dst / QUANTIZATION_FILE).write_text(json.dumps(stamp) + "\n")
     dst.mkdir(parents=True, exist_ok=True)
     for name in SIDE_FILES:

@@ -165,6 +165,31 @@ def _model_config() -> object:
     return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
 
 
+def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
+    """`settings` in the mode of a --model directory written quantized (orbax convert
+    --quantization, or a compressed-tensors FP8 checkpoint), as loading serves it."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    if not model.is_dir():
+        return settings
+    return dataclasses.replace(
+        settings, quantization=checkpoint.served_quantization(model, settings.quantization))
+
+
+def _quantized_head() -> bool:
+    """Whether a quantized --model serves a quantized LM head (checkpoint.quantized_head;
+    a preset: yes)."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    return checkpoint.quantized_head(model) if model.is_dir() else True
+
+
 def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, int]:
     """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
@@ -202,7 +227,7 @@ def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None
 def plan() -> None:
     from jaxinfer import planner
 
-    settings, cfg = engine_config(), _model_config()
+    settings, cfg = _with_checkpoint_quantization(engine_config()), _model_config()
     acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
     tp = _plan_tensor_parallel_size(cfg, acc)
     bandwidth = FLAGS.bandwidth_gb_per_s
@@ -214,6 +239,7 @@ def plan() -> None:
         acc.list_price_per_hour if acc else None)
     result = planner.plan(cfg, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
                           quantization=settings.quantization,
+                          quantized_head=_quantized_head(),
                           max_model_len=settings.max_model_len,
                           max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
                           bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
@@ -239,7 +265,7 @@ def aot() -> None:
     from jaxinfer import aot as aot_lib
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
-    cfg, engine = _model_config(), engine_config()
+    cfg, engine = _model_config(), _with_checkpoint_quantization(engine_config())
     settings = aot_lib.Settings(
         dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -247,7 +273,7 @@ def aot() -> None:
         page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
         tensor_parallel_size=engine.tensor_parallel_size
         if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
-        quantization=engine.quantization)
+        quantization=engine.quantization, quantized_head=_quantized_head())
     device = FLAGS.device or COMMANDS["aot"].defaults["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)

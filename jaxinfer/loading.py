@@ -65,7 +65,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
-    memory_plan = plan_memory(served, config, max_len)
+    memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root))
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
                              config.quantization)
@@ -101,15 +101,11 @@ def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
 
 
 def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> EngineConfig:
-    """`config` serving a checkpoint written quantized (convert --quantization) in its
-    mode; asking for another mode is an error."""
-    written = checkpoint.checkpoint_quantization(root)
-    if written is None:
-        return config
-    if config.quantization not in (None, written):
-        raise ValueError(f"{root} holds {written} weights; quantization="
-                         f"{config.quantization!r} would need the float checkpoint")
-    return dataclasses.replace(config, quantization=written)
+    """`config` serving a checkpoint written quantized (convert --quantization, or a
+    compressed-tensors FP8 checkpoint) in its mode; asking for another mode is an error."""
+    mode = checkpoint.served_quantization(root, config.quantization)
+    return config if mode == config.quantization else dataclasses.replace(
+        config, quantization=mode)
 
 
 def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:
@@ -150,15 +146,15 @@ def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
     return wanted
 
 
-def plan_memory(model_config: ModelConfig, config: EngineConfig,
-                max_len: int) -> planner.MemoryPlan:
+def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
+                quantized_head: bool = True) -> planner.MemoryPlan:
     """The page pool's plan for `model_config` as served (KV heads copied under tensor
     parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
     DEVICE_KV_FRACTION of the mesh's accelerator memory (weights included); else, on
     CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
     probed once per process."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
-                  quantization=config.quantization,
+                  quantization=config.quantization, quantized_head=quantized_head,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:

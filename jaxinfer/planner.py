@@ -172,24 +172,26 @@ def _device_shapes(cfg: ModelConfig, tp: int
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
-                 quantization: str | None = None) -> int:
+                 quantization: str | None = None, quantized_head: bool = True) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
     plus a float32 scale per output column held there, int4 half a byte plus its group
-    scales (jaxinfer/quantization.py `quantized_bytes`; an int4 model's head is int8)."""
+    scales (jaxinfer/quantization.py `quantized_bytes`; an int4 model's head is int8).
+    `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`)."""
     check_tensor_parallel(cfg, tensor_parallel_size)
     tp, total = tensor_parallel_size, 0
+    head = quantization if quantized_head else None
     for name, shape, n, spec in _device_shapes(cfg, tp):
         if quantization is not None and name in QUANTIZED_WEIGHTS:
             total += quantized_bytes(name, shape, spec, quantization, tp)
-        elif quantization is not None and name == HEAD:
-            total += quantized_bytes(name, shape, spec, head_mode(quantization), tp)
+        elif head is not None and name == HEAD:
+            total += quantized_bytes(name, shape, spec, head_mode(head), tp)
         else:
             total += n * jnp.dtype(dtype).itemsize
-        if name == "embed" and quantization is not None and cfg.tie_word_embeddings:
+        if name == "embed" and head is not None and cfg.tie_word_embeddings:
             head_spec = PartitionSpec(*reversed((tuple(spec) + (None, None))[:2]))
-            total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(quantization), tp)
+            total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(head), tp)
     return total
 
 
@@ -239,7 +241,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
          bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
          num_devices: int | None = None, peak_flops_per_s: float | None = None,
-         quantization: str | None = None) -> MemoryPlan:
+         quantization: str | None = None, quantized_head: bool = True) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas.
@@ -253,7 +255,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
         raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype, tp, quantization)
+    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     page_bytes = page_size * per_token
     pages_per_request = -(-max_model_len // page_size)
@@ -276,7 +278,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       max_concurrent_requests=(num_pages - 1) // pages_per_request,
                       max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
                       tensor_parallel_size=tp, replicas=num_devices // tp,
-                      unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization),
+                      unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization,
+                                                          quantized_head),
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s)

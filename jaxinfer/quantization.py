@@ -232,13 +232,22 @@ def quantized_bytes(name: str, shape: tuple[int, int], spec: P, mode: str,
     return elements // 2 + 4 * elements // group
 
 
-def quantize_params(params: dict, mode: str) -> dict:
+def quantize_params(params: dict, mode: str, head: bool = True) -> dict:
     """The params with every layer's linear weights and the LM head quantized
-    (jittable); a tied head becomes a quantized copy of the embedding table."""
+    (jittable); a tied head becomes a quantized copy of the embedding table. `head=False`
+    leaves the head as it is (what a pre-quantized checkpoint that keeps it float
+    serves: `checkpoint.quantized_head`)."""
     layers = [{name: quantize(value, mode) if name in QUANTIZED_WEIGHTS else value
                for name, value in layer.items()} for layer in params["layers"]]
-    head = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
-    return params | {"layers": layers, HEAD: quantize(head, head_mode(mode))}
+    if not head:
+        return params | {"layers": layers}
+    head_weight = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
+    return params | {"layers": layers, HEAD: quantize(head_weight, head_mode(mode))}
+
+
+def has_quantized_head(params: dict) -> bool:
+    """Whether a params tree (arrays or specs) holds a quantized LM head."""
+    return is_quantized(params.get(HEAD))
 
 
 def head_mode(mode: str) -> str:
@@ -246,16 +255,19 @@ def head_mode(mode: str) -> str:
     return "int8" if mode == "int4" else mode
 
 
-def partition_specs(specs: dict, mode: str | None) -> dict:
+def partition_specs(specs: dict, mode: str | None, head: bool = True) -> dict:
     """The float params' specs (transformer.param_partition_specs) for quantized params:
     a quantized weight's value [O, I] is split as the weight transposed, its scale as
-    the weight's columns."""
+    the weight's columns. `head=False`: the LM head left as the float params have it
+    (see `quantize_params`)."""
     if mode is None:
         return specs
     layers = [{name: _weight_spec(spec, mode) if name in QUANTIZED_WEIGHTS else spec
                for name, spec in layer.items()} for layer in specs["layers"]]
-    head = specs[HEAD] if HEAD in specs else P(*reversed(tuple(specs["embed"])))
-    return specs | {"layers": layers, HEAD: _weight_spec(head, head_mode(mode))}
+    if not head:
+        return specs | {"layers": layers}
+    head_spec = specs[HEAD] if HEAD in specs else P(*reversed(tuple(specs["embed"])))
+    return specs | {"layers": layers, HEAD: _weight_spec(head_spec, head_mode(mode))}
 
 
 def _weight_spec(spec: P, mode: str) -> QuantizedWeight:

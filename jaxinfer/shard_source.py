@@ -10,7 +10,9 @@ touched. Fused leaves are built from the HF tensors on the fly, in the layout of
 `model/fusion.py`: a column range of `wqkv` is a range of whole KV-head groups, one of
 `w_gate_up` a range of whole gate/up block pairs. With KV heads replicated (fewer KV
 heads than devices, `sharding.served_config`), group g' of the served model takes the
-k and v rows of original head g' // replicas.
+k and v rows of original head g' // replicas. The 1-D float32 scales of a
+compressed-tensors FP8 checkpoint's weights (compressed_tensors.py) are read through the
+same layouts, as the weights' output columns.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
 device read only its share. Departure from ARCHITECTURE.md (which puts checkpoint
@@ -119,13 +121,16 @@ class Reader:
     def _gate_up(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
                  ) -> np.ndarray:
         block = fusion.mlp_block(self.served.intermediate_size)
-        start, stop = _bounds(index[1], shape[1])
+        axis = len(shape) - 1  # 2-D [D, 2F], or 1-D [2F] (a fp8 weight's scales)
+        start, stop = _bounds(index[axis], shape[axis])
         if start % (2 * block) or stop % (2 * block):
             raise ValueError(f"a gate/up shard [{start}, {stop}) must hold whole block "
                              f"pairs of {2 * block} columns")
         gate, up = names
         first, last = start // 2, stop // 2  # gate and up rows [first, last)
-        pair = np.stack([self._rows(gate, first, last, index[0]),
-                         self._rows(up, first, last, index[0])])  # [2, rows, D]
-        pair = pair.reshape(2, (last - first) // block, block, -1).transpose(1, 0, 2, 3)
-        return pair.reshape(2 * (last - first), -1).T
+        rows = index[:1] if axis == 1 else ()
+        pair = np.stack([self._rows(gate, first, last, *rows),
+                         self._rows(up, first, last, *rows)])  # [2, rows, D] or [2, rows]
+        pair = pair.reshape(2, (last - first) // block, block, *pair.shape[2:]).swapaxes(0, 1)
+        fused = pair.reshape(2 * (last - first), *pair.shape[3:])
+        return fused.T if axis == 1 else fused

@@ -115,9 +115,11 @@ class Runner:
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        param_shardings, kv_shardings, whole = step_shardings(cfg, self.mesh, quantization,
-                                                              kv_dtype=kv_dtype)
-        if quantization is not None and quantization_lib.mode_of(params) is None:  # at load
+        loaded_quantized = quantization_lib.mode_of(params) is not None
+        head = not loaded_quantized or quantization_lib.has_quantized_head(params)
+        param_shardings, kv_shardings, whole = step_shardings(
+            cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head)
+        if quantization is not None and not loaded_quantized:  # at load
             params = jax.jit(functools.partial(quantization_lib.quantize_params,
                                                mode=quantization),
                              out_shardings=param_shardings)(params)
@@ -338,7 +340,9 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     if cfg.num_kv_heads % shards:
         raise ValueError(f"cfg.num_kv_heads={cfg.num_kv_heads} must be divisible by the "
                          f"{shards} devices: pass sharding.served_config(cfg, {shards})")
-    param_shardings, _, whole = step_shardings(cfg, mesh, quantization_lib.mode_of(params))
+    param_shardings, _, whole = step_shardings(
+        cfg, mesh, quantization_lib.mode_of(params),
+        quantized_head=quantization_lib.has_quantized_head(params))
     kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
@@ -361,12 +365,14 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
 
 
 def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None,
-                   kv_dtype: str = "float32") -> tuple[object, list, NamedSharding]:
+                   kv_dtype: str = "float32", quantized_head: bool = True
+                   ) -> tuple[object, list, NamedSharding]:
     """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's;
-    8-bit `kv_dtype` ("int8", "fp8"): each layer's pages and scales split by KV head."""
+    8-bit `kv_dtype` ("int8", "fp8"): each layer's pages and scales split by KV head;
+    `quantized_head=False`: a quantized model's LM head kept float."""
     shards = mesh.shape[sharding.MODEL_AXIS]
     specs = quantization_lib.partition_specs(transformer.param_partition_specs(cfg, shards),
-                                             quantization)
+                                             quantization, head=quantized_head)
     params = sharding.named(mesh, specs)
     layer = NamedSharding(mesh, KV_PAGES_SPEC)
     if kv_quant.is_quantized(kv_dtype):
