@@ -14,10 +14,10 @@ roofline (weight bytes over the engine's bandwidth probe) and its fraction of it
 speed-up over bf16, and compilations after warm-up. Bounds measured in the same run
 (benchmarks/bounds.py): the bf16 weight-read bound (the f32 batch-1 pass times 1/2, as
 bench_throughput reports it, and a bf16 batch-2 pass, the rows a bf16 step runs), the
-int8 weight-read bound (a jitted batch-2 int8 x int8 -> int32 pass over int8 matrices
-of every 2-D weight's shape, timed right after the w8a8 decode) and the w8a8
-stored-weights pass (its int8 layer weights plus the bf16 embedding / LM head, as w8a8
-keeps it). Then bench_throughput's
+int8 weight-read bound (a jitted batch-2 int8 x int8 -> int32 pass over exactly the
+int8 values a w8a8 step reads, the layers' and the LM head's, stored [O, I] and
+contracted on their minor axis as the step does; timed right after the w8a8 decode, or
+the int8 one when w8a8 is not run). Then bench_throughput's
 continuous-batching workload (smaller by default) per `--mixed_modes`. The issue's
 targets are reported as booleans. Prints one JSON object.
 
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from jaxinfer import LLM, SamplingParams, testing
+from jaxinfer import LLM, SamplingParams, quantization, testing
 from jaxinfer.engine import runner as engine_runner
 
 MODES = {"bf16": None, "int8": "int8", "w8a8": "w8a8", "fp8": "fp8", "int4": "int4"}
@@ -117,20 +117,22 @@ def measured_bounds(mode: str, params: object) -> dict:
         found["bf16_batch2_pass"] = pass_bound(
             bounds.matmul_pass_seconds(matrices, rows=2, repeats=repeats),
             "jitted batch-2 bf16 pass over every 2-D weight")
-    if mode == "w8a8":
-        found["w8a8_stored_weights_pass"] = pass_bound(
-            bounds.matmul_pass_seconds(matrices, rows=2, repeats=repeats),
-            "batch-2 pass over w8a8's 2-D weights as stored: int8 x int8 -> int32 layers, "
-            "bf16 embedding/LM head")
     return found
 
 
 def int8_bound(params: object) -> dict:
-    """The int8 weight-read bound: every 2-D weight's shape as int8, batch 2, int32."""
-    matrices = [jnp.ones(w.shape, jnp.int8) for w in bounds.weight_matrices(params)]
-    seconds = bounds.matmul_pass_seconds(matrices, rows=2, repeats=FLAGS.bound_repeats)
-    return pass_bound(seconds, "jitted batch-2 int8 x int8 -> int32 pass over int8 "
-                      "weights of every 2-D weight's shape (LM head included)")
+    """The int8 weight-read bound: a batch-2 int8 x int8 -> int32 pass over exactly the
+    int8 values a w8a8 step reads (every layer's linear weights and the LM head, stored
+    [O, I], contracted on their minor axis as the step's dots are); the bf16 embedding
+    is gathered, a few rows a step, so it is left out."""
+    values = [leaf.value for leaf in jax.tree.leaves(params, is_leaf=quantization.is_quantized)
+              if quantization.is_quantized(leaf)]
+    matrices = [jnp.ones(v.shape, jnp.int8) for v in values]
+    seconds = bounds.matmul_pass_seconds(matrices, rows=2, repeats=FLAGS.bound_repeats,
+                                         contract_last=True)
+    return pass_bound(seconds, "jitted batch-2 int8 x int8 -> int32 pass over the int8 "
+                      "values a w8a8 step reads (layers and LM head, [O, I], minor axis "
+                      "contracted)")
 
 
 def batch1_all(model_dir: str) -> tuple[dict, dict]:
@@ -139,7 +141,7 @@ def batch1_all(model_dir: str) -> tuple[dict, dict]:
         llm, warmup_s = batch1_llm(model_dir, MODES[mode])
         runs[mode] = run_batch1(llm, warmup_s)
         found |= measured_bounds(mode, llm.engine.runner.params)
-        if mode == "w8a8" or ("w8a8" not in FLAGS.modes and "int8_weight_read" not in found):
+        if mode in ("w8a8", "int8") and "int8_weight_read" not in found:
             found["int8_weight_read"] = int8_bound(llm.engine.runner.params)  # beside w8a8
         del llm
         gc.collect()  # the engine's device memory before the next one loads

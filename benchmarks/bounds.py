@@ -5,7 +5,9 @@ float32, the weight-read bound of a decode step on this machine. (XLA:CPU turns 
 bf16 weight into f32 for a dot of fewer than 16 rows, so a bf16 pass at batch 1 is
 no bound; the bf16 bound is the f32 time times bf16 bytes over f32 bytes.)
 `matmul_pass_seconds`: the same pass over given matrices with `rows` rows in each
-matrix's own dtype (int8 accumulates in int32), e.g. the int8 bound of w8a8.
+matrix's own dtype (int8 accumulates in int32), e.g. the int8 bound of w8a8;
+`contract_last=True` contracts each matrix's last (minor) axis, as the quantized
+weights' [O, I] values are read (jaxinfer/quantization.py).
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ def weight_pass_seconds(params: object, repeats: int = 20) -> tuple[float, int]:
     return seconds, sum(int(np.prod(w.shape)) * 4 for w in weight_matrices(params))
 
 
-def matmul_pass_seconds(weights: list[jax.Array], rows: int = 1, repeats: int = 20) -> float:
+def matmul_pass_seconds(weights: list[jax.Array], rows: int = 1, repeats: int = 20,
+                        contract_last: bool = False) -> float:
     """Median seconds of one jitted pass of `rows` rows (in each weight's dtype) times
-    every matrix of `weights`, contracted on its first axis; int8 x int8 accumulates in
-    int32, anything else in float32."""
-    inputs = [jnp.ones((rows, w.shape[0]), w.dtype) for w in weights]
+    every matrix of `weights`, contracted on its first axis (`contract_last`: its last);
+    int8 x int8 accumulates in int32, anything else in float32."""
+    axis = 1 if contract_last else 0
+    spec = "ri,oi->ro" if contract_last else "ri,io->ro"
+    inputs = [jnp.ones((rows, w.shape[axis]), w.dtype) for w in weights]
 
     @jax.jit
     def one_pass(weights: list[jax.Array], inputs: list[jax.Array]) -> jax.Array:
-        return sum(jnp.sum(jnp.matmul(x, w, preferred_element_type=_accumulator(w.dtype)))
-                   .astype(jnp.float32) for x, w in zip(inputs, weights, strict=True))
+        return sum(jnp.sum(jnp.einsum(spec, x, w, preferred_element_type=_accumulator(
+            w.dtype))).astype(jnp.float32) for x, w in zip(inputs, weights, strict=True))
 
     one_pass(weights, inputs).block_until_ready()
     times = []

@@ -18,7 +18,9 @@ keeps a Q4 model's output matrix at 6-8 bits), with one scale per vocabulary row
 (SmolLM-135M: 28 M of its 135 M parameters). With tied embeddings that is a second,
 quantized copy of the table: the embedding itself stays in the model's dtype, since a
 step gathers only its rows (T x D bytes) and a quantized gather would save nothing.
-Whether the head's rounding costs accuracy is measured by eval_ppl (README).
+Whether the head's rounding costs accuracy is measured by eval_ppl (README). A
+pre-quantized checkpoint that keeps its head float (compressed-tensors lists lm_head
+among the modules it ignores) is served so: `quantize_params(..., head=False)`.
 
 A quantized weight is a registered dataclass (`QuantizedWeight`: value [O, I],
 scale [O]) inside the usual params dict, so jit, sharding and orbax handle it like
