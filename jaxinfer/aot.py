@@ -58,8 +58,11 @@ COLLECTIVE_OP = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 def tpu_compile_environment() -> None:
     """Settings libtpu's compiler needs on a machine without a TPU; call before JAX
-    starts a backend. It leaves the CPU as JAX's default platform."""
+    starts a backend. It leaves the CPU as JAX's default platform. Several processes may
+    compile at once (a CI run beside a developer's): no chip is opened, so libtpu's
+    one-process lockfile (/tmp/libtpu_lockfile) is not taken."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     jax.config.update("jax_platforms", "cpu")
 
 
