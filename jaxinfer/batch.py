@@ -2,12 +2,17 @@
 
 Each input line is a JSON object with `id`, then `prompt` (text or token ids)
 or `messages` (chat), and optional SamplingParams fields (those not given take
-the checkpoint's generation_config.json defaults). Results are appended
-as JSON lines and flushed as each request finishes; a line is written with one
-call, and a torn last line left by a crash is cut off on the next run.
-Re-running skips ids (and id-less bad lines) already in the output, so every
-request ends up exactly once. A bad line becomes an error record (`id` when
-one could be read, `line`, `error`) and the run goes on.
+the checkpoint's generation_config.json defaults). A result has `text`, `token_ids`,
+`finish_reason` and token counts; a line asking for `logprobs` also gets per generated
+token {str(token id): logprob}, one asking for `prompt_logprobs` vLLM's list (None for
+the first prompt token, then {str(token id): {"logprob", "rank", "decoded_token"}}, as
+`RequestOutput.prompt_logprobs`; the engine must be made with `enable_prompt_logprobs`,
+else the line is an error record); -inf is written as -9999.0. Results are appended as
+JSON lines and flushed as each request finishes; a line is written with one call, and
+a torn last line left by a crash is cut off on the next run. Re-running skips ids (and
+id-less bad lines) already in the output, so every request ends up exactly once. A bad
+line becomes an error record (`id` when one could be read, `line`, `error`) and the run
+goes on.
 
 Multi-host (distributed.py): every process reads the same input file (checked by
 digest) and runs every request; only process 0 reads and writes the output file, and
@@ -28,7 +33,13 @@ from tqdm import tqdm
 
 from jaxinfer import distributed
 from jaxinfer.api import LLM
-from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.engine.request import (
+    MIN_JSON_LOGPROB,
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    prompt_logprobs_json,
+)
 
 log = logging.getLogger(__name__)
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -154,14 +165,24 @@ def _drive(llm: LLM, pending: dict[str, str], out: object, counts: dict,
 
 
 def _result(user_id: str, output: RequestOutput) -> dict:
-    record = {"id": user_id, "text": output.text, "token_ids": output.token_ids,
-              "finish_reason": output.finish_reason,
+    record = {"id": user_id, **_completion(output.outputs[0]),
               "prompt_tokens": len(output.prompt_token_ids),
               "completion_tokens": sum(len(o.token_ids) for o in output.outputs)}
     if len(output.outputs) > 1:
-        record["outputs"] = [{"text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason} for o in output.outputs]
+        record["outputs"] = [_completion(o) for o in output.outputs]
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
     return record
+
+
+def _completion(completion: CompletionOutput) -> dict:
+    """text, token ids, finish reason and, when asked, per token {str(id): logprob}."""
+    out = {"text": completion.text, "token_ids": completion.token_ids,
+           "finish_reason": completion.finish_reason}
+    if completion.logprobs is not None:
+        out["logprobs"] = [{str(t): max(lp, MIN_JSON_LOGPROB) for t, lp in entry.items()}
+                           for entry in completion.logprobs]
+    return out
 
 
 def _write(out: object, record: dict) -> None:

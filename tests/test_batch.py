@@ -1,4 +1,5 @@
-"""The offline batch runner: results, error records, and exactly-once resume."""
+"""The offline batch runner: results, error records, logprobs and prompt logprobs, and
+exactly-once resume."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from jaxinfer import LLM, batch
+from jaxinfer import LLM, SamplingParams, batch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo"
@@ -73,6 +74,34 @@ def test_batch_resume_skips_done_ids_and_cuts_a_torn_line(llm, tmp_path):
     assert _records(out)[0]["text"] == "earlier"
     again = batch.run(llm, tmp_path / "in.jsonl", out, progress=False)
     assert again["done"] == again["errors"] == 0 and len(_records(out)) == len(keys)
+
+
+def test_batch_records_carry_logprobs_and_prompt_logprobs(llm, tmp_path):
+    lines = [{"id": "s", "prompt": "def add(a, b):", "max_tokens": 3, "temperature": 0.0,
+              "prompt_logprobs": 2, "logprobs": 1},
+             {"id": "p", "prompt": [10, 20, 30], "max_tokens": 2, "temperature": 0.0}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    scoring = LLM(DEMO, max_num_seqs=4, max_num_batched_tokens=32,
+                  enable_prompt_logprobs=True, warm_up=False)  # compiles what it runs
+    batch.run(scoring, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    records = {r["id"]: r for r in _records(tmp_path / "out.jsonl")}
+    expected = scoring.generate([x["prompt"] for x in lines], [
+        SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2, logprobs=1),
+        SamplingParams(max_tokens=2, temperature=0.0)])[0]
+    got = records["s"]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for entry, want in zip(got[1:], expected.prompt_logprobs[1:], strict=True):
+        assert list(entry) == [str(t) for t in want]  # the prompt token, then the top 2
+        for token, logprob in want.items():
+            assert entry[str(token)]["logprob"] == pytest.approx(logprob.logprob, abs=1e-5)
+            assert entry[str(token)]["rank"] == logprob.rank
+            assert entry[str(token)]["decoded_token"] == logprob.decoded_token
+    for entry, want in zip(records["s"]["logprobs"], expected.logprobs, strict=True):
+        assert entry == pytest.approx({str(t): v for t, v in want.items()}, abs=1e-5)
+    assert "prompt_logprobs" not in records["p"] and "logprobs" not in records["p"]
+    batch.run(llm, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", progress=False)
+    refused = _records(tmp_path / "plain.jsonl")[0]  # this engine has no scoring steps
+    assert refused["id"] == "s" and "enable_prompt_logprobs=True" in refused["error"]
 
 
 def test_batch_cli(tmp_path):

@@ -104,6 +104,17 @@ class Logprob:
 
 
 PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+MIN_JSON_LOGPROB = -9999.0  # what -inf becomes in JSON, as vLLM and OpenAI send it
+
+
+def prompt_logprobs_json(entries: PromptLogprobs) -> list[dict[str, dict] | None]:
+    """vLLM's JSON of prompt logprobs (the server's `prompt_logprobs`, the batch runner's
+    records): per prompt token None (the first) or {str(token id): {"logprob", "rank",
+    "decoded_token"}}, the prompt token first, then the top k; -inf as -9999.0."""
+    return [None if entry is None else {
+        str(token): {"logprob": max(lp.logprob, MIN_JSON_LOGPROB), "rank": lp.rank,
+                     "decoded_token": lp.decoded_token} for token, lp in entry.items()}
+        for entry in entries]
 
 
 class Status(enum.Enum):

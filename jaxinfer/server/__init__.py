@@ -64,7 +64,8 @@ def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) ->
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
     return ServerState(loop=loop, config=config, model_name=model_name,
                        model_root=str(llm.engine.model_dir), max_model_len=llm.max_model_len,
-                       defaults=llm.engine.default_params, token_text=token_text)
+                       defaults=llm.engine.default_params, token_text=token_text,
+                       enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs)
 
 
 def bind(host: str, port: int) -> socket.socket:

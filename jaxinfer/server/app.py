@@ -6,8 +6,14 @@ server-sent events ending in `data: [DONE]`), GET /v1/models, /health and
 pydantic checks -> 400) so every error, routing ones included, leaves in
 OpenAI's error shape. A client that goes away aborts its requests at once: a
 stream's generator is cancelled by Starlette; a whole response races a
-disconnect watcher. Imports FastAPI/Starlette, the server modules and
-SamplingParams.
+disconnect watcher.
+
+Prompt logprobs (vLLM's `prompt_logprobs`, or the legacy `echo` with `logprobs`) need a
+server started with --enable_prompt_logprobs, else they are a 400 naming the flag. A
+completion choice carries `prompt_logprobs` in its whole body, or streamed in its first
+chunk (with the echoed prompt); a chat response carries them beside `choices`, and chat
+refuses them with `stream` (as vLLM does). Imports FastAPI/Starlette, the server
+modules and the engine's request types.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from jaxinfer.config import ServerConfig
-from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import prometheus, protocol
 from jaxinfer.server import responses as out
 from jaxinfer.server.engine_loop import Disconnected, EngineLoop, Stream, Submission, updates
@@ -45,6 +51,7 @@ class ServerState:
     max_model_len: int
     defaults: SamplingParams
     token_text: out.TokenText | None  # None without a tokenizer: no logprob texts
+    enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
 
 
 def create_app(state: ServerState) -> fastapi.FastAPI:
@@ -152,16 +159,20 @@ async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, A
 async def _completions(request: fastapi.Request) -> Response:
     state, body = await _parsed(request, CompletionRequest)
     params = protocol.sampling_params(body, state.defaults)
+    protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
     limit = protocol.max_tokens(body)
-    submissions = [Submission(prompt=p, params=params, limit=limit) for p in prompts]
-    shape = _Shape("text_completion", "cmpl", state, params)
+    submissions = [Submission(prompt=p, params=params, limit=limit, echo=body.echo)
+                   for p in prompts]
+    shape = _Shape("text_completion", "cmpl", state, params, top=body.logprobs,
+                   echo=body.echo, echo_only=protocol.echo_only(body))
     return await _respond(request, state, shape, submissions, body)
 
 
 async def _chat(request: fastapi.Request) -> Response:
     state, body = await _parsed(request, ChatRequest)
     params = protocol.sampling_params(body, state.defaults)
+    protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
                             limit=protocol.max_tokens(body))
@@ -175,13 +186,17 @@ def _is_batch(prompt: Any) -> bool:
 
 @dataclasses.dataclass
 class _Shape:
-    """How one endpoint renders choices, whole and as chunks."""
+    """How one endpoint renders choices, whole and as chunks. Completions: `top` is
+    `logprobs`; with `echo` a choice's first rendering starts with the prompt
+    (`echo_only`: nothing else); with prompt logprobs it carries `prompt_logprobs`."""
 
     kind: str
     prefix: str
     state: ServerState
     params: SamplingParams
-    top: int = 0
+    top: int | None = None
+    echo: bool = False
+    echo_only: bool = False
     response_id: str = ""
 
     def __post_init__(self) -> None:
@@ -191,10 +206,24 @@ class _Shape:
     def chat(self) -> bool:
         return self.kind == "chat.completion"
 
-    def choice(self, choice: out.Choice, delta: bool, text_offset: int = 0) -> dict[str, Any]:
+    def choice(self, choice: out.Choice, stream: Stream, *, delta: bool, first: bool = True,
+               text_offset: int = 0) -> dict[str, Any]:
+        """`first`: the choice's first rendering (whole, or its first chunk)."""
         if self.chat:
-            return out.chat_choice(choice, self.state.token_text, self.top, delta)
-        return out.completion_choice(choice, self.state.token_text, text_offset)
+            return out.chat_choice(choice, self.state.token_text, self.top or 0, delta)
+        if self.echo_only:
+            choice = out.Choice(choice.index, finish_reason=choice.finish_reason)
+        if self.echo and first:
+            echo = out.Echo(stream.prompt_text, stream.prompt_token_ids, stream.prompt_logprobs)
+            choice = out.echoed(choice, echo, top=self.top, generated=not self.echo_only)
+        rendered = out.completion_choice(choice, self.state.token_text, text_offset)
+        if self.params.prompt_logprobs is not None and first:
+            rendered["prompt_logprobs"] = _prompt_logprobs(stream)
+        return rendered
+
+    def generated(self, token_ids: list[int]) -> int:
+        """The completion tokens `token_ids` count for (none under `echo_only`)."""
+        return 0 if self.echo_only else len(token_ids)
 
     def body(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = self.kind + (".chunk" if chunk and self.chat else "")
@@ -267,6 +296,12 @@ def _usage(streams: list[Stream], completion_tokens: int) -> dict[str, Any]:
                      sum(s.num_cached_tokens for s in streams))
 
 
+def _prompt_logprobs(stream: Stream) -> list | None:
+    """vLLM's JSON of the prompt's logprobs; None if it was never scored (aborted)."""
+    scored = stream.prompt_logprobs
+    return None if scored is None else prompt_logprobs_json(scored)
+
+
 async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
     n = shape.params.n
     choices = [out.Choice(index=i) for i in range(n * len(streams))]
@@ -274,9 +309,12 @@ async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
         for piece in update.pieces:
             choices[prompt_index * n + piece.index].add(
                 piece.text, piece.token_ids, piece.logprobs, piece.finish_reason)
-    generated = sum(len(c.token_ids) for c in choices)
-    return shape.body([shape.choice(c, delta=False) for c in choices], chunk=False,
-                      usage=_usage(streams, generated))
+    generated = sum(shape.generated(c.token_ids) for c in choices)
+    extra = {}
+    if shape.chat and shape.params.prompt_logprobs is not None:  # vLLM's place in chat
+        extra["prompt_logprobs"] = _prompt_logprobs(streams[0])
+    rendered = [shape.choice(c, streams[c.index // n], delta=False) for c in choices]
+    return shape.body(rendered, chunk=False, usage=_usage(streams, generated), **extra)
 
 
 async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
@@ -295,9 +333,11 @@ async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
                 index = prompt_index * n + piece.index
                 choice = out.Choice(index, piece.text, piece.token_ids, piece.logprobs,
                                     piece.finish_reason)
-                rendered = shape.choice(choice, delta=True, text_offset=offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(piece.text)
-                generated += len(piece.token_ids)
+                rendered = shape.choice(choice, streams[prompt_index], delta=True,
+                                        first=index not in offsets,
+                                        text_offset=offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(rendered.get("text", ""))
+                generated += shape.generated(piece.token_ids)
                 yield _event(shape.body([rendered], chunk=True, **extra()))
         if include_usage:
             yield _event(shape.body([], chunk=True, usage=_usage(streams, generated)))

@@ -4,7 +4,8 @@ Handlers never touch the engine: `EngineLoop.submit` puts a command on a
 thread-safe queue and awaits an asyncio future the thread resolves once the
 prompt is tokenized and checked (so a bad prompt is a 400 before any response
 starts); each step's deltas then reach the handler's `Stream` through
-`loop.call_soon_threadsafe`. Between steps the thread drains its commands (add,
+`loop.call_soon_threadsafe` (with the prompt's logprobs, `prompt_logprobs`, once the
+engine has scored the whole prompt). Between steps the thread drains its commands (add,
 abort, abort all, snapshot); idle, it blocks on the queue. Admission is bounded:
 completions waiting plus those queued for admission never exceed
 `max_waiting_requests` beyond the running batch's free slots (503 with Retry-After
@@ -28,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.engine.request import PromptLogprobs, RequestOutput, SamplingParams
 from jaxinfer.server import protocol
 from jaxinfer.server.protocol import APIError
 
@@ -45,6 +46,7 @@ class Submission:
     params: SamplingParams
     add_generation_prompt: bool = True
     limit: protocol.MaxTokens = protocol.MaxTokens(16)
+    echo: bool = False  # the handler needs the prompt's text (`Stream.prompt_text`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Update:
     pieces: list[Piece]
     finished: bool
     error: APIError | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's, once all are scored
 
 
 Inbox = asyncio.Queue  # of (Stream, Update), or None: the client went away
@@ -83,6 +86,8 @@ class Stream:
         self._loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future[list[int]] = self._loop.create_future()
         self.prompt_token_ids: list[int] = []
+        self.prompt_text = ""  # set with `Submission.echo`: the text prompt, or its ids decoded
+        self.prompt_logprobs: PromptLogprobs | None = None  # from the first update with them
         self.num_cached_tokens = 0
         self.finished = False
 
@@ -103,6 +108,8 @@ async def updates(streams: list[Stream]) -> AsyncIterator[tuple[int, Update]]:
             raise Disconnected
         stream, update = item
         stream.finished = update.finished
+        if update.prompt_logprobs is not None:
+            stream.prompt_logprobs = update.prompt_logprobs
         if update.error is not None:
             raise update.error
         yield index[id(stream)], update
@@ -242,6 +249,8 @@ class EngineLoop:
             if not self.healthy:
                 raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
             ids, params = self._checked(submission)
+            if submission.echo:
+                stream.prompt_text = self._prompt_text(submission.prompt, ids)
             self.engine.add_request(stream.request_id, submission.prompt, params,
                                     prompt_token_ids=ids)
         except APIError as e:
@@ -272,6 +281,14 @@ class EngineLoop:
         self.engine.check_params(params)
         return ids, params
 
+    def _prompt_text(self, prompt: str | list[int] | None, ids: list[int]) -> str:
+        """What an echo shows: a text prompt as given, token ids decoded (special tokens
+        kept), nothing without a tokenizer."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=False)
+
     def _deliver(self, output: RequestOutput) -> None:
         entry = self._streams.get(output.request_id)
         if entry is None:
@@ -284,7 +301,8 @@ class EngineLoop:
                 done[piece.index] = piece.finish_reason is not None
             if output.finished:
                 self._forget(output.request_id)
-            stream.post(Update(pieces, output.finished))
+            stream.post(Update(pieces, output.finished,
+                               prompt_logprobs=output.prompt_logprobs))
         except Exception as e:  # this request alone fails
             log.exception("request %s failed", output.request_id)
             self._abort(output.request_id, APIError(500, f"the request failed: {e}"))

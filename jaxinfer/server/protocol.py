@@ -5,7 +5,10 @@ fields refused: a parameter we do not implement is an error, never silently
 ignored). Every problem becomes an `APIError` carrying OpenAI's error shape and
 the HTTP status; `param` names the offending field. Sampling values are checked
 by `SamplingParams` itself, so the server and the Python API refuse the same
-things. Imports pydantic and jaxinfer.engine.request only.
+things. Completions take vLLM's `prompt_logprobs` and the legacy `echo` (with
+`logprobs` it scores the prompt too, vLLM's rule; with `max_tokens=0` it generates
+nothing: one token is run and dropped, as in vLLM); chat takes `prompt_logprobs`.
+Imports pydantic and jaxinfer.engine.request only.
 """
 
 from __future__ import annotations
@@ -85,8 +88,10 @@ TokenIds = Annotated[list[int], pydantic.Field(min_length=1)]
 
 class CompletionRequest(_Sampling):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = None
+    echo: bool = False  # the prompt leads the text (and logprobs: its scores, see below)
+    prompt_logprobs: int | None = None  # vLLM's extra: top-k per prompt token
 
 
 class TextPart(_Body):
@@ -115,6 +120,40 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extra; returned beside `choices`
+
+
+def echo_only(body: CompletionRequest | ChatRequest) -> bool:
+    """`echo` with `max_tokens=0`: the prompt scored, nothing generated (vLLM runs one
+    token and drops it; so does the server)."""
+    return isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0
+
+
+def prompt_logprobs(body: CompletionRequest | ChatRequest) -> int | None:
+    """The top-k the prompt is scored with: `prompt_logprobs`, else `logprobs` under
+    `echo` (vLLM's rule: echoed logprobs cover the prompt), else None (not scored)."""
+    if isinstance(body, CompletionRequest) and body.prompt_logprobs is None and body.echo:
+        return body.logprobs
+    return body.prompt_logprobs
+
+
+def check_scoring(body: CompletionRequest | ChatRequest, params: SamplingParams, *,
+                  enabled: bool) -> None:
+    """400 for a request that scores its prompt on a server started without
+    --enable_prompt_logprobs, or for chat's prompt_logprobs with stream=true (refused, as
+    vLLM does; completions stream them in each choice's first chunk)."""
+    if params.prompt_logprobs is None:
+        return
+    asked = body.prompt_logprobs is not None
+    field, what = ("prompt_logprobs", "prompt_logprobs") if asked else (
+        "echo", "echo with logprobs (it scores the prompt)")
+    if not enabled:
+        raise APIError(400, f"{what} needs a server started with --enable_prompt_logprobs "
+                       "(it compiles the prompt-scoring steps at warm-up); this one was not",
+                       param=field, code="prompt_logprobs_disabled")
+    if isinstance(body, ChatRequest) and body.stream:
+        raise APIError(400, "prompt_logprobs are not available with stream=true in chat",
+                       param=field)
 
 
 # every field name of every body: a location part that is none of them names a union member
@@ -201,8 +240,14 @@ def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams
     if isinstance(body, ChatRequest):
         given |= _chat_limits(body, names)
     else:
-        given["max_tokens"] = body.max_tokens
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 must be >= 1 (0 only with echo=true: the "
+                           "prompt alone, scored)", param="max_tokens")
+        given["max_tokens"] = 1 if echo_only(body) else body.max_tokens
         given["logprobs"] = body.logprobs
+    given["prompt_logprobs"] = prompt_logprobs(body)
+    if body.prompt_logprobs is None and given["prompt_logprobs"] is not None:
+        names["prompt_logprobs"] = "logprobs"  # under echo
     return _build(defaults, given, names)
 
 

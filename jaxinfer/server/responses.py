@@ -3,7 +3,9 @@ each endpoint's own shape; usage. Pure functions over plain data (no engine, no 
 
 A completion's `choices[i]` is prompt `i // n`, completion `i % n` (as OpenAI and
 vLLM number them). Logprob entries are the engine's `{token id: logprob}` dicts:
-the top-k plus the chosen token, which `chosen` names.
+the top-k plus the chosen token, which `chosen` names; None for a prompt's first token,
+which nothing scores. `echoed` puts the prompt in front of a completion (the legacy
+`echo`): its text, its token ids and, from its prompt logprobs, its scores.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from jaxinfer.engine.request import PromptLogprobs
 from jaxinfer.server.protocol import finite
 
 TokenText = Callable[[int], str]  # a token id as text (special tokens kept)
+Entry = dict[int, float] | None  # a token's logprob and the top k; None: not scored
 
 
 @dataclasses.dataclass
@@ -26,16 +30,41 @@ class Choice:
     index: int
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[Entry] | None = None
     finish_reason: str | None = None
 
-    def add(self, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+    def add(self, text: str, token_ids: list[int], logprobs: list[Entry] | None,
             finish_reason: str | None) -> None:
         self.text += text
         self.token_ids += token_ids
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
         self.finish_reason = finish_reason or self.finish_reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """A prompt as `echo` shows it: its text, token ids and logprobs (None: not scored)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: PromptLogprobs | None = None
+
+
+def echoed(choice: Choice, echo: Echo, *, top: int | None, generated: bool) -> Choice:
+    """`choice` with the prompt in front; with `top` (the request's `logprobs`) the
+    prompt's entries lead its logprobs, each cut to its first top + 1 items as vLLM cuts
+    them (the prompt token, then the best). `generated=False` (`max_tokens=0`): the prompt
+    alone."""
+    rest = choice if generated else Choice(choice.index)
+    logprobs = None
+    if top is not None:
+        prompt = [None] * len(echo.token_ids) if echo.logprobs is None else [
+            None if e is None else {t: lp.logprob for t, lp in list(e.items())[:top + 1]}
+            for e in echo.logprobs]
+        logprobs = prompt + (rest.logprobs or [])
+    return Choice(choice.index, echo.text + rest.text, echo.token_ids + rest.token_ids,
+                  logprobs, choice.finish_reason)
 
 
 def new_id(prefix: str) -> str:
@@ -62,18 +91,21 @@ def completion_choice(choice: Choice, token_text: TokenText | None,
             "finish_reason": choice.finish_reason, "stop_reason": None}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]],
+def completion_logprobs(token_ids: list[int], entries: list[Entry],
                         token_text: TokenText, text_offset: int) -> dict[str, Any]:
     """/v1/completions' shape: parallel lists of tokens, their logprobs, the top
-    alternatives as {token text: logprob}, and each token's offset in the text."""
+    alternatives as {token text: logprob} (both null for an unscored prompt token), and
+    each token's offset in the text."""
     tokens, offsets = [], []
     for token_id in token_ids:
         tokens.append(token_text(token_id))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
     return {"tokens": tokens,
-            "token_logprobs": [finite(e[t]) for t, e in zip(token_ids, entries, strict=True)],
-            "top_logprobs": [{token_text(k): finite(v) for k, v in _ranked(e)}
+            "token_logprobs": [None if e is None else finite(e[t])
+                               for t, e in zip(token_ids, entries, strict=True)],
+            "top_logprobs": [None if e is None else {token_text(k): finite(v)
+                                                     for k, v in _ranked(e)}
                              for e in entries],
             "text_offset": offsets}
 

@@ -21,6 +21,9 @@ from jaxinfer.config import DEFAULT_MODEL
 
 # Small buckets: warm-up in ~20 s; 16 slots so that 64 concurrent requests queue.
 ENGINE_FLAGS = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "max_model_len": 512}
+# The shared server also compiles the prompt-scoring steps (--enable_prompt_logprobs:
+# a few seconds more with the compilation cache warm); the other servers do not.
+SCORING = {"enable_prompt_logprobs": True}
 READY = re.compile(r"serving '(?P<name>[^']*)' at (?P<url>http://\S+)/v1")
 START_TIMEOUT_S = 300
 
@@ -92,8 +95,9 @@ def _wait_healthy(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server():
-    """One default server shared by the API, load and fuzz tests."""
-    s = start_server()
+    """One default server (scoring on) shared by the API, load, fuzz and prompt logprobs
+    tests."""
+    s = start_server(**SCORING)
     yield s
     s.stop()
 

@@ -83,11 +83,12 @@ SHARED_TYPES = {"model": STR, "user": STR, "n": (*INT, None), "stream": (*BOOL, 
 ENDPOINT_TYPES = {
     COMPLETIONS: {"prompt": ({}, 1, True, None, 1.5, [1.5], ["a", 1], [[1, "a"]], [[]],
                              [{}], [None], [[1], [2.0]], [True]),
-                  "logprobs": ("1", True, 1.5, [], {})},
+                  "logprobs": ("1", True, 1.5, [], {}), "echo": (*BOOL, None),
+                  "prompt_logprobs": INT},
     CHAT: {"messages": ({}, "hi", None, 1, [1], ["hi"], [[]], [None], [[{"role": "user"}]]),
            "max_completion_tokens": INT, "top_logprobs": INT,
            "logprobs": ("true", 1, 0, None, [], {}),
-           "add_generation_prompt": (*BOOL, None)}}
+           "add_generation_prompt": (*BOOL, None), "prompt_logprobs": INT}}
 
 
 def _type_cases(path: str) -> Iterator[Case]:
@@ -111,9 +112,10 @@ SHARED_VALUES = [("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**30),
                  ("stop_token_ids", [-1]), ("stop_token_ids", [VOCAB]),
                  ("stop_token_ids", [10**12]), ("stop_token_ids", [2**70])]
 ENDPOINT_VALUES = {
-    COMPLETIONS: [("logprobs", 21), ("logprobs", -1), ("logprobs", 10**9)],
+    COMPLETIONS: [("logprobs", 21), ("logprobs", -1), ("logprobs", 10**9),
+                  ("prompt_logprobs", 21), ("prompt_logprobs", -1)],
     CHAT: [("max_completion_tokens", 0), ("max_completion_tokens", -1),
-           ("max_completion_tokens", 10**30)]}
+           ("max_completion_tokens", 10**30), ("prompt_logprobs", 21)]}
 
 
 def _value_cases(path: str) -> Iterator[Case]:
@@ -133,7 +135,7 @@ def _value_cases(path: str) -> Iterator[Case]:
 
 
 UNKNOWN = ("foo", "tools", "tool_choice", "functions", "response_format", "logit_bias",
-           "echo", "best_of", "suffix", "parallel_tool_calls", "guided_json", "",
+           "best_of", "suffix", "parallel_tool_calls", "guided_json", "",
            "Prompt", "max_tokens ")
 
 

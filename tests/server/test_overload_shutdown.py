@@ -3,7 +3,8 @@
 the excess gets 503 with Retry-After and every accepted stream is exact; clients that
 all go away leave the server admitting again; SIGTERM under load (the last test: it
 stops the server) lets streams finish or ends them with an error event, refuses new
-requests, and exits 0. Counts only: no timing is asserted."""
+requests, and exits 0. Started without --enable_prompt_logprobs, it refuses prompt
+logprobs with a 400 naming the flag. Counts only: no timing is asserted."""
 
 from __future__ import annotations
 
@@ -142,6 +143,23 @@ def test_n_up_to_slots_plus_waiting_fits_beyond_is_400(keyed_server):
                               headers=AUTH)
     assert never.status_code == 400  # a 503 would be retried, and never clear
     assert never.json()["error"]["param"] == "n"
+
+
+def test_prompt_logprobs_without_the_flag_are_400_and_serving_goes_on(keyed_server):
+    """This server was started without --enable_prompt_logprobs."""
+    body = {"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}
+    for asked, param in (({"prompt_logprobs": 1}, "prompt_logprobs"),
+                         ({"echo": True, "logprobs": 1, "max_tokens": 0}, "echo"),
+                         ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs")):
+        refused = keyed_server.post("/v1/completions", json=body | asked, headers=AUTH)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == param and "--enable_prompt_logprobs" in error["message"]
+    echoed = keyed_server.post("/v1/completions", json=body | {"echo": True}, headers=AUTH)
+    assert echoed.status_code == 200  # echo without logprobs scores nothing
+    assert echoed.json()["choices"][0]["text"].startswith(body["prompt"])
+    plain = keyed_server.post("/v1/completions", json=body, headers=AUTH)
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2
 
 
 # ---- overload ------------------------------------------------------------------------------

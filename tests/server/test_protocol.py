@@ -1,5 +1,6 @@
 """Request bodies to SamplingParams without a server: defaults from the checkpoint,
-chat's limits and logprobs names, the context check, errors naming the field."""
+chat's limits and logprobs names, echo and prompt logprobs, the context check, errors
+naming the field."""
 
 from __future__ import annotations
 
@@ -39,7 +40,32 @@ def test_chat_limits_and_logprobs():
                                 protocol.max_tokens(explicit))
 
 
+def test_echo_and_prompt_logprobs():
+    body = protocol.validate(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 2,
+                                                 "max_tokens": 0})
+    params = protocol.sampling_params(body, DEFAULTS)  # one token, generated and dropped
+    assert protocol.echo_only(body) and (params.max_tokens, params.logprobs,
+                                         params.prompt_logprobs) == (1, 2, 2)
+    assert _params(CompletionRequest, prompt="x", echo=True).prompt_logprobs is None
+    assert _params(CompletionRequest, prompt="x", echo=True, logprobs=3,
+                   prompt_logprobs=0).prompt_logprobs == 0
+    assert _params(ChatRequest, messages=MESSAGES, prompt_logprobs=4).prompt_logprobs == 4
+    with pytest.raises(APIError, match="needs a server started with --enable_prompt_log"):
+        protocol.check_scoring(body, params, enabled=False)
+    protocol.check_scoring(body, params, enabled=True)
+    chat = protocol.validate(ChatRequest, {"messages": MESSAGES, "prompt_logprobs": 1,
+                                           "stream": True})
+    with pytest.raises(APIError, match="not available with stream=true") as caught:
+        protocol.check_scoring(chat, protocol.sampling_params(chat, DEFAULTS), enabled=True)
+    assert caught.value.param == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    (CompletionRequest, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    (CompletionRequest, {"prompt": "x", "echo": 1}, "echo"),
+    (ChatRequest, {"messages": MESSAGES, "prompt_logprobs": 21}, "prompt_logprobs"),
     (ChatRequest, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     (ChatRequest, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
