@@ -8,7 +8,11 @@ seconds, median step ms, ops per step (kernel events in the trace, and top-level
 instructions of the compiled program) and the top ops by time; and the weight-read
 bound (benchmarks/bounds.py) with the decode step's ratio to it.
 
+--quantization and --kv_cache_dtype profile a quantized step (no weight-read bound is
+printed then); --decode_prompt_tokens sets the KV length the decoding requests start at.
+
     python benchmarks/profile_step.py [--dtype=float32] [--preset=smollm-135m]
+        [--quantization=w8a8] [--kv_cache_dtype=int8] [--decode_batch=15]
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ flags.DEFINE_integer("trace_steps", 5, "traced steps per scenario")
 flags.DEFINE_integer("top", 15, "ops listed per scenario")
 flags.DEFINE_integer("decode_batch", 8, "requests decoding beside the prompt, mixed step")
 flags.DEFINE_integer("prompt_tokens", 256, "prompt tokens prefilled in a mixed step")
+flags.DEFINE_integer("decode_prompt_tokens", 32, "prompt length of each decoding request")
+flags.DEFINE_enum("quantization", None, ["int8", "w8a8", "fp8", "int4"], "weight quantization")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8"], "KV cache dtype")
 FLAGS = flags.FLAGS
 IDLE_EVENTS = ("ThreadpoolListener", "SlinkyThreadPool", "ThunkExecutor", "end: ", "$")
 
@@ -105,10 +112,12 @@ def main(argv: list[str]) -> None:
         model_dir = testing.make_random_model(tmp, FLAGS.preset, max_position_embeddings=2048)
         llm = LLM(model_dir, dtype=FLAGS.dtype, warm_up=False, compilation_cache_dir="",
                   max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, quantization=FLAGS.quantization,
+                  kv_cache_dtype=FLAGS.kv_cache_dtype)
     engine = llm.engine
     endless = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-    engine.add_request("decode-0", list(range(1, 33)), endless)
+    decode_prompt = list(range(1, FLAGS.decode_prompt_tokens + 1))
+    engine.add_request("decode-0", decode_prompt, endless)
     engine.step()  # prefill
     buckets = []
     real_step = engine.runner.execute
@@ -126,8 +135,9 @@ def main(argv: list[str]) -> None:
 
     decode = profile(llm, step_once, "decode batch 1")
     for i in range(1, FLAGS.decode_batch):
-        engine.add_request(f"decode-{i}", list(range(1, 33)), endless)
-    engine.step()
+        engine.add_request(f"decode-{i}", decode_prompt, endless)
+    for _ in range(2 + FLAGS.decode_batch * FLAGS.decode_prompt_tokens // 512):
+        engine.step()  # the prompts' prefill chunks
     counter = iter(range(10**6))
 
     def mixed_once() -> object:
@@ -138,6 +148,10 @@ def main(argv: list[str]) -> None:
 
     mixed = profile(llm, mixed_once, f"{FLAGS.decode_batch} decoding + "
                     f"{FLAGS.prompt_tokens}-token prompt")
+    if FLAGS.quantization:
+        print(json.dumps({"quantization": FLAGS.quantization, "scenarios": [decode, mixed]},
+                         indent=1))
+        return
     bound_s, bound_bytes = bounds.weight_pass_seconds(engine.runner.params)
     if FLAGS.dtype == "bfloat16":
         bound_s /= 2  # bf16 bytes over f32 bytes (see bounds.py)
