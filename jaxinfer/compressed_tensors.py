@@ -13,7 +13,7 @@ Such a checkpoint stores each quantized linear `<module>.weight` as float8_e4m3f
 [out, in] with `<module>.weight_scale` (float32/bfloat16; [] or [1] per tensor,
 [out, 1] per output channel) and maybe `<module>.input_scale`. `take_scales` pulls the
 scales out of the memory-mapped tensors as float32 [out] per weight (a per-tensor scale
-broadcast to every column), so the loader (checkpoint.py, shard_source.py) builds
+broadcast to every column), so the loader (checkpoint/hf.py, shard_source.py) builds
 `quantization.QuantizedWeight(value, scale, "fp8")` leaves straight from the file's
 float8 bytes and scales, fused and sharded like float weights: nothing is dequantized
 or quantized again. The params are then exactly those of `quantization="fp8"`
@@ -28,7 +28,8 @@ projections may be quantized, all of them: embeddings, norms and the LM head (in
 layer projection float is refused by name.
 
 Departure from ARCHITECTURE.md (which puts formats in checkpoint.py): the format's
-config and tensor rules live here so checkpoint.py stays about names and shapes.
+config and tensor rules live here so the checkpoint package stays about names and
+shapes.
 Imports numpy, ml_dtypes and shard_source.
 """
 
@@ -56,7 +57,7 @@ SCALE_DTYPES = ("float32", "bfloat16", "float16")
 SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"
 ZERO_POINTS = (".weight_zero_point", ".input_zero_point")
 FP8_PARTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # of quantization.py's
-# QUANTIZED_WEIGHTS, as checkpoint.LAYER_NAMES names their unfused parts
+# QUANTIZED_WEIGHTS, as checkpoint.names.LAYER_NAMES names their unfused parts
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.output_scale",
              "v_proj.output_scale")
 
@@ -208,7 +209,7 @@ def _scale(tensors: dict[str, np.ndarray], weight: str, source: object) -> np.nd
     name = weight[: -len(".weight")] + SCALE
     value = tensors.get(weight)
     if value is None:
-        return np.zeros(0, np.float32)  # checkpoint.py names the missing weight
+        return np.zeros(0, np.float32)  # checkpoint/hf.py names the missing weight
     if value.dtype != FP8:
         raise ValueError(f"{source}: tensor {weight} has dtype {value.dtype.name}, expected "
                          f"float8_e4m3fn: a compressed-tensors checkpoint is served with "

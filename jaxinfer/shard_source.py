@@ -16,8 +16,8 @@ same layouts, as the weights' output columns.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
 device read only its share. Departure from ARCHITECTURE.md (which puts checkpoint
-reading in checkpoint.py): the slicing arithmetic lives apart so checkpoint.py stays
-about names, shapes and formats. Imports numpy, config and model.fusion.
+reading in checkpoint.py): the slicing arithmetic lives apart so the checkpoint package
+stays about names, shapes and formats. Imports numpy, config and model.fusion.
 """
 
 from __future__ import annotations

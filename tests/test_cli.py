@@ -13,7 +13,9 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from jaxinfer import SamplingParams, cli
+from jaxinfer import SamplingParams
+from jaxinfer.cli.flags import ENGINE_FLAGS, sampling_params
+from jaxinfer.cli.main import COMMANDS
 from jaxinfer.config import EngineConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,7 +31,7 @@ def test_help_lists_the_commands_one_line_each():
     result = _cli("--help")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    for name, command in cli.COMMANDS.items():
+    for name, command in COMMANDS.items():
         assert [line for line in lines if line.split()[:1] == [name]] == \
             [f"  {name:<8}  {command.summary}"]
     assert "<command> --help" in result.stdout
@@ -61,17 +63,17 @@ def test_engine_flags_are_derived_from_engine_config():
         choices = field.metadata["choices"]
         assert getattr(flag.parser, "enum_values", None) == (list(choices) if choices
                                                              else None)
-    assert set(cli.ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def test_sampling_flags_override_only_their_field():
     flags.FLAGS.mark_as_parsed()
     defaults = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1)
     with flagsaver.flagsaver(temperature=0.2, max_tokens=9):
-        assert cli.sampling_params(defaults) == SamplingParams(
+        assert sampling_params(defaults) == SamplingParams(
             temperature=0.2, top_p=0.95, repetition_penalty=1.1, max_tokens=9)
     with flagsaver.flagsaver():
-        assert cli.sampling_params(defaults) == dataclasses.replace(defaults, max_tokens=64)
+        assert sampling_params(defaults) == dataclasses.replace(defaults, max_tokens=64)
 
 
 @pytest.mark.parametrize("args, message, code", [

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams, checkpoint, compressed_tensors, quantization, testing
+from jaxinfer.checkpoint.names import FUSED
 from jaxinfer.engine.runner import Chunk, Runner, tree_bytes
 from jaxinfer.model import fusion
 
@@ -182,7 +183,7 @@ def test_llm_serves_the_checkpoint_in_fp8_as_the_planner_counts(fp8, engine, cap
     assert same.generate([[1, 5, 9, 13]], params)[0].token_ids == tokens
     with pytest.raises(ValueError, match="holds fp8 weights; quantization='int8'"):
         LLM(fp8["channel"][0], quantization="int8", warm_up=False, **SMALL)
-    with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.checkpoint.hf"):
         checkpoint.load_params(fp8["channel"][0], checkpoint.load_config(fp8["channel"][0]))
     assert "FP8 input activations (input 8-bit float dynamic per-token)" in caplog.text
     assert "activations run in bfloat16" in caplog.text
@@ -328,7 +329,7 @@ def test_scheme_reports_what_is_not_used():
     assert compressed_tensors.scheme_of({"quantization_config": weight_only}, "x").notes() == []
     assert compressed_tensors.scheme_of({}, "x") is None
     parts = {p for key in quantization.QUANTIZED_WEIGHTS  # what fp8 params quantize
-             for p in (checkpoint.FUSED[key][1] if key in checkpoint.FUSED else (key,))}
+             for p in (FUSED[key][1] if key in FUSED else (key,))}
     assert parts == set(compressed_tensors.FP8_PARTS)
     mixed = quantization_config("channel", format="mixed-precision")  # groups name theirs
     mixed["config_groups"]["group_1"] = mixed["config_groups"]["group_0"] | {

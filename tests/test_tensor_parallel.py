@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint, shard_source, sharding, testing
+from jaxinfer.checkpoint.names import leaf_name
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
@@ -79,7 +80,7 @@ def test_each_device_holds_its_share_of_weights_and_kv(tp_dirs):
 def test_loading_reads_only_each_devices_slice(tp_dirs):
     log = shard_source.ReadLog()
     runner = _runner(tp_dirs["qwen2"], 4, log=log)  # bias, tied table, 1 KV head copied
-    leaves = dict(zip([checkpoint.leaf_name(p) for p, _ in
+    leaves = dict(zip([leaf_name(p) for p, _ in
                        jax.tree_util.tree_flatten_with_path(runner.params)[0]],
                       jax.tree.leaves(runner.params), strict=True))
     reads: dict[str, list[int]] = {}

@@ -1,0 +1,198 @@
+"""HF checkpoint directories: config.json and safetensors <-> the params pytree.
+
+An HF directory holds config.json, model.safetensors (or shards listed in
+model.safetensors.index.json), tokenizer files and generation_config.json. Loading
+needs no torch and never executes code from the checkpoint: the tensors are
+memory-mapped (safetensors_file), checked against config.json by name, shape and dtype
+(names.py), and each device's slice read on its own (shard_source). q/k/v and gate/up
+are fused on the fly (model/fusion.py). A compressed-tensors FP8 checkpoint's layer
+projections load as they are stored, as fp8 QuantizedWeights (compressed_tensors.py);
+any other quantization_config is refused by load_config. `save_hf` writes what
+transformers loads. Imports numpy, jax, config, model, quantization, safetensors_file,
+shard_source, sharding, compressed_tensors and names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer import compressed_tensors, quantization, safetensors_file, shard_source, sharding
+from jaxinfer.checkpoint.names import get_leaf, hf_names, hf_shapes, leaf_layouts, leaf_name
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion
+from jaxinfer.model.transformer import Params, param_partition_specs, param_shapes
+
+log = logging.getLogger(__name__)
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def load_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (HF or orbax). A `quantization_config`
+    other than compressed-tensors FP8 is refused here, before any weight is read."""
+    hf = read_hf_config(model_dir)
+    compressed_tensors.scheme_of(hf, model_dir_path(model_dir) / "config.json")
+    return ModelConfig.from_hf(hf)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    """The config.json of a checkpoint directory, as a dict."""
+    path = model_dir_path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (is this a model directory?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
+                   mesh: Mesh | None = None, log: shard_source.ReadLog | None = None
+                   ) -> Params:
+    """Read safetensors tensors into our params pytree, checking names and shapes. Each
+    leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
+    gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
+    devices than KV heads. A compressed-tensors FP8 checkpoint's linear weights become
+    fp8 QuantizedWeights made of its float8 values and scales (compressed_tensors.py)."""
+    check_dtype(dtype)
+    root = model_dir_path(model_dir)
+    scheme = compressed_tensors.scheme_of(read_hf_config(root), root / "config.json")
+    tensors = _checked_tensors(root, cfg, scheme)
+    mesh = mesh or sharding.make_mesh(1)
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    sharding.validate(cfg, shards, mesh.size)
+    served = sharding.served_config(cfg, shards)
+    reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
+    layouts = leaf_layouts(served)
+    specs = quantization.partition_specs(param_partition_specs(served, shards),
+                                         scheme and compressed_tensors.MODE, head=False)
+    target = np.dtype(jnp.dtype(dtype))
+
+    def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
+              spec: PartitionSpec, dtype: np.dtype) -> jax.Array:
+        return jax.make_array_from_callback(
+            shape, NamedSharding(mesh, spec),
+            lambda index: reader.slice_of(name, layout, shape, index, dtype))
+
+    def stored_value(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
+                     spec: PartitionSpec) -> jax.Array:
+        """A fp8 weight [I, O] as QuantizedWeight stores it, [O, I] (HF's own layout)."""
+        return jax.make_array_from_callback(
+            shape[::-1], NamedSharding(mesh, spec),
+            lambda index: np.ascontiguousarray(reader.slice_of(
+                name, layout, shape, index[::-1], compressed_tensors.FP8).T))
+
+    def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
+        name = leaf_name(path)
+        if not quantization.is_quantized(spec):
+            return array(name, layouts[name], shape, spec, target)
+        scale_layout = compressed_tensors.scale_layout(layouts[name])
+        return quantization.QuantizedWeight(
+            stored_value(name, layouts[name], shape, spec.value),
+            array(f"{name}.scale", scale_layout, shape[1:], spec.scale, np.dtype(np.float32)),
+            spec.mode)
+
+    shapes = param_shapes(served)
+    return jax.tree_util.tree_map_with_path(
+        leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
+                     scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
+    dtypes are those `cfg` describes; with a compressed-tensors `scheme`, the fp8
+    weights' scales added as float32 [out] `<module>.weight_scale` tensors."""
+    tensors = _read_tensors(root)
+    fp8_names, scales = set(), {}
+    if scheme is not None:
+        fp8_names = {n for n, (path, _) in hf_names(cfg).items()  # layer projections
+                     if path[-1] in compressed_tensors.FP8_PARTS}
+        scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
+        for note in scheme.notes():
+            log.warning("%s: loading fp8 weights as they are, but %s", root, note)
+    expected = hf_names(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{root}: checkpoint lacks tensor(s) {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} for {cfg.architecture}")
+    unexpected = sorted(n for n in set(tensors) - set(expected) if not _ignorable(n, cfg))
+    if unexpected:
+        raise ValueError(f"{root}: unexpected tensor(s) {unexpected[:5]}; the config "
+                         f"does not describe this checkpoint")
+    shapes = hf_shapes(cfg)
+    for name, (path, transposed) in expected.items():
+        array = tensors[name]
+        want = get_leaf(shapes, path)
+        got = tuple(array.shape[::-1] if transposed else array.shape)
+        if got != want:
+            hf_want = want[::-1] if transposed else want
+            raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
+                             f"expected {hf_want} from config.json")
+        if array.dtype.name not in FLOAT_DTYPES and name not in fp8_names:
+            raise ValueError(f"{root}: tensor {name} has unsupported dtype "
+                             f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
+    return tensors | scales
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    return name.endswith(IGNORED_SUFFIXES) or (
+        cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _read_tensors(root: pathlib.Path) -> dict[str, np.ndarray]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{root}: no model.safetensors, "
+                                "model.safetensors.index.json or params/ (orbax)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        if not (root / file).is_file():
+            raise FileNotFoundError(f"{root}: shard {file} listed in the index is missing")
+        tensors |= safetensors_file.load(root / file)
+    return tensors
+
+
+def save_hf(model_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
+            dtype: str = "float32", extra_config: dict | None = None) -> None:
+    """Write config.json and model.safetensors that transformers loads."""
+    check_dtype(dtype)
+    root = pathlib.Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    params = params | {"layers": [fusion.unfuse_layer(jax.device_get(layer), cfg)
+                                  for layer in params["layers"]]}
+    for name, (path, transposed) in hf_names(cfg).items():
+        value = np.asarray(jax.device_get(get_leaf(params, path)).astype(dtype))
+        tensors[name] = value.T if transposed else value
+    safetensors_file.save(tensors, root / "model.safetensors", {"format": "pt"})
+    hf = cfg.to_hf() | {"dtype": dtype} | (extra_config or {})
+    (root / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def model_dir_path(model_dir: str | os.PathLike) -> pathlib.Path:
+    """`model_dir` as a path; FileNotFoundError unless it is a directory."""
+    root = pathlib.Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    return root
+
+
+def check_dtype(dtype: str) -> None:
+    """ValueError unless `dtype` is a dtype params are loaded in."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"{dtype=} must be 'float32' or 'bfloat16'")
+

@@ -1,0 +1,68 @@
+"""Which quantization a checkpoint directory's weights are written in, and served in.
+
+An orbax checkpoint converted with a quantization mode records it in QUANTIZATION_FILE
+beside `params/` ({"mode": "w8a8", "layout": 2, "quantized_head": true}); an HF
+compressed-tensors FP8 checkpoint says so in its config.json's quantization_config
+(compressed_tensors.py). Everything else holds float weights, which the engine may
+quantize at load. Imports quantization, compressed_tensors and checkpoint.hf.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from jaxinfer import compressed_tensors, quantization
+from jaxinfer.checkpoint.hf import read_hf_config
+
+QUANTIZATION_FILE = "quantization.json"  # orbax: {"mode": "w8a8", "layout": 2}
+
+
+def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
+    """The quantization an orbax checkpoint's weights were written in (its
+    QUANTIZATION_FILE), or "fp8" for an HF compressed-tensors FP8 checkpoint
+    (compressed_tensors.py); None for float weights."""
+    path = pathlib.Path(model_dir) / QUANTIZATION_FILE
+    if not path.is_file():
+        config = pathlib.Path(model_dir) / "config.json"
+        if config.is_file() and compressed_tensors.scheme_of(read_hf_config(model_dir),
+                                                             config):
+            return compressed_tensors.MODE
+        return None
+    try:
+        written = json.loads(path.read_text())
+        mode, layout = written.get("mode"), written.get("layout", 1)
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object with a 'mode' ({e})") from None
+    quantization.check_mode(mode)
+    if layout != quantization.LAYOUT_VERSION:
+        raise ValueError(f"{path}: quantized layout {layout} was written by an older "
+                         f"jaxinfer (this one reads {quantization.LAYOUT_VERSION}): convert "
+                         "the float checkpoint again")
+    return mode
+
+
+def quantized_head(model_dir: str | os.PathLike) -> bool:
+    """Whether a quantized model served from `model_dir` has a quantized LM head: yes,
+    unless its checkpoint keeps the head float, as a compressed-tensors checkpoint does
+    (it lists lm_head among the modules it leaves unquantized; a quantized head is
+    refused) and its orbax conversion records in QUANTIZATION_FILE."""
+    root = pathlib.Path(model_dir)
+    if (root / QUANTIZATION_FILE).is_file():
+        return bool(json.loads((root / QUANTIZATION_FILE).read_text()).get("quantized_head",
+                                                                          True))
+    config = root / "config.json"
+    return not (config.is_file() and compressed_tensors.scheme_of(read_hf_config(root),
+                                                                   config))
+
+
+def served_quantization(model_dir: str | os.PathLike, requested: str | None) -> str | None:
+    """The mode a checkpoint directory is served in: that of its weights if written
+    quantized (`checkpoint_quantization`; asking for another is an error), else
+    `requested`."""
+    written = checkpoint_quantization(model_dir)
+    if written is not None and requested not in (None, written):
+        raise ValueError(f"{model_dir} holds {written} weights; quantization="
+                         f"{requested!r} would need the float checkpoint")
+    return written or requested

@@ -1,0 +1,103 @@
+"""Every flag the commands read, and the configs made from them.
+
+Engine, distributed and server flags are derived from `EngineConfig`,
+`DistributedConfig` and `ServerConfig` (name, default, type, choices and help text),
+so they cannot drift from the Python API. Sampling flags default to unset: the
+checkpoint's generation_config.json defaults apply and a flag given overrides only its
+field. Which command reads which flag is `main.COMMANDS`. Imports absl, config and
+engine.request (SamplingParams); the LLM only when one is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+
+from absl import flags
+
+from jaxinfer.config import DistributedConfig, EngineConfig, ServerConfig
+from jaxinfer.engine.request import SamplingParams
+
+FLAGS = flags.FLAGS
+DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
+
+flags.DEFINE_string("model", None, "model directory (HF or orbax); plan and aot also take a "
+                    "preset name (configs/*.toml); default: the bundled demo model")
+flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text")
+flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
+flags.DEFINE_float("temperature", None, "0 = greedy; default: the checkpoint's")
+flags.DEFINE_float("top_p", None, "top-p (nucleus) sampling; default: the checkpoint's")
+flags.DEFINE_integer("top_k", None, "top-k sampling, 0 = off; default: the checkpoint's")
+flags.DEFINE_float("repetition_penalty", None, "1 = off; default: the checkpoint's")
+flags.DEFINE_string("input", None, "JSONL file of requests (batch) or prompts (audit); "
+                    "eval_ppl: text files, comma-separated paths or globs")
+flags.DEFINE_integer("window", None, "eval_ppl: tokens per scored window, overlapping by one "
+                     "(jaxinfer/evaluate.py); default: max_model_len - 1")
+flags.DEFINE_integer("max_tokens_per_file", None, "eval_ppl: score only the first tokens of "
+                     "each file; default: all")
+flags.DEFINE_string("output", None, "JSONL results (batch); orbax directory (convert)")
+flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
+flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache, in GB; "
+                  "default with --device: 90% of what one device lets a program use")
+flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth per device for the decode "
+                   "roofline; default: the --device preset's, else no roofline")
+flags.DEFINE_string("device", None, "accelerator preset (jaxinfer/accelerators.py): a TPU "
+                    "type (v5e-1, v6e-8, v5p-8...; aot takes only these) or a GCP GPU "
+                    "machine (h100-8 = a3-highgpu-8g, a100-40gb-8, a100-80gb-8, l4-1...)")
+flags.DEFINE_float("price_per_hour", None, "price per hour of the whole --device preset "
+                   "(without --device: of tensor_parallel_size devices), for plan's cost per "
+                   "million output tokens; default: the preset's list price if it carries "
+                   "one, else no cost")
+flags.DEFINE_enum("buckets", "all", ["all", "ends"],
+                  "every bucket, or the smallest, a mixed one and the largest")
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def define_config_flags(config_class: type) -> tuple[str, ...]:
+    """One flag per field of a config dataclass (EngineConfig, DistributedConfig), from its
+    type, default, choices and help."""
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        kinds = set(typing.get_args(hints[field.name])) - {types.NoneType} or {
+            hints[field.name]}
+        help_text, choices = field.metadata["help"], field.metadata["choices"]
+        if choices:
+            flags.DEFINE_enum(field.name, field.default, list(choices), help_text)
+        elif kinds == {bool}:
+            flags.DEFINE_boolean(field.name, field.default, help_text)
+        elif kinds == {int}:
+            flags.DEFINE_integer(field.name, field.default, help_text)
+        elif kinds == {str}:
+            flags.DEFINE_string(field.name, field.default, help_text)
+        else:
+            raise TypeError(f"{config_class.__name__}.{field.name}: no flag type for {kinds}")
+    return tuple(field.name for field in dataclasses.fields(config_class))
+
+
+ENGINE_FLAGS = define_config_flags(EngineConfig)
+DISTRIBUTED_FLAGS = define_config_flags(DistributedConfig)
+SERVER_FLAGS = define_config_flags(ServerConfig)
+flags.DEFINE_alias("kv_dtype", "kv_cache_dtype")
+
+
+def engine_config(**defaults: object) -> EngineConfig:
+    """EngineConfig from the engine flags; `defaults` replace flags the user did not give."""
+    settings = {name: FLAGS[name].value for name in ENGINE_FLAGS}
+    settings |= {k: v for k, v in defaults.items() if not FLAGS[k].present}
+    return EngineConfig(**settings)
+
+
+def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
+    """An LLM from the engine flags (see `engine_config`)."""
+    from jaxinfer import LLM
+
+    settings = dataclasses.asdict(engine_config(**defaults))
+    kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
+    return LLM(**kwargs, warm_up=warm_up, **settings)
+
+
+def sampling_params(defaults: SamplingParams) -> SamplingParams:
+    """`defaults` (the checkpoint's) with --max_tokens and each sampling flag given."""
+    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
+    return dataclasses.replace(defaults, max_tokens=FLAGS.max_tokens, **given)

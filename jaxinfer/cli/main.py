@@ -1,0 +1,162 @@
+"""The command table and the dispatcher: `python -m jaxinfer <command> --flags`.
+
+`COMMANDS` names each command (generate, batch, serve, convert, plan, audit, aot,
+eval_ppl) with the function that runs it, its one-line summary, the flags it reads and
+its defaults over them. `python -m jaxinfer --help` lists the commands,
+`python -m jaxinfer <command> --help` that command's flags with their defaults. Errors
+a user can fix (a bad flag value, a missing model directory, a prompt too long) print
+one line to stderr and exit non-zero (2: usage, 1: the rest); `--verbosity=1` logs
+their traceback. `run` is the entry point (`jaxinfer.cli.run`, `python -m jaxinfer`).
+Imports absl, config and the other cli modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import sys
+import textwrap
+import typing
+from collections.abc import Callable
+
+from absl import app, flags
+
+from jaxinfer.cli.flags import (
+    DISTRIBUTED_FLAGS,
+    ENGINE_FLAGS,
+    FLAGS,
+    SAMPLING_FLAGS,
+    SERVER_FLAGS,
+)
+from jaxinfer.cli.model_commands import (
+    EVAL_PPL_DEFAULTS,
+    GENERATE_DEFAULTS,
+    batch,
+    convert,
+    eval_ppl,
+    generate,
+    serve,
+)
+from jaxinfer.cli.plan_commands import AOT_DEFAULTS, aot, audit, plan
+from jaxinfer.config import DistributedConfig
+
+HELP_ARGS = frozenset({"--help", "-help", "-h", "--helpshort", "-?"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+    """A command: what runs, its one-line summary, the flags it reads."""
+
+    run: Callable[[], None]
+    summary: str
+    flags: tuple[str, ...]
+    defaults: dict[str, object] = dataclasses.field(default_factory=dict)  # over the flags
+
+
+_PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
+               "kv_cache_memory_bytes", "quantization")
+COMMANDS = {
+    "generate": Command(run=generate, summary="complete one prompt and print prompt + "
+                        "completion (default model: the bundled demo)",
+                        flags=("model", "prompt", "max_tokens", *SAMPLING_FLAGS, "metrics",
+                               *ENGINE_FLAGS, *DISTRIBUTED_FLAGS),
+                        defaults=GENERATE_DEFAULTS),
+    "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
+                     "results (resumable)",
+                     flags=("model", "input", "output", *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
+    "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
+                     "/v1/chat/completions, /v1/models, /health, /metrics)",
+                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
+    "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
+                       "(--quantization: quantized weights)",
+                       flags=("model", "output", "dtype", "quantization",
+                              "calibration_data")),
+    "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
+                    "roofline and cost on a device; loads no weights",
+                    flags=("model", "device", "tensor_parallel_size", "memory_gb",
+                           "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS)),
+    "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
+                     "prefix cache would save; loads no weights",
+                     flags=("model", "input", "page_size")),
+    "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
+                   "compiler (no TPU needed)",
+                   flags=("model", "device", "tensor_parallel_size", "buckets",
+                          "max_num_batched_tokens", *_PLAN_FLAGS),
+                   defaults=AOT_DEFAULTS),
+    "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "
+                        "logprobs; prints one JSON object",
+                        flags=("model", "input", "window", "max_tokens_per_file",
+                               *ENGINE_FLAGS),
+                        defaults=EVAL_PPL_DEFAULTS),
+}
+
+
+def commands_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    return ("usage: python -m jaxinfer <command> [--flag=value ...]\n\ncommands:\n"
+            + "\n".join(lines)
+            + "\n\n`python -m jaxinfer <command> --help` lists a command's flags.\n")
+
+
+def command_help(name: str) -> str:
+    command = COMMANDS[name]
+    lines = [f"usage: python -m jaxinfer {name} [--flag=value ...]", "", command.summary,
+             "", "flags:"]
+    for flag_name in command.flags:
+        flag = FLAGS[flag_name]
+        choices = getattr(flag.parser, "enum_values", None)
+        kind = "|".join(choices) if choices else flag.flag_type()
+        value = command.defaults.get(flag_name, flag.default)
+        default = "unset" if value is None else json.dumps(value)
+        text = re.sub(r"^<[^>]*>: ", "", flag.help)  # absl prefixes enum help with choices
+        lines.append(f"  --{flag_name} ({kind}; default {default})")
+        lines += textwrap.wrap(text, width=88, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines) + "\n"
+
+
+def _join_job() -> None:
+    """Join the multi-host job the distributed flags name, if any (distributed.py)."""
+    from jaxinfer import distributed
+
+    distributed.initialize(DistributedConfig(**{name: FLAGS[name].value
+                                                for name in DISTRIBUTED_FLAGS}))
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    sys.stderr.write(f"jaxinfer: error: {' '.join(str(message).splitlines())}\n")
+    sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)", 2)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        _fail(f"give one command of {', '.join(COMMANDS)} (python -m jaxinfer --help)", 2)
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        if "coordinator_address" in COMMANDS[argv[1]].flags:
+            _join_job()  # before anything starts a JAX backend
+        COMMANDS[argv[1]].run()
+    except app.UsageError as e:
+        _fail(f"{argv[1]}: {e}", 2)
+    except (ValueError, OSError) as e:
+        logging.debug("%s failed", argv[1], exc_info=True)
+        _fail(f"{argv[1]}: {e}", 1)
+
+
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    if HELP_ARGS & set(argv[1:]):
+        command = next((arg for arg in argv[1:] if arg in COMMANDS), None)
+        sys.stdout.write(command_help(command) if command else commands_help())
+        sys.exit(0)
+    app.run(main, argv=argv, flags_parser=_parse_flags)

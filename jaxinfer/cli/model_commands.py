@@ -1,0 +1,94 @@
+"""The commands that load the weights: generate, batch, serve and eval_ppl run an LLM
+made from the engine flags; convert copies an HF checkpoint to an orbax one.
+
+Each command is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS`
+lists them with their summaries and flags. A mistake raises app.UsageError or
+ValueError, which `main.main` prints as one line. Imports absl, config and cli.flags;
+the library it drives (distributed, batch, checkpoint, evaluate, server) only when
+the command runs, so `--help` and the other commands stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from absl import app
+
+from jaxinfer.cli.flags import FLAGS, SERVER_FLAGS, make_llm, sampling_params
+from jaxinfer.config import DEFAULT_MODEL, ServerConfig
+
+GENERATE_DEFAULTS = {"max_num_seqs": 1}  # over the flags; one prompt: fewer buckets
+EVAL_PPL_DEFAULTS = {"enable_prompt_logprobs": True}
+
+
+def generate() -> None:
+    from jaxinfer import distributed
+
+    # The prompt is checked before warm-up: a bad one fails now, not after compiling.
+    llm = make_llm(**GENERATE_DEFAULTS, warm_up=False)
+    llm.engine.prompt_token_ids(FLAGS.prompt)
+    params = sampling_params(llm.engine.default_params)
+    distributed.check_same("the prompt and sampling parameters", repr((FLAGS.prompt, params)))
+    llm.engine.warm_up()
+    (out,) = llm.generate(FLAGS.prompt, params)
+    if not distributed.is_primary():  # multi-host: only process 0 prints
+        return
+    sys.stdout.write(FLAGS.prompt + out.text + "\n")
+    logging.info("%d prompt tokens, %d generated, finish_reason=%s, %s",
+                 len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, params)
+    if FLAGS.metrics:
+        sys.stderr.write(json.dumps(llm.metrics()) + "\n")
+
+
+def batch() -> None:
+    from jaxinfer import batch as batch_lib
+    from jaxinfer import distributed
+
+    if not FLAGS.input or not FLAGS.output:
+        raise app.UsageError("batch needs --input=IN.jsonl and --output=OUT.jsonl")
+    summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output)
+    if distributed.is_primary():
+        sys.stderr.write(json.dumps(summary, indent=1) + "\n")
+
+
+def convert() -> None:
+    from jaxinfer import checkpoint
+
+    if not FLAGS.model or not FLAGS.output:
+        raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
+    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.quantization,
+                                   FLAGS.calibration_data)
+    sys.stdout.write(f"wrote {FLAGS.output}\n")
+
+
+
+def eval_ppl() -> None:
+    from jaxinfer import evaluate
+
+    if not FLAGS.input:
+        raise app.UsageError("eval_ppl needs --input=FILE[,FILE...] (paths or globs)")
+    files = evaluate.expand_inputs(FLAGS.input)  # bad inputs fail before warm-up
+    llm = make_llm(**EVAL_PPL_DEFAULTS, warm_up=False)
+    evaluate.resolve_window(llm, FLAGS.window)
+    llm.engine.warm_up()
+    report = evaluate.perplexity(llm, files, window=FLAGS.window,
+                                 max_tokens_per_file=FLAGS.max_tokens_per_file)
+    sys.stdout.write(json.dumps(report) + "\n")
+
+
+def serve() -> None:
+    from jaxinfer import server
+
+    config = ServerConfig(**{name: FLAGS[name].value for name in SERVER_FLAGS})
+    sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
+    llm = make_llm()
+    name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
+
+    def ready(url: str) -> None:
+        sys.stderr.write(f"jaxinfer: serving {name!r} at {url}/v1\n")
+        sys.stderr.flush()
+
+    server.serve(llm, config, sock, model_name=name, ready=ready)
+

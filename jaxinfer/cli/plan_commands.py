@@ -1,0 +1,151 @@
+"""The commands that load no weights: plan (memory plan and decode roofline), audit
+(prompt overlap) and aot (compile the step for a TPU slice with libtpu's compiler).
+
+--model is a model directory or, for plan and aot, a preset name (configs/*.toml);
+a directory written quantized is planned and compiled in its own mode. Each command
+is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS` lists them.
+Imports absl, accelerators, config and cli.flags; planner, audit, aot and checkpoint
+only when the command runs (plan never imports the runner: a test says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from absl import app
+
+from jaxinfer import accelerators
+from jaxinfer.cli.flags import FLAGS, engine_config
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+
+AOT_DEFAULTS = {"device": "v5e-1"}  # over the flags
+
+
+def _model_config() -> object:
+    """The ModelConfig of --model: a model directory or a preset."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+    from jaxinfer.config import load_preset
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+
+
+def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
+    """`settings` in the mode of a --model directory written quantized (orbax convert
+    --quantization, or a compressed-tensors FP8 checkpoint), as loading serves it."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    if not model.is_dir():
+        return settings
+    return dataclasses.replace(
+        settings, quantization=checkpoint.served_quantization(model, settings.quantization))
+
+
+def _quantized_head() -> bool:
+    """Whether a quantized --model serves a quantized LM head (checkpoint.quantized_head;
+    a preset: yes)."""
+    import pathlib
+
+    from jaxinfer import checkpoint
+
+    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    return checkpoint.quantized_head(model) if model.is_dir() else True
+
+
+def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
+                 ) -> dict[str, int]:
+    """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
+    share of one device of --device."""
+    from jaxinfer import planner
+
+    if FLAGS.memory_gb is not None:
+        return {"memory_bytes": int(FLAGS.memory_gb * 1e9)}
+    if settings.kv_cache_memory_bytes is not None:
+        return {"kv_cache_bytes": settings.kv_cache_memory_bytes}
+    if acc is not None:
+        usable = acc.chip.usable_hbm_bytes
+        return {"memory_bytes": int(usable * planner.DEVICE_MEMORY_FRACTION)}
+    raise app.UsageError("plan needs --memory_gb=GB, --kv_cache_memory_bytes=BYTES or "
+                         "--device=NAME")
+
+
+def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None) -> int:
+    """--tensor_parallel_size, else every device of --device, else 1; ValueError unless
+    the model's heads split over it."""
+    from jaxinfer import planner
+
+    if FLAGS["tensor_parallel_size"].present:
+        planner.check_tensor_parallel(cfg, FLAGS.tensor_parallel_size)
+        return FLAGS.tensor_parallel_size
+    tp = acc.chips if acc else 1
+    try:
+        planner.check_tensor_parallel(cfg, tp)
+    except ValueError as e:
+        raise ValueError(f"{e} (by default every device of --device={FLAGS.device}; give "
+                         "--tensor_parallel_size)") from None
+    return tp
+
+
+def plan() -> None:
+    from jaxinfer import planner
+
+    settings, cfg = _with_checkpoint_quantization(engine_config()), _model_config()
+    acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
+    tp = _plan_tensor_parallel_size(cfg, acc)
+    bandwidth = FLAGS.bandwidth_gb_per_s
+    if bandwidth is not None and bandwidth <= 0:
+        raise app.UsageError(f"--bandwidth_gb_per_s={bandwidth} must be > 0")
+    if bandwidth is None and acc is not None:
+        bandwidth = acc.chip.hbm_bytes_per_s / 1e9
+    price = FLAGS.price_per_hour if FLAGS.price_per_hour is not None else (
+        acc.list_price_per_hour if acc else None)
+    result = planner.plan(cfg, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                          quantization=settings.quantization,
+                          quantized_head=_quantized_head(),
+                          max_model_len=settings.max_model_len,
+                          max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
+                          bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
+                          num_devices=acc.chips if acc else tp,
+                          peak_flops_per_s=acc.chip.bf16_flops if acc else None,
+                          **_plan_budget(settings, acc))
+    report = {"device": accelerators.describe(acc) if acc else None,
+              **result.summary(price_per_hour=price)}
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+
+
+def audit() -> None:
+    from jaxinfer import audit as audit_lib
+
+    if not FLAGS.input:
+        raise app.UsageError("audit needs --input=PROMPTS.jsonl")
+    report = audit_lib.run(FLAGS.model or DEFAULT_MODEL, FLAGS.input,
+                           page_size=FLAGS.page_size)
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+
+
+def aot() -> None:
+    from jaxinfer import aot as aot_lib
+
+    aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
+    cfg, engine = _model_config(), _with_checkpoint_quantization(engine_config())
+    settings = aot_lib.Settings(
+        dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=engine.max_model_len or cfg.max_position_embeddings,
+        page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        tensor_parallel_size=engine.tensor_parallel_size
+        if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
+        quantization=engine.quantization, quantized_head=_quantized_head())
+    device = FLAGS.device or AOT_DEFAULTS["device"]
+    report = aot_lib.compile_report(cfg, device=device, settings=settings,
+                                    buckets=FLAGS.buckets)
+    sys.stdout.write(aot_lib.format_table(report) + "\n")
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+
