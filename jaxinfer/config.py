@@ -8,6 +8,7 @@ Qwen3); anything else is refused with a message naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import tomllib
 from typing import Any
@@ -216,6 +217,66 @@ KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/quantization.py
 
 
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): who proposes draft tokens and
+    how many a step may verify per request (jaxinfer/engine/speculation.py)."""
+
+    method: str  # "draft_model" (a small model with the target's tokenizer) or "ngram"
+    num_speculative_tokens: int  # k: the most draft tokens a request verifies per step
+    model: str | None = None  # draft_model: the draft's checkpoint directory
+    prompt_lookup_min: int = 2  # ngram: shortest suffix matched against earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (the longest match wins)
+    adaptive: bool = True  # choose per step whether (and how far) to speculate by cost
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} must be one of "
+                             f"{SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int "
+                             f"in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"speculative_config model={self.model!r}: method='draft_model' "
+                             "needs the draft's directory and 'ngram' takes none")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)) or \
+                not 1 <= low <= high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low!r} and "
+                             f"prompt_lookup_max={high!r} must be ints with 1 <= min <= max")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be a bool")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, a JSON string (the CLI flag's), or None; an
+        unknown key is an error naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, not "
+                             f"{type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        missing = sorted(k for k in ("method", "num_speculative_tokens") if k not in value)
+        if missing:
+            raise ValueError(f"speculative_config lacks {missing}")
+        return cls(**value)
+
+
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A field of EngineConfig or DistributedConfig: its help text and allowed values feed
     the CLI's flags."""
@@ -263,8 +324,15 @@ class EngineConfig:
     tensor_parallel_size: int = _setting(
         1, "devices the model is split over (tensor parallelism); must divide the query "
         "heads, and divide the KV heads or be a multiple of them")
+    speculative_config: SpeculativeConfig | None = _setting(
+        None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\" or "
+        "\"draft_model\", \"num_speculative_tokens\": k, \"model\": draft directory, "
+        "\"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes, \"adaptive\": "
+        "choose per step by cost (default true)}; default: off")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         for field in dataclasses.fields(self):
             choices, value = field.metadata["choices"], getattr(self, field.name)
             unset_allowed = value is None and field.default is None

@@ -8,9 +8,16 @@ memory, weights included; else, on CPU, every slot at full length within a fract
 of RAM), reads the weights and builds the `Runner` that holds params and KV cache.
 `Engine` calls it and keeps only the request lifecycle.
 
+With `speculative_config` it also builds the speculation (engine/speculation.py): the
+n-gram proposer, or a draft model checked against the target (the same tokenizer
+vocabulary, context at least max_model_len, splittable over the same devices), planned
+with it (weights, K/V per token) and served by its own `DraftRunner` over the same
+page ids.
+
 Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
 runner package, `checkpoint` and `planner`. Imports config, checkpoint, planner,
-tokenizer, distributed, engine.request, engine.buckets and the runner package, and awq
+tokenizer, distributed, engine.request, engine.buckets, engine.speculation,
+engine.proposer and the runner package, and awq
 (int4 calibration on a float checkpoint, before the runner quantizes); never
 engine.engine.
 """
@@ -26,7 +33,10 @@ from jaxinfer import awq, checkpoint, distributed, planner, quantization, shardi
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.proposer import DraftProposer, NgramProposer
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.runner.draft import DraftRunner
+from jaxinfer.engine.speculation import Speculation
 from jaxinfer.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json
 
 log = logging.getLogger(__name__)
@@ -51,6 +61,7 @@ class LoadedModel:
     max_model_len: int
     memory_plan: planner.MemoryPlan
     runner: runner_lib.Runner
+    speculation: Speculation | None = None
 
 
 def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
@@ -65,7 +76,10 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
-    memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root))
+    draft = draft_config(root, model_config, config, max_len)
+    served_draft = draft and sharding.served_config(draft, config.tensor_parallel_size)
+    memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
+                              draft=served_draft)
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
                              config.quantization)
@@ -73,19 +87,82 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
     if config.quantization == "int4" and quantization.mode_of(params) is None:
         params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
+    spec = config.speculative_config
+    buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_num_seqs=config.max_num_seqs,
+                        min_tokens=runner_lib.min_step_tokens(config.dtype,
+                                                              config.quantization),
+                        verify_positions=spec.num_speculative_tokens + 1 if spec else 0)
     runner = runner_lib.Runner(
         served, params, mesh=mesh, num_pages=memory_plan.num_pages,
         page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
-        buckets=BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs,
-                          min_tokens=runner_lib.min_step_tokens(config.dtype,
-                                                                config.quantization)),
-        attention_impl=config.attention_impl, quantization=config.quantization,
-        enable_prompt_logprobs=config.enable_prompt_logprobs)
+        buckets=buckets, attention_impl=config.attention_impl,
+        quantization=config.quantization,
+        enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None)
+    speculation = None
+    if spec is not None:
+        proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+        if draft is not None:
+            proposer = DraftProposer(DraftRunner(
+                served_draft, checkpoint.load_params(spec.model, draft, config.dtype, mesh),
+                mesh=mesh, num_pages=memory_plan.num_pages, page_size=config.page_size,
+                max_model_len=max_len, buckets=buckets, num_positions=buckets.verify_positions,
+                vocab_size=served.vocab_size, kv_dtype=config.kv_dtype,
+                eos_token_ids=eos_token_ids, attention_impl=config.attention_impl))
+        speculation = Speculation(proposer, max_drafts=spec.num_speculative_tokens,
+                                  adaptive=spec.adaptive)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
-                       max_model_len=max_len, memory_plan=memory_plan, runner=runner)
+                       max_model_len=max_len, memory_plan=memory_plan, runner=runner,
+                       speculation=speculation)
+
+
+def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,
+                 max_len: int) -> ModelConfig | None:
+    """The draft model's config when `config` speculates with one, after checking it can
+    serve `target`: the same tokenizer vocabulary (tokenizer.json), a context of at
+    least `max_len`, a split over the same devices. ValueError naming the mismatch."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_root = pathlib.Path(spec.model)
+    if not draft_root.is_dir():
+        raise FileNotFoundError(f"speculative_config model={spec.model!r}: no such directory")
+    draft = checkpoint.load_config(draft_root)
+    written = checkpoint.served_quantization(draft_root, None)
+    if written is not None:
+        raise ValueError(f"draft model {spec.model!r} holds {written} weights; a draft is "
+                         "served in the engine's float dtype: give its float checkpoint")
+    check_same_tokenizer(root, draft_root)
+    if draft.max_position_embeddings < max_len:
+        raise ValueError(f"draft model {spec.model!r}: max_position_embeddings="
+                         f"{draft.max_position_embeddings} is below max_model_len={max_len}")
+    try:
+        planner.check_tensor_parallel(draft, config.tensor_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"draft model {spec.model!r}: {e}") from None
+    return draft
+
+
+def check_same_tokenizer(target: pathlib.Path, draft: pathlib.Path) -> None:
+    """ValueError unless both directories' tokenizer.json map the same tokens to the same
+    ids (or neither has one: token-id prompts, nothing to compare)."""
+    have = [(d / "tokenizer.json").is_file() for d in (target, draft)]
+    if not any(have):
+        return
+    if not all(have):
+        missing = draft if have[0] else target
+        raise ValueError(f"the draft model must share the target's tokenizer, but "
+                         f"{str(missing)!r} has no tokenizer.json")
+    ours, theirs = Tokenizer.from_dir(target).vocab(), Tokenizer.from_dir(draft).vocab()
+    differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+    if differ:
+        token = differ[0]
+        raise ValueError(
+            f"the draft model {str(draft)!r} does not share the target's tokenizer: "
+            f"{len(differ)} of {len(ours)} tokens differ (e.g. {token!r}: id "
+            f"{ours.get(token)} in the target, {theirs.get(token)} in the draft)")
 
 
 def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
@@ -147,14 +224,15 @@ def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
 
 
 def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
-                quantized_head: bool = True) -> planner.MemoryPlan:
+                quantized_head: bool = True, draft: ModelConfig | None = None
+                ) -> planner.MemoryPlan:
     """The page pool's plan for `model_config` as served (KV heads copied under tensor
     parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
     DEVICE_KV_FRACTION of the mesh's accelerator memory (weights included); else, on
     CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
     probed once per process."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
-                  quantization=config.quantization, quantized_head=quantized_head,
+                  quantization=config.quantization, quantized_head=quantized_head, draft=draft,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
@@ -165,7 +243,8 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
         total = device_limit * config.tensor_parallel_size
         return planner.plan(model_config, memory_bytes=int(total * DEVICE_KV_FRACTION),
                             **common)
-    page_bytes = config.page_size * planner.kv_bytes_per_token(model_config, config.kv_dtype)
+    page_bytes = config.page_size * sum(
+        planner.kv_bytes_per_token(m, config.kv_dtype) for m in (model_config, draft) if m)
     pages_per_seq = -(-max_len // config.page_size)
     wanted = (config.max_num_seqs * pages_per_seq + 1) * page_bytes
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -62,6 +62,10 @@ class MemoryPlan:
     matmul_flops_per_token: int = 0  # on one device, decode
     attention_flops_per_context_token: int = 0  # per new token and cached token, one device
     peak_flops_per_s: float | None = None  # None: the roofline counts bytes only
+    # Speculative decoding with a draft model: its weights, and its K/V per token in its
+    # own cache of num_pages pages (page_bytes and kv_cache_bytes count both caches).
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
 
     def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
         """(memory, compute) seconds of a decode step of `batch` requests at `context`
@@ -116,12 +120,15 @@ class MemoryPlan:
         return {
             "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
             "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
+            "draft_weight_bytes": self.draft_weight_bytes,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
             "unsharded_weight_bytes": unsharded,
             "kv_bytes_per_token": self.kv_bytes_per_token, "page_size": self.page_size,
             "page_bytes": self.page_bytes, "num_pages": self.num_pages,
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_cache_gb": round(self.kv_cache_bytes / GB, 3),
-            "total_gb": round((self.weight_bytes + self.kv_cache_bytes) / GB, 3),
+            "total_gb": round((self.weight_bytes + self.draft_weight_bytes
+                               + self.kv_cache_bytes) / GB, 3),
             "kv_tokens": (self.num_pages - 1) * self.page_size,
             "max_model_len": self.max_model_len,
             "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
@@ -241,10 +248,13 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
          bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
          num_devices: int | None = None, peak_flops_per_s: float | None = None,
-         quantization: str | None = None, quantized_head: bool = True) -> MemoryPlan:
+         quantization: str | None = None, quantized_head: bool = True,
+         draft: ModelConfig | None = None) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
-    devices; `num_devices` (default: tensor_parallel_size) hold its replicas.
+    devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
+    speculative draft model served beside it (in `dtype`, unquantized), its weights and
+    its K/V per token (one more cache of the same pages) counted too.
     `bandwidth_gb_per_s` (GB/s, per device) for the decode roofline, None leaves it out;
     `peak_flops_per_s` adds the compute bound. Raises ValueError when not even one
     request of `max_model_len` fits, saying how much would."""
@@ -257,12 +267,16 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     max_model_len = max_model_len or cfg.max_position_embeddings
     weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
-    page_bytes = page_size * per_token
+    draft_weights = draft_per_token = 0
+    if draft is not None:
+        draft_weights = weight_bytes(draft, dtype, tp)
+        draft_per_token = kv_bytes_per_token(draft, kv_dtype, tp)
+    page_bytes = page_size * (per_token + draft_per_token)
     pages_per_request = -(-max_model_len // page_size)
     need = (pages_per_request + 1) * page_bytes
     if memory_bytes is not None:
-        kv_cache_bytes = _kv_budget(memory_bytes, weights, need, dtype, max_model_len,
-                                    pages_per_request, page_bytes, tp)
+        kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
+                                    max_model_len, pages_per_request, page_bytes, tp)
     num_pages = kv_cache_bytes // page_bytes
     if num_pages - 1 < pages_per_request:
         raise ValueError(
@@ -282,4 +296,5 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                                                           quantized_head),
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
-                      peak_flops_per_s=peak_flops_per_s)
+                      peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
+                      draft_kv_bytes_per_token=draft_per_token)

@@ -89,6 +89,10 @@ class Tokenizer:
         """Vocabulary size including added tokens."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; the tokenizer.json post-processor adds BOS/EOS as configured."""
         try:

@@ -68,8 +68,8 @@ def define_config_flags(config_class: type) -> tuple[str, ...]:
             flags.DEFINE_boolean(field.name, field.default, help_text)
         elif kinds == {int}:
             flags.DEFINE_integer(field.name, field.default, help_text)
-        elif kinds == {str}:
-            flags.DEFINE_string(field.name, field.default, help_text)
+        elif kinds == {str} or all(dataclasses.is_dataclass(k) for k in kinds):
+            flags.DEFINE_string(field.name, field.default, help_text)  # a dataclass: JSON
         else:
             raise TypeError(f"{config_class.__name__}.{field.name}: no flag type for {kinds}")
     return tuple(field.name for field in dataclasses.fields(config_class))

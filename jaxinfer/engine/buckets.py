@@ -7,6 +7,9 @@ max_model_len. Two kinds:
   state of generation): T = S, with S climbing powers of two up to `max_num_seqs`
   (T never below `min_tokens`, the fewest rows the weights' matmuls run fast at:
   2 for bfloat16 on XLA:CPU). Attention compiles its per-token path alone for them.
+- verify buckets hold speculative steps (speculative decoding on): every request has
+  one token plus up to k draft tokens, and Q = k + 1 positions of each are sampled;
+  T = S * Q, S climbing the decode slot ladder.
 - mixed buckets hold every other step (prefill chunks, with or without decodes):
   token counts climb powers of two from 16 up to 512, then linear steps of 512, never
   past `max_num_batched_tokens` (itself the top rung), all with `max_num_seqs` slots.
@@ -32,6 +35,7 @@ class Bucket:
     num_tokens: int  # T: padded tokens in the step
     num_slots: int  # S: padded request rows (page table rows, logits rows)
     decode: bool = False  # every request has one token: token i belongs to request i
+    num_positions: int = 1  # Q: sampled positions per request (k + 1 in a verify bucket)
 
 
 def token_ladder(max_num_batched_tokens: int) -> list[int]:
@@ -54,7 +58,7 @@ class BucketSet:
     """All buckets for one engine configuration, and the pick for a step."""
 
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 min_tokens: int = 1) -> None:
+                 min_tokens: int = 1, verify_positions: int = 0) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}: each "
                              "scheduled request takes at least one token")
@@ -62,17 +66,32 @@ class BucketSet:
         self.max_num_seqs = max_num_seqs
         self.decode_slots = slot_ladder(max_num_seqs)
         self.min_tokens = min_tokens
+        self.verify_positions = verify_positions  # Q of verify buckets; 0: none
 
     def all(self) -> list[Bucket]:
-        """Every bucket a step can pick: decode buckets, then mixed ones."""
-        return self.decode() + [Bucket(t, self.max_num_seqs) for t in self.tokens]
+        """Every bucket a step can pick: decode buckets, mixed ones, then verify ones."""
+        return self.decode() + [Bucket(t, self.max_num_seqs) for t in self.tokens] + (
+            self.verify())
 
     def decode(self) -> list[Bucket]:
         return [Bucket(max(s, self.min_tokens), s, True) for s in self.decode_slots]
 
-    def pick(self, num_tokens: int, num_requests: int, *, decode: bool = False) -> Bucket:
+    def verify(self) -> list[Bucket]:
+        """One bucket per decode slot rung holding Q tokens per request (none when off)."""
+        q = self.verify_positions
+        return [self._verify_bucket(s) for s in self.decode_slots] if q else []
+
+    def _verify_bucket(self, slots: int) -> Bucket:
+        q = self.verify_positions
+        return Bucket(max(slots * q, self.min_tokens), slots, num_positions=q)
+
+    def pick(self, num_tokens: int, num_requests: int, *, decode: bool = False,
+             verify: bool = False) -> Bucket:
         """The smallest bucket holding `num_tokens` tokens of `num_requests` requests;
-        `decode`: every request has exactly one token (so num_tokens == num_requests)."""
+        `decode`: every request has exactly one token (so num_tokens == num_requests);
+        `verify`: each has at most Q (`verify_positions`) tokens, all sampled."""
+        if verify:
+            return self._pick_verify(num_tokens, num_requests)
         if num_tokens > self.tokens[-1] or num_requests > self.max_num_seqs:
             raise ValueError(f"{num_tokens} tokens / {num_requests} requests exceed the "
                              f"largest bucket ({self.tokens[-1]}, {self.max_num_seqs})")
@@ -84,3 +103,16 @@ class BucketSet:
             return Bucket(max(slots, self.min_tokens), slots, True)
         return Bucket(self.tokens[bisect.bisect_left(self.tokens, num_tokens)],
                       self.max_num_seqs)
+
+    def decode_slots_for(self, num_requests: int) -> int:
+        """The decode slot rung (S of decode and verify buckets) of `num_requests`."""
+        return self.decode_slots[bisect.bisect_left(self.decode_slots, num_requests)]
+
+    def _pick_verify(self, num_tokens: int, num_requests: int) -> Bucket:
+        if not self.verify_positions:
+            raise ValueError("no verify buckets: speculative decoding is off")
+        if num_requests > self.max_num_seqs or num_tokens > num_requests * self.verify_positions:
+            raise ValueError(f"{num_tokens} tokens / {num_requests} requests exceed the verify "
+                             f"buckets ({self.verify_positions} tokens a request, at most "
+                             f"{self.max_num_seqs} requests)")
+        return self._verify_bucket(self.decode_slots_for(num_requests))

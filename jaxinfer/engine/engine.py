@@ -57,8 +57,11 @@ class Engine:
         self.max_model_len = loaded.max_model_len
         self.memory_plan = loaded.memory_plan
         self.runner = loaded.runner
+        self.speculation = loaded.speculation  # None without speculative decoding
         self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s)
+        if self.speculation is not None:
+            self.metrics.speculation = self.speculation.stats.summary
         num_pages = self.memory_plan.num_pages
         self.scheduler = Scheduler(
             PagePool(num_pages, enable_caching=config.enable_prefix_caching),
@@ -85,6 +88,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""
         result = self.runner.warm_up()
+        if self.speculation is not None:
+            result = self.speculation.warm_up(self.runner, result)
         self.metrics.warmup_seconds = result["seconds"]
         self.metrics.num_buckets = int(result["buckets"])
         self.metrics.compiles_at_warmup = self.compiles.total
@@ -212,12 +217,21 @@ class Engine:
             return []
         started = time.perf_counter()
         compiles = self.compiles.begin()
-        bucket, samples, prompt_scores = self.runner.execute(plan)
+        draft_probs, slots = None, 0
+        if self.speculation is not None:
+            slots = self.runner.buckets.decode_slots_for(len(plan.chunks))
+            plan, draft_probs = self.speculation.add_drafts(self.scheduler, plan, slots)
+        executed = time.perf_counter()
+        bucket, samples, prompt_scores = self.runner.execute(plan, draft_probs)
+        execute_seconds = time.perf_counter() - executed
         self._record_prompt_scores(plan, prompt_scores)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         for chunk in plan.chunks:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
-        self.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
+        sampled = [[s.token_id for s in chunk] for chunk in samples]
+        self.scheduler.update(plan, sampled)
+        if self.speculation is not None:
+            self.speculation.record(plan, sampled, slots, execute_seconds)
         self._check_compiles(compiles)
         changed = self._record_tokens(plan, samples, lengths)
         self._record_metrics(plan, bucket, lengths, time.perf_counter() - started)

@@ -46,6 +46,8 @@ class Metrics:
     step_seconds: float = 0.0
     bytes_read: int = 0
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
+    # speculative decoding's counts given the step seconds (engine/speculation.py)
+    speculation: Callable[[float], dict[str, object]] | None = None
     latency: Latency = dataclasses.field(default_factory=Latency)  # per-request histograms
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -92,6 +94,7 @@ class Metrics:
             if self.bandwidth_gb_per_s else 0.0,
             **self.latency.summary(),
             **self._prefix_cache_summary(),
+            **(self.speculation(self.step_seconds) if self.speculation else {}),
         }
 
     def _prefix_cache_summary(self) -> dict[str, float | int]:

@@ -16,6 +16,13 @@ wait until one of them has computed the prompt, then share its pages. In "static
 mode up to `max_num_seqs` requests form a batch (admitted as the token budget
 allows) and no other request starts until the whole batch has finished: the
 baseline the benchmarks compare against.
+
+Speculative decoding (engine/speculation.py) adds draft tokens to a decode step that
+has been scheduled: `reserve_drafts` takes pages for them (never preempting),
+`with_drafts` puts them in the chunks, and `update` keeps the drafts the target's
+samples agree with plus the target's own next token, rolls the request's computed
+length back to the accepted tokens (so only they are registered in the prefix cache)
+and frees the pages that held only rejected ones.
 """
 
 from __future__ import annotations
@@ -38,16 +45,17 @@ class ScheduledChunk:
 
     The chunk's last `num_samples` positions are sampled, each giving the token that
     follows it: 0 for a prefill chunk that stops short of the request's end, 1 for one
-    that reaches it. A proposer that schedules k draft tokens after the last one raises
-    it to k + 1 (each draft is then checked against the sample before it); the runner
-    samples at most its static number of positions per request. Fixed when scheduled:
-    `Scheduler.update` moves the request on, not the chunk.
+    that reaches it. With k `draft_token_ids` (the last k of its `num_tokens`, not yet
+    the request's) it samples k + 1: each draft is checked against the sample before it;
+    the runner samples at most its static number of positions per request. Fixed when
+    scheduled: `Scheduler.update` moves the request on, not the chunk.
     """
 
     request: Request
     start: int
     num_tokens: int
     num_samples: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_samples <= self.num_tokens:
@@ -56,7 +64,19 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+        """The request's tokens the chunk computes, then its drafts."""
+        end = self.start + self.num_tokens - len(self.draft_token_ids)
+        return self.request.all_token_ids[self.start:end] + list(self.draft_token_ids)
+
+    def accepted(self, sampled: Sequence[int]) -> int:
+        """Drafts the target agrees with: the leading drafts equal to the samples before
+        them (the samples are the target's tokens, drafts where it accepted them)."""
+        count = 0
+        for draft, token in zip(self.draft_token_ids, sampled, strict=False):
+            if draft != token:
+                break
+            count += 1
+        return count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,13 +251,35 @@ class Scheduler:
             request.page_ids = []
         request.page_serials = []
 
+    def reserve_drafts(self, plan: StepPlan, wanted: Sequence[int]) -> list[int]:
+        """Pages for up to `wanted[i]` draft tokens after chunk i (a decode: its one token
+        is the request's last); returns how many each got: fewer where the context ends
+        or the pool runs short (drafts never preempt)."""
+        granted = []
+        for chunk, count in zip(plan.chunks, wanted, strict=True):
+            end = chunk.start + chunk.num_tokens
+            count = max(0, min(count, self.max_model_len - end))
+            while count and not self._reserve(chunk.request, end + count):
+                count -= 1
+            granted.append(count)
+        return granted
+
+    def with_drafts(self, plan: StepPlan, drafts: Sequence[Sequence[int]]) -> StepPlan:
+        """`plan` with each chunk followed by its drafts (pages from `reserve_drafts`)."""
+        chunks = tuple(dataclasses.replace(
+            chunk, num_tokens=chunk.num_tokens + len(draft),
+            num_samples=chunk.num_samples + len(draft), draft_token_ids=tuple(draft))
+            if draft else chunk for chunk, draft in zip(plan.chunks, drafts, strict=True))
+        return dataclasses.replace(plan, chunks=chunks)
+
     def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
         """Advance each chunk's request and append its sampled tokens, in order, checking
         the stop conditions after each: the tokens after a stop token, `max_tokens` or
         `max_model_len` are dropped. `sampled` has one list per chunk, of at most its
-        `num_samples` tokens (a rejection sampler would pass the accepted ones; all the
-        chunk's tokens count as computed: rolling back rejected drafts belongs with the
-        proposer). Returns the requests that finished."""
+        `num_samples` tokens. A chunk with drafts keeps the accepted ones and the target's
+        token after them (`ScheduledChunk.accepted`); its computed length rolls back to
+        them and pages past the request's tokens are freed. Returns the requests that
+        finished."""
         finished = []
         for chunk, tokens in zip(plan.chunks, sampled, strict=True):
             if len(tokens) > chunk.num_samples:
@@ -247,7 +289,11 @@ class Scheduler:
             request = chunk.request
             if request.finished or request.status is not Status.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            accepted = chunk.accepted(tokens)
+            rejected = len(chunk.draft_token_ids) - accepted
+            request.num_computed_tokens = chunk.start + chunk.num_tokens - rejected
+            if chunk.draft_token_ids:
+                tokens = tokens[:accepted + 1]
             self._register_pages(request)
             for token in tokens:
                 request.output_token_ids.append(token)
@@ -256,7 +302,17 @@ class Scheduler:
                     self.finish(request, *reason)
                     finished.append(request)
                     break
+            if chunk.draft_token_ids and not request.finished:
+                self._trim_pages(request)
         return finished
+
+    def _trim_pages(self, request: Request) -> None:
+        """Free the pages past those the request's tokens need (they held rejected
+        drafts' K/V only)."""
+        keep = -(-request.num_tokens // self.page_size)
+        if len(request.page_ids) > keep:
+            self.pool.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
         params = request.params

@@ -71,13 +71,21 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int,
     """Pick one token per row of f32[R, V] logits; score the i32[R] `proposed_ids`
     (-1 = none; None = no row proposes)."""
     logits = logits.astype(jnp.float32)
-    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[R]: logprobs = logits - log_total
     penalized = penalize(logits, inputs)
     greedy = first_argmax(penalized)
     is_random = inputs.temperature > 0
     # Greedy-only batches skip the draw; greedy rows take `greedy` either way.
     sampled = jax.lax.cond(jnp.any(is_random), _draw, lambda _l, _i: greedy, penalized, inputs)
     token_ids = jnp.where(is_random, sampled, greedy)
+    return describe(logits, token_ids, inputs, num_logprobs=num_logprobs,
+                    proposed_ids=proposed_ids)
+
+
+def describe(logits: jax.Array, token_ids: jax.Array, inputs: SamplingInputs, *,
+             num_logprobs: int, proposed_ids: jax.Array | None = None) -> SampleOutput:
+    """The SampleOutput of tokens i32[R] chosen from f32[R, V] raw logits: their logprobs,
+    the top ones where rows ask, and the proposed ids' logprobs."""
+    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[R]: logprobs = logits - log_total
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_total
     num_rows = logits.shape[0]
     skipped = (jnp.full((num_rows, num_logprobs), -jnp.inf),
@@ -148,12 +156,27 @@ def _ban_stop_ids(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 
 
 def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """i32[R] tokens drawn after temperature, top-k, top-p and min-p.
+    """i32[R] tokens drawn after temperature, top-k, top-p and min-p: an inverse CDF in
+    vocab order over `filtered_weights`, so the draw is the same whether or not the
+    batch needed the sort (skipped when no row uses top-k or top-p)."""
+    u = jax.vmap(uniform)(inputs.seeds, inputs.counters)
+    return inverse_cdf(filtered_weights(logits, inputs), u)
 
-    The filters become one floor per row on the scaled logits; the draw is an
-    inverse CDF in vocab order, so it is the same whether or not the batch
-    needed the sort (skipped when no row uses top-k or top-p).
-    """
+
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """i32[R]: per row, the first id whose running sum of f32[R, V] non-negative weights
+    passes u * total, u in [0, 1) f32[R]; never an id of weight 0."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    pick = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1, dtype=jnp.int32)
+    # u * total can round up to total: fall back to the last kept id, never a dropped one.
+    ids = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
+    last = jnp.max(jnp.where(weights > 0, ids, 0), -1)
+    return jnp.minimum(pick, last)
+
+
+def filtered_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """f32[R, V] unnormalized probabilities after temperature, top-k, top-p and min-p
+    (0 where filtered out): the filters become one floor per row on the scaled logits."""
     num_rows, vocab = logits.shape
     temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
     scaled = logits / temperature  # f32[R, V]
@@ -165,12 +188,7 @@ def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     floor = jnp.maximum(floor, row_max + jnp.log(inputs.min_p))[:, None]
     weights = jnp.exp(scaled - row_max[:, None])  # f32[R, V], unnormalized probs
     keep = ((scaled >= floor) & (weights > 0)) | (scaled >= row_max[:, None])
-    cdf = jnp.cumsum(jnp.where(keep, weights, 0.0), axis=-1)
-    u = jax.vmap(_uniform)(inputs.seeds, inputs.counters)
-    pick = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1, dtype=jnp.int32)
-    # u * total can round up to total: fall back to the last kept id, never a dropped one.
-    last = jnp.max(jnp.where(keep, jax.lax.broadcasted_iota(jnp.int32, keep.shape, 1), 0), -1)
-    return jnp.minimum(pick, last)
+    return jnp.where(keep, weights, 0.0)
 
 
 def _top_k_top_p_floor(scaled: jax.Array, inputs: SamplingInputs) -> jax.Array:
@@ -186,9 +204,11 @@ def _top_k_top_p_floor(scaled: jax.Array, inputs: SamplingInputs) -> jax.Array:
     return jnp.take_along_axis(ranked, (num_kept - 1)[:, None], axis=-1)[:, 0]
 
 
-def _uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
-    """f32[] in [0, 1) from the row's key fold_in(key(seed), counter)."""
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), counter))
+def uniform(seed: jax.Array, counter: jax.Array, stream: int = 0) -> jax.Array:
+    """f32[] in [0, 1) from the row's key fold_in(key(seed), counter), or for another
+    `stream` (> 0: speculative decoding's, model/rejection.py) the key folded with it."""
+    key = jax.random.fold_in(jax.random.key(seed), counter)
+    return jax.random.uniform(key if stream == 0 else jax.random.fold_in(key, stream))
 
 
 def pack(out: SampleOutput) -> jax.Array:

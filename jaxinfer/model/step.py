@@ -25,6 +25,12 @@ position, the sampled token id, its logprob's float32 bits, the proposed
 token's logprob bits (-inf where none), k top-logprob ids, and their logprob
 bits (`sampler.pack`/`unpack`).
 
+`verify_step` is the step of a speculative verify bucket: the same forward, then
+rejection sampling at each position (model/rejection.py) given the draft model's
+probabilities of the proposed tokens, f32[S, Q, V], or none when the proposals are
+certain (n-gram lookup). `draft_prefill` only writes a draft model's K/V (its
+proposals are model/draft.py's).
+
 `score_step` is the same step plus prompt scoring (`SamplingParams.prompt_logprobs`):
 a second output i32[T, 2 + 2k] with, per token position, the raw logprob and rank of
 the next prompt token and the top k (model/scoring.py).
@@ -39,7 +45,7 @@ import jax.numpy as jnp
 
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import sampler, scoring, transformer
+from jaxinfer.model import rejection, sampler, scoring, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
 
@@ -61,6 +67,30 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
                                            cfg=cfg, decode_only=decode_only)  # f32[S * Q, V]
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
     return kv_cache, _sample_packed(logits, inputs, num_logprobs)
+
+
+def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
+                draft_probs: jax.Array | None = None, *, cfg: ModelConfig, num_logprobs: int
+                ) -> tuple[KVCache, jax.Array]:
+    """`step` with rejection sampling of each position's proposed token: returns
+    (kv_cache, i32[S, Q, 3 + 2k]) whose token at a position is the proposal where
+    accepted. draft_probs f32[S, Q, V]: q of each position's proposal; None: certain."""
+    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
+                                           cfg=cfg)  # f32[S * Q, V]
+    logits = sharding.replicate(logits)
+    num_slots, num_positions = inputs.proposed_ids.shape
+    if draft_probs is not None:
+        draft_probs = draft_probs.reshape(num_slots * num_positions, -1)
+    out = rejection.verify(logits, inputs.sampling, inputs.proposed_ids.reshape(-1),
+                           draft_probs, num_logprobs=num_logprobs)
+    return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1)
+
+
+def draft_prefill(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,
+                  md: AttentionMetadata, *, cfg: ModelConfig) -> KVCache:
+    """A draft model's forward over ragged chunks for their K/V alone (no logits)."""
+    kv_cache, _ = transformer.forward(params, kv_cache, token_ids, md, cfg=cfg)
+    return kv_cache
 
 
 def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,

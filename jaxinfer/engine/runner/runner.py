@@ -11,6 +11,10 @@ Compiling it apart keeps the ordinary step free of [T, V] work, and engines that
 score prompts free of its compile time. The runner's `compiles` counter
 (compiles.py) counts the compilations of the threads that drive it. Device
 questions (bandwidth, memory, the compilation cache) live in device.py.
+With speculative decoding the bucket set has verify buckets (Q = k + 1 positions
+a request), compiled with `model/step.verify_step`: a step whose chunks carry draft
+tokens runs there, given the draft model's probabilities on device
+(`draft_probs=True`; engine/runner/draft.py makes them) or none (n-gram proposals).
 Multi-host (jaxinfer/distributed.py) needs nothing more here: every process passes the
 same numpy inputs, which jit places on this process's devices of the replicated
 sharding, and `np.asarray` of the replicated packed output reads this process's copy.
@@ -109,8 +113,8 @@ class Runner:
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
-                 quantization: str | None = None, enable_prompt_logprobs: bool = False
-                 ) -> None:
+                 quantization: str | None = None, enable_prompt_logprobs: bool = False,
+                 draft_probs: bool = False) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
@@ -142,6 +146,11 @@ class Runner:
                                    in_shardings=(param_shardings, kv_shardings, whole, whole),
                                    out_shardings=(kv_shardings, whole, whole),
                                    donate_argnums=(1,))
+        self.draft_probs = draft_probs  # verify steps take the draft's q (draft model)
+        self._verify = jax.jit(
+            functools.partial(model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS),
+            in_shardings=(param_shardings, kv_shardings, whole) + (whole,) * draft_probs,
+            out_shardings=(kv_shardings, whole), donate_argnums=(1,))
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                in_shardings=(param_shardings, kv_shardings, whole, whole),
                                out_shardings=(kv_shardings, whole), donate_argnums=(1,))
@@ -182,11 +191,18 @@ class Runner:
     def _compile(self, bucket: Bucket, scores: bool = False) -> jax.stages.Compiled:
         if (bucket, scores) not in self._compiled:
             spec = input_spec(bucket, page_size=self.page_size,
-                              max_model_len=self.max_model_len)
+                              max_model_len=self.max_model_len,
+                              num_positions=bucket.num_positions)
             with self._lower_lock, jax.set_mesh(self.mesh):
                 if scores:
                     lowered = self._score_step.lower(self.params, self.kv_cache, spec,
                                                      score_input_spec(bucket))
+                elif bucket.num_positions > 1:
+                    probs = jax.ShapeDtypeStruct(
+                        (bucket.num_slots, bucket.num_positions, self.cfg.vocab_size),
+                        jnp.float32)
+                    lowered = self._verify.lower(self.params, self.kv_cache, spec,
+                                                 *[probs][:self.draft_probs])
                 else:
                     lowered = self._steps[bucket.decode].lower(self.params, self.kv_cache,
                                                                spec)
@@ -194,7 +210,7 @@ class Runner:
         return self._compiled[(bucket, scores)]
 
     def _inputs(self, plan_chunks: Sequence, bucket: Bucket) -> model_step.StepInputs:
-        q = NUM_SAMPLE_POSITIONS
+        q = bucket.num_positions
         chunks = [Chunk(c.token_ids, c.start, c.request.page_ids, c.num_samples)
                   for c in plan_chunks]
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
@@ -209,20 +225,31 @@ class Runner:
             token_ids=token_ids, md=md, sampling=sampling,
             proposed_ids=proposed_ids(chunks, num_slots=bucket.num_slots, num_positions=q))
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, draft_probs: jax.Array | None = None) -> StepResult:
         """Run one step; per chunk, a Sample for each of its `num_samples` positions and
-        the PromptScores of the prompt positions it scores (None when none)."""
+        the PromptScores of the prompt positions it scores (None when none). A plan with
+        draft tokens runs in a verify bucket; `draft_probs` f32[S, Q, V] (S its slots)
+        are their q when the runner takes them (`draft_probs=True`)."""
         requests = [c.request for c in plan.chunks]
         spans = score_spans(requests, [Chunk(c.token_ids, c.start, ()) for c in plan.chunks])
         scores = any(span is not None for span in spans)
         if scores and not self.enable_prompt_logprobs:
             raise ValueError("a request asks for prompt_logprobs but this runner was made "
                              "without enable_prompt_logprobs=True")
-        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks), decode=not scores and all(
-            c.num_tokens == 1 for c in plan.chunks))
+        verify = any(c.draft_token_ids for c in plan.chunks)
+        if verify and (scores or self.draft_probs != (draft_probs is not None)):
+            raise ValueError("a verify step scores no prompt and takes draft_probs exactly "
+                             "when the runner was made with draft_probs=True")
+        bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks), verify=verify,
+                                   decode=not scores and all(c.num_tokens == 1
+                                                             for c in plan.chunks))
         compiled = self._compile(bucket, scores)
         inputs = self._inputs(plan.chunks, bucket)
-        if scores:
+        if verify:
+            self.kv_cache, packed = compiled(self.params, self.kv_cache, inputs,
+                                             *[draft_probs][:self.draft_probs])
+            prompt_scores = [None] * len(plan.chunks)
+        elif scores:
             targets, num_top = score_targets(requests, spans, num_tokens=bucket.num_tokens)
             self.kv_cache, packed, packed_scores = compiled(
                 self.params, self.kv_cache, inputs, scoring.ScoreInputs(targets, num_top))
@@ -236,6 +263,24 @@ class Runner:
                            float(out.proposed_logprobs[i, q]))
                     for q in range(chunk.num_samples)] for i, chunk in enumerate(plan.chunks)]
         return StepResult(bucket, samples, prompt_scores)
+
+    def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
+        """Seconds of one step of `bucket` with nothing in it (the median of `repeats`,
+        outputs read back): what the speculation policy starts its cost model from."""
+        compiled = self._compile(bucket)
+        inputs = self._inputs([], bucket)
+        extra = []
+        if bucket.num_positions > 1 and self.draft_probs:
+            extra = [jax.device_put(np.zeros((bucket.num_slots, bucket.num_positions,
+                                               self.cfg.vocab_size), np.float32),
+                                    sharding.replicated(self.mesh))]
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            self.kv_cache, packed = compiled(self.params, self.kv_cache, inputs, *extra)
+            np.asarray(packed)
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
 
     def logits(self, chunks: Sequence[Chunk]) -> np.ndarray:
         """Write the chunks' K/V and return f32[tokens, V] logits for every real token

@@ -1,0 +1,130 @@
+"""Speculative proposals: the draft tokens a step verifies. Plain Python, no jax.
+
+- `NgramProposer` (vLLM's "ngram", prompt lookup): no model. The request's last n
+  tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`, the longest match
+  wins) are looked up among its earlier tokens, prompt and output; the tokens that
+  followed their latest earlier occurrence are proposed. Each request keeps an index
+  from n-gram to its latest start, extended by the tokens added since the last lookup,
+  so a proposal costs O(new tokens), not a scan of the context. When the match is so
+  recent that what followed runs into the present, the copy goes on over the tokens it
+  has just proposed (a repeating pattern is proposed for all k).
+- `DraftProposer`: a small model with the target's tokenizer, run by its own runner
+  (engine/runner/draft.py, given here, never imported) over the target's page ids: its
+  KV cache has the same pages, so prefix caching and preemption move both caches'
+  entries together. The draft follows each request lazily: before it proposes, it
+  computes (`catch_up`) every token it has not seen but the last, prompt chunks
+  included; then one compiled call runs k + 1 draft steps (the last one only writes
+  the K/V of the k-th draft) and returns the drafts and their probabilities on device,
+  which the target's verify step takes as they are. After verification the draft has
+  valid K/V exactly up to the accepted tokens, the target's computed length. A request
+  that was preempted, or started on cached pages, starts over (writing the same K/V
+  into a shared page again is harmless: a page holds the same tokens for every owner).
+
+Imports the engine's request and scheduler modules only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import ScheduledChunk
+
+
+class NgramProposer:
+    """Prompt lookup over each request's own tokens."""
+
+    method = "ngram"
+
+    def __init__(self, *, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= {min_n=} <= {max_n=}")
+        self.sizes = tuple(range(max_n, min_n - 1, -1))  # longest first
+        self._indexes: weakref.WeakKeyDictionary[Request, _NgramIndex] = (
+            weakref.WeakKeyDictionary())
+
+    def propose(self, request: Request, count: int) -> list[int]:
+        """Up to `count` tokens to follow `request`'s tokens; [] when nothing matches."""
+        if count <= 0:
+            return []
+        index = self._indexes.get(request)
+        if index is None:
+            index = self._indexes[request] = _NgramIndex(self.sizes)
+        tokens = request.all_token_ids
+        index.extend(tokens)
+        return index.lookup(tokens, count)
+
+
+class _NgramIndex:
+    """n-gram -> latest start among those followed by at least one more token."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = tuple(sizes)
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.indexed = dict.fromkeys(sizes, 0)  # n -> starts indexed so far
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for n in self.sizes:
+            table, end = self.starts[n], len(tokens) - n  # starts j with j + n < len
+            for j in range(self.indexed[n], end):
+                table[tuple(tokens[j:j + n])] = j
+            self.indexed[n] = max(self.indexed[n], end)
+
+    def lookup(self, tokens: list[int], count: int) -> list[int]:
+        for n in self.sizes:
+            if len(tokens) <= n:
+                continue
+            start = self.starts[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return _copy_after(tokens, start + n, count)
+        return []
+
+
+def _copy_after(tokens: list[int], first: int, count: int) -> list[int]:
+    """`count` tokens from position `first` on, continuing over the copied ones once the
+    copy reaches the end (first < len(tokens))."""
+    out: list[int] = []
+    length = len(tokens)
+    for i in range(count):
+        at = first + i
+        out.append(tokens[at] if at < length else out[at - length])
+    return out
+
+
+class DraftProposer:
+    """A draft model's proposals; the device work is its runner's (`DraftRunner`)."""
+
+    method = "draft_model"
+
+    def __init__(self, runner: object) -> None:
+        self.runner = runner  # engine/runner/draft.DraftRunner
+        # Request -> (its preemption count then, tokens whose draft K/V are valid)
+        self._computed: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
+            weakref.WeakKeyDictionary())
+
+    def computed(self, request: Request) -> int:
+        """Tokens of `request` whose draft K/V are valid (0 after a preemption)."""
+        preemptions, count = self._computed.get(request, (-1, 0))
+        return count if preemptions == request.num_preemptions else 0
+
+    def propose(self, chunks: Sequence[ScheduledChunk], counts: Sequence[int]
+                ) -> tuple[list[list[int]], object]:
+        """Up to `counts[i]` drafts after each decode chunk's token; returns (drafts, the
+        draft probabilities f32[S, k_max + 1, V] on device, for the verify step)."""
+        requests = [c.request for c in chunks]
+        behind = [(r, self.computed(r)) for r in requests]
+        self.runner.catch_up([(r, done) for r, done in behind if done < r.num_tokens - 1])
+        num_steps = max(counts) + 1
+        tokens, probs = self.runner.propose(requests, num_steps)
+        for request in requests:  # valid up to the last token + drafts until verified
+            self._computed[request] = (request.num_preemptions, request.num_tokens - 1)
+        return [list(row[:count]) for row, count in zip(tokens, counts, strict=True)], probs
+
+    def verified(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """After the target's update: the draft's K/V hold up to the accepted tokens."""
+        for chunk in chunks:
+            request = chunk.request
+            if not request.finished:
+                self._computed[request] = (request.num_preemptions,
+                                           request.num_computed_tokens)

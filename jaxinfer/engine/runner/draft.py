@@ -1,0 +1,186 @@
+"""The draft model's half of the device (speculative decoding with method "draft_model").
+
+A `DraftRunner` holds the draft's params and its own paged KV cache, with as many
+pages as the target's: a request's page ids index both caches (the planner counts the
+draft's weights and K/V bytes per token with the target's). Two programs, compiled
+at warm-up for every bucket they can meet (nothing compiles mid-run):
+
+- `draft_prefill` per mixed bucket: `catch_up` runs the draft over the tokens of
+  requests it has not seen (prompt chunks, steps that did not speculate) to write
+  their K/V, packed into as few bucket-sized calls as the token budget allows;
+- `model/draft.propose` per decode slot rung: `propose` runs k + 1 draft steps over
+  every request's last token in one call and returns the drafts (host) and their q
+  f32[S, K + 1, V] (device, straight into the target's verify step).
+
+Which requests to catch up and what the draft has computed is the host's
+(engine/proposer.DraftProposer). Imports jax, numpy, the model and its siblings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxinfer import sharding
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner.compiles import CompileCounter
+from jaxinfer.engine.runner.device import tree_bytes
+from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
+from jaxinfer.engine.runner.runner import step_shardings
+from jaxinfer.model import draft as draft_model
+from jaxinfer.model import step as model_step
+from jaxinfer.model.attention import init_kv_cache
+from jaxinfer.pallas import kv_quant
+
+
+class DraftRunner:
+    """The draft model on the target's mesh and page ids."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, *, mesh: Mesh, num_pages: int,
+                 page_size: int, max_model_len: int, buckets: BucketSet,
+                 num_positions: int, vocab_size: int, kv_dtype: str = "float32",
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 attention_impl: str | None = None) -> None:
+        cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
+        self.cfg, self.mesh, self.buckets = cfg, mesh, buckets
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.pages_per_seq = -(-max_model_len // page_size)
+        self.num_positions = num_positions  # K + 1
+        self.eos_token_ids = eos_token_ids  # banned while a request is under min_tokens
+        param_shardings, kv_shardings, whole = step_shardings(cfg, mesh, kv_dtype=kv_dtype)
+        self.params = jax.device_put(params, param_shardings)
+        self.kv_cache = jax.jit(functools.partial(
+            init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
+            dtype=kv_quant.storage_dtype(kv_dtype), shards=mesh.shape[sharding.MODEL_AXIS]),
+            out_shardings=kv_shardings)()
+        self._prefill = jax.jit(functools.partial(model_step.draft_prefill, cfg=cfg),
+                                in_shardings=(param_shardings, kv_shardings, whole, whole),
+                                out_shardings=kv_shardings, donate_argnums=(1,))
+        self._propose = jax.jit(
+            functools.partial(draft_model.propose, cfg=cfg, page_size=page_size,
+                              num_positions=num_positions, vocab_size=vocab_size),
+            in_shardings=(param_shardings, kv_shardings, whole),
+            out_shardings=(kv_shardings, whole, whole), donate_argnums=(1,))
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self.seconds = 0.0  # spent in catch_up and propose
+        self.compiles = CompileCounter()
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.params)
+
+    def warm_up(self) -> int:
+        """Compile every program now; returns how many."""
+        buckets = self.prefill_buckets() + self.buckets.decode()
+        for bucket in buckets:
+            self._compile(bucket)
+        return len(buckets)
+
+    def prefill_buckets(self) -> list[Bucket]:
+        return [Bucket(t, self.buckets.max_num_seqs) for t in self.buckets.tokens]
+
+    def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
+        if bucket not in self._compiled:
+            with jax.set_mesh(self.mesh):
+                if bucket.decode:
+                    lowered = self._propose.lower(self.params, self.kv_cache,
+                                                  self._propose_spec(bucket))
+                else:
+                    token_ids, md = build_metadata(
+                        [], page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                    lowered = self._prefill.lower(self.params, self.kv_cache,
+                                                  *_specs((token_ids, md)))
+            self._compiled[bucket] = lowered.compile()
+        return self._compiled[bucket]
+
+    def catch_up(self, segments: Sequence[tuple[Request, int]]) -> None:
+        """Write the draft's K/V of each request's tokens from position `done` to its last
+        one (exclusive), in calls of at most the token budget and slot count."""
+        started = time.perf_counter()
+        budget, slots = self.buckets.tokens[-1], self.buckets.max_num_seqs
+        pending: list[Chunk] = []
+        used = 0
+        for request, done in segments:
+            tokens, end = request.all_token_ids, request.num_tokens - 1
+            while done < end:
+                if used == budget or len(pending) == slots:
+                    self._prefill_call(pending, used)
+                    pending, used = [], 0
+                count = min(end - done, budget - used)
+                pending.append(Chunk(tokens[done:done + count], done, request.page_ids, 0))
+                done, used = done + count, used + count
+        if pending:
+            self._prefill_call(pending, used)
+        self.seconds += time.perf_counter() - started
+
+    def _prefill_call(self, chunks: list[Chunk], num_tokens: int) -> None:
+        bucket = self.buckets.pick(num_tokens, len(chunks))
+        token_ids, md = build_metadata(chunks, page_size=self.page_size,
+                                       pages_per_seq=self.pages_per_seq,
+                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+        self.kv_cache = self._compile(bucket)(self.params, self.kv_cache, token_ids, md)
+
+    def propose(self, requests: Sequence[Request], num_steps: int
+                ) -> tuple[np.ndarray, jax.Array]:
+        """Run `num_steps` (k + 1) draft steps from each request's last token: returns
+        (i32[n, K + 1] drafts, host; f32[S, K + 1, V] their q, device), S the decode slot
+        rung of n requests; each request's draft K/V must cover all but its last token."""
+        if not 1 <= num_steps <= self.num_positions:
+            raise ValueError(f"{num_steps=} must be in [1, {self.num_positions}]")
+        started = time.perf_counter()
+        bucket = self.buckets.pick(len(requests), len(requests), decode=True)
+        inputs = self._propose_inputs(requests, bucket, num_steps)
+        self.kv_cache, tokens, probs = self._compile(bucket)(self.params, self.kv_cache,
+                                                              inputs)
+        drafts = np.asarray(tokens)[:len(requests)]
+        self.seconds += time.perf_counter() - started
+        return drafts, probs
+
+    def time_propose(self, slots: int, num_steps: int, repeats: int = 3) -> float:
+        """Seconds of a proposal call of `num_steps` draft steps over `slots` empty slots
+        (the median of `repeats`), for the speculation policy's cost model."""
+        bucket = self.buckets.pick(slots, slots, decode=True)
+        compiled, inputs = self._compile(bucket), self._propose_inputs([], bucket, num_steps)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            self.kv_cache, tokens, _ = compiled(self.params, self.kv_cache, inputs)
+            np.asarray(tokens)
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
+    def _propose_inputs(self, requests: Sequence[Request], bucket: Bucket,
+                        num_steps: int) -> draft_model.DraftInputs:
+        slots = bucket.num_slots
+        token_ids = np.zeros(bucket.num_tokens, np.int32)
+        positions = np.zeros(slots, np.int32)
+        page_indices = np.zeros((slots, self.pages_per_seq), np.int32)
+        for i, request in enumerate(requests):
+            token_ids[i] = request.all_token_ids[-1]
+            positions[i] = request.num_tokens - 1
+            page_indices[i, :len(request.page_ids)] = request.page_ids
+        rows = [SampleRow(r, r.all_token_ids) for r in requests]
+        sampling = sampling_inputs(rows, num_rows=slots, history_width=self.max_model_len,
+                                   eos_token_ids=self.eos_token_ids)
+        return draft_model.DraftInputs(
+            token_ids=token_ids, positions=positions, page_indices=page_indices,
+            num_seqs=np.array([len(requests)], np.int32), sampling=sampling,
+            num_steps=np.array(num_steps, np.int32))
+
+    def _propose_spec(self, bucket: Bucket) -> draft_model.DraftInputs:
+        return _specs(self._propose_inputs([], bucket, 1))
+
+
+def _specs(tree: object) -> object:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype),
+                        tree)

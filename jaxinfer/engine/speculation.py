@@ -1,0 +1,279 @@
+"""Speculative decoding on the host: when to speculate, how far, and what it achieved.
+Plain Python, no jax.
+
+`Speculation.add_drafts(scheduler, plan)` runs between scheduling and the device step.
+Only a step whose every chunk is a decode (one token, the request's last; no prompt
+chunk, no prompt scoring) speculates: such steps run in verify buckets (Q = K + 1
+positions a request, engine/buckets.py); a step with prompt chunks runs as it would
+without speculation. For the others the policy (`Policy`) picks k, drafts are asked of
+the proposer (engine/proposer.py), pages reserved for them (`Scheduler.reserve_drafts`,
+never preempting) and put in the chunks; the verify step's samples then decide
+(`Scheduler.update` keeps the accepted drafts and the target's token after them).
+`record()` feeds back what a step took and accepted.
+
+The policy (load-adaptive, `adaptive=True`): a request with per-draft acceptance rate
+a that verifies k drafts emits E(a, k) = 1 + a + ... + a^k tokens a step (each draft
+counts only if the ones before it were accepted). A step over S slots costs t_decode(S)
+without speculation, t_verify(S) + t_draft(S, k) with it (the verify bucket is padded
+to K + 1 tokens a request whatever k is; t_draft is the draft model's k + 1 steps, 0
+for n-gram lookup). The policy takes the k (0 = no speculation) with the most expected
+tokens per second. The times are the runner's own, measured: seeded at warm-up by
+running each bucket once, then an exponential moving average of every step taken; an
+option not taken for `EXPLORE_EVERY` steps whose estimate is within `EXPLORE_WITHIN`
+of the best is taken once to measure it again. Acceptance is counted per request, with
+the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
+`PRIOR_WEIGHT` drafts. So when the batch is compute-bound (verifying K + 1 tokens a
+request costs nearly K + 1 decode steps) speculation is off, and with low acceptance
+the draft model runs fewer steps. `adaptive=False` always speculates with k = K.
+
+Imports the engine's host modules (scheduler, proposer, request).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import weakref
+from collections.abc import Sequence
+
+from jaxinfer.engine.proposer import DraftProposer, NgramProposer
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import Scheduler, StepPlan
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0  # drafts' worth of the engine-wide rate in a request's estimate
+EMA = 0.2  # weight of the newest step time
+EXPLORE_EVERY = 64  # steps an option may go unmeasured (per slot rung) ...
+EXPLORE_WITHIN = 0.8  # ... if its estimated speed is at least this fraction of the best
+SKIP_REASONS = ("prompt_chunks", "cost", "no_match", "limit", "pages")
+
+
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a request emits in a step verifying `drafts` drafts: 1 + a + ... + a^k."""
+    return sum(acceptance ** j for j in range(drafts + 1))
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """What speculation did, as vLLM counts it (`llm.metrics()`, Prometheus)."""
+
+    steps: int = 0  # verify steps
+    drafts: int = 0  # requests that verified >= 1 draft, summed over verify steps
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # drafts accepted
+    emitted_tokens: int = 0  # tokens verify steps appended (accepted + the target's own)
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    draft_seconds: float = 0.0
+    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def summary(self, step_seconds: float) -> dict[str, object]:
+        return {
+            "spec_verify_steps": self.steps,
+            "spec_num_drafts": self.drafts,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_acceptance_rate": round(self.accepted_tokens / max(self.draft_tokens, 1), 4),
+            # vLLM's mean acceptance length: 1 + accepted drafts per draft run
+            "spec_mean_acceptance_length": round(
+                1 + self.accepted_tokens / max(self.drafts, 1), 3),
+            "spec_tokens_per_verify_step_request": round(
+                self.emitted_tokens / max(self.drafts, 1), 3),
+            "spec_accepted_per_position": list(self.accepted_per_position),
+            "spec_draft_time_share": round(self.draft_seconds / max(step_seconds, 1e-9), 4),
+            **{f"spec_skipped_{reason}": self.skipped[reason] for reason in SKIP_REASONS},
+        }
+
+
+class Policy:
+    """The cost model: measured step times per bucket kind and slot rung, acceptance per
+    request; `choose` returns the k with the most expected tokens per second."""
+
+    def __init__(self, max_drafts: int, *, adaptive: bool = True) -> None:
+        self.max_drafts = max_drafts
+        self.adaptive = adaptive
+        self.times: dict[tuple[str, int], float] = {}  # ("decode"|"verify", S) -> seconds
+        self.draft_times: dict[int, dict[int, float]] = {}  # S -> {draft steps: seconds}
+        self.last_taken: dict[tuple[str, int], int] = {}  # option -> step it was last run
+        self.clock = 0
+        self.accepted, self.reached = 0, 0  # engine-wide, for the prior
+        self._per_request: weakref.WeakKeyDictionary[Request, list[int]] = (
+            weakref.WeakKeyDictionary())
+
+    def acceptance(self, request: Request) -> float:
+        """The request's per-draft acceptance estimate (its counts plus the prior)."""
+        prior = (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
+            self.reached + PRIOR_WEIGHT)
+        accepted, reached = self._per_request.get(request, (0, 0))
+        return min((accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT), 0.999)
+
+    def seed(self, kind: str, slots: int, seconds: float) -> None:
+        """A measured time (warm-up's, or a step's: an EMA after the first)."""
+        key = (kind, slots)
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.last_taken[key] = self.clock
+
+    def seed_draft(self, slots: int, steps: int, seconds: float) -> None:
+        """A proposal call's time over `steps` draft model steps (EMA per step count)."""
+        times = self.draft_times.setdefault(slots, {})
+        old = times.get(steps)
+        times[steps] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def draft_seconds(self, slots: int, drafts: int) -> float:
+        """Estimated time of a proposal of `drafts` drafts (drafts + 1 steps): measured,
+        else the line through the nearest measured step counts (0 if none)."""
+        times, steps = self.draft_times.get(slots, {}), drafts + 1
+        if steps in times or not times:
+            return times.get(steps, 0.0)
+        if len(times) == 1:
+            ((measured, seconds),) = times.items()
+            return seconds * steps / measured
+        (a, ta), (b, tb) = sorted(times.items(), key=lambda item: abs(item[0] - steps))[:2]
+        return max(ta + (tb - ta) * (steps - a) / (b - a), 0.0)
+
+    def choose(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
+               draft_model: bool) -> int:
+        """k for this step: 0 (no speculation) .. K; `caps[i]`: the most drafts request i
+        can use (its proposal's length for n-gram, its room left)."""
+        self.clock += 1
+        if not self.adaptive:
+            return self.max_drafts
+        decode, verify = ("decode", slots), ("verify", slots)
+        if decode not in self.times or verify not in self.times:
+            return self.max_drafts  # unmeasured: try it, then it is
+        rates = {0: len(requests) / self.times[decode]}
+        alphas = [self.acceptance(r) for r in requests]
+        for k in (range(1, self.max_drafts + 1) if draft_model else [self.max_drafts]):
+            tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, caps,
+                                                                           strict=True))
+            cost = self.times[verify] + (self.draft_seconds(slots, k) if draft_model else 0)
+            rates[k] = tokens / cost
+        best = max(rates, key=rates.get)
+        other = decode if best else verify
+        stale = self.clock - self.last_taken.get(other, 0) >= EXPLORE_EVERY
+        if stale:
+            alternative = 0 if best else max((k for k in rates if k), key=rates.get)
+            if rates[alternative] >= EXPLORE_WITHIN * rates[best]:
+                return alternative
+        return best
+
+    def record_acceptance(self, request: Request, drafts: int, accepted: int) -> None:
+        """A request verified `drafts` drafts and `accepted` of them: the drafts reached are
+        those up to the first rejection."""
+        reached = accepted + (accepted < drafts)
+        counts = self._per_request.setdefault(request, [0, 0])
+        counts[0] += accepted
+        counts[1] += reached
+        self.accepted += accepted
+        self.reached += reached
+
+
+class Speculation:
+    """The proposer, the policy and the counts of one engine."""
+
+    def __init__(self, proposer: NgramProposer | DraftProposer, *, max_drafts: int,
+                 adaptive: bool = True) -> None:
+        self.proposer = proposer
+        self.max_drafts = max_drafts
+        self.policy = Policy(max_drafts, adaptive=adaptive)
+        self.stats = SpecStats(accepted_per_position=[0] * max_drafts)
+        self.draft_model = isinstance(proposer, DraftProposer)
+
+    def warm_up(self, runner: object, result: dict[str, float]) -> dict[str, float]:
+        """After the target's warm-up (`result`: its counts): compile the draft model's
+        programs and, for the adaptive policy, time every decode and verify bucket once
+        (and the draft's proposal calls of 1 and K + 1 steps) to seed the cost model.
+        Returns `result` with the draft's programs and this time added."""
+        started = time.perf_counter()
+        draft = self.proposer.runner if self.draft_model else None
+        programs = draft.warm_up() if draft is not None else 0
+        if self.policy.adaptive:
+            buckets = runner.buckets
+            for decode, verify in zip(buckets.decode(), buckets.verify(), strict=True):
+                slots = decode.num_slots
+                self.policy.seed("decode", slots, runner.time_bucket(decode))
+                self.policy.seed("verify", slots, runner.time_bucket(verify))
+                for steps in {1, self.max_drafts + 1} if draft is not None else ():
+                    self.policy.seed_draft(slots, steps, draft.time_propose(slots, steps))
+        return result | {"buckets": result["buckets"] + programs,
+                         "seconds": result["seconds"] + time.perf_counter() - started}
+
+    def add_drafts(self, scheduler: Scheduler, plan: StepPlan, slots: int
+                   ) -> tuple[StepPlan, object | None]:
+        """`plan` with drafts where the policy speculates (and the draft probabilities on
+        device for a draft model's), else `plan` as it was and None. `slots`: the
+        decode slot rung of the plan's requests."""
+        chunks = plan.chunks
+        if not chunks or not all(c.num_tokens == 1 and c.num_samples == 1
+                                 and not c.request.scoring_prompt for c in chunks):
+            self.stats.skipped["prompt_chunks"] += len(chunks)
+            return plan, None
+        room = [max(0, min(c.request.params.max_tokens - len(c.request.output_token_ids),
+                           scheduler.max_model_len - c.request.num_tokens) - 1)
+                for c in chunks]
+        caps = [min(self.max_drafts, r) for r in room]
+        proposals = None
+        if not self.draft_model:
+            proposals = [self.proposer.propose(c.request, cap)
+                         for c, cap in zip(chunks, caps, strict=True)]
+            caps = [len(p) for p in proposals]
+        k = self.policy.choose([c.request for c in chunks], slots, caps,
+                               self.draft_model) if any(caps) else 0
+        if k == 0:
+            self._count_skips(room, caps, None)
+            return plan, None
+        wanted = [min(k, cap) for cap in caps]
+        granted = scheduler.reserve_drafts(plan, wanted)
+        self._count_skips(room, caps, granted)
+        if not any(granted):
+            return plan, None
+        probs = None
+        if self.draft_model:
+            before = self.proposer.runner.seconds
+            proposals, probs = self.proposer.propose(chunks, granted)
+            seconds = self.proposer.runner.seconds - before
+            self.stats.draft_seconds += seconds
+            self.policy.seed_draft(slots, max(granted) + 1, seconds)
+        drafts = [p[:g] for p, g in zip(proposals, granted, strict=True)]
+        return scheduler.with_drafts(plan, drafts), probs
+
+    def _count_skips(self, room: Sequence[int], caps: Sequence[int],
+                     granted: Sequence[int] | None) -> None:
+        """Why each request of a decode step verifies no draft: no room left (`limit`),
+        nothing found (`no_match`), the policy said no (`cost`), no pages (`pages`)."""
+        for r, cap, got in zip(room, caps, granted or [0] * len(room), strict=True):
+            if r == 0:
+                self.stats.skipped["limit"] += 1
+            elif cap == 0:
+                self.stats.skipped["no_match"] += 1
+            elif granted is None:
+                self.stats.skipped["cost"] += 1
+            elif got == 0:
+                self.stats.skipped["pages"] += 1
+
+    def record(self, plan: StepPlan, sampled: Sequence[Sequence[int]], slots: int,
+               execute_seconds: float) -> None:
+        """After a decode or verify step: its time for the cost model, and what each
+        request accepted."""
+        verified = any(c.draft_token_ids for c in plan.chunks)
+        if not verified and not all(c.num_tokens == 1 for c in plan.chunks):
+            return  # a step with prompt chunks: its time says nothing of either option
+        self.policy.seed("verify" if verified else "decode", slots, execute_seconds)
+        if not verified:
+            return
+        self.stats.steps += 1
+        for chunk, tokens in zip(plan.chunks, sampled, strict=True):
+            drafts = len(chunk.draft_token_ids)
+            if not drafts:
+                continue
+            accepted = chunk.accepted(tokens)
+            self.policy.record_acceptance(chunk.request, drafts, accepted)
+            self.stats.drafts += 1
+            self.stats.draft_tokens += drafts
+            self.stats.accepted_tokens += accepted
+            self.stats.emitted_tokens += accepted + 1
+            for position in range(accepted):
+                self.stats.accepted_per_position[position] += 1
+        if self.draft_model:
+            self.proposer.verified(plan.chunks)
