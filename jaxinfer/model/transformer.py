@@ -115,10 +115,10 @@ def forward(
     md: AttentionMetadata,
     *,
     cfg: ModelConfig,
-    decode_only: bool = False,
+    per_token: bool = False,
 ) -> tuple[KVCache, jax.Array]:
     """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]).
-    `decode_only`: the caller promises one token per request (a decode bucket), so
+    `per_token`: the caller promises short chunks (a decode or verify bucket), so
     attention takes its per-token path alone."""
     x = layers.embed(params["embed"], token_ids)  # f32[T, D]
     rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
@@ -126,7 +126,7 @@ def forward(
     for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
-                                         decode_only=decode_only)
+                                         per_token=per_token)
         x = x + attn
         x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_cache.append(kv_pages)

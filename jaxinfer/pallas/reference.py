@@ -94,12 +94,14 @@ def ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
-    decode_only: bool = False,
+    per_token: bool = False,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head (kv_quant.py)
 ) -> jax.Array:  # f[T, N, H]
-    """Attention of each token over the paged KV of its own request. `decode_only`
-    (static): every request has one query token, in the first rows, so the per-token
-    path serves them all and the per-request loop is not compiled."""
+    """Attention of each token over the paged KV of its own request. `per_token`
+    (static): every token gathers its own request's KV (the per-token path alone, no
+    per-request loop compiled): for steps of short chunks, decode buckets (one token a
+    request) and speculative verify buckets (k + 1). It gathers a request's KV once per
+    token, which a verify step of many requests at long context pays for."""
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
     num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
@@ -125,11 +127,10 @@ def ragged_paged_attention(
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
     # KV once per block. Each path leaves the other's rows at zero.
+    if per_token:  # padding tokens have no KV
+        return _attend_by_tokens(queries, padded_rows[req], kv_len, q_pos, kv_pages,
+                                 **settings)
     prefix = min(num_slots, tokens)
-    if decode_only:
-        out = _attend_by_tokens(queries[:prefix], padded_rows[req[:prefix]], kv_len[:prefix],
-                                q_pos[:prefix], kv_pages, **settings)
-        return jnp.pad(out, ((0, tokens - prefix), (0, 0), (0, 0)))
     by_token = (q_lens == 1) & (cu_q_lens[:-1] < prefix)  # bool[S]
     mine = by_token[req[:prefix]]
     rows = padded_rows[req[:prefix]]  # i32[prefix, padded]

@@ -121,14 +121,18 @@ def test_write_kv_pages_stores_bf16_bits_in_uint16_pages():
     assert int((out != 0).sum()) == 16
 
 
+@pytest.mark.parametrize("name", ["decode_only", "verify"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_reference_decode_only_matches_jax_reference(dtype):
-    """`decode_only=True` (decode buckets: one token per request, T = S) compiles the
-    per-token path alone and gives JAX's reference result; padding rows stay zero."""
-    seq_lens = SCENARIOS["decode_only"]
+def test_reference_per_token_matches_jax_reference(dtype, name):
+    """`per_token=True` (decode buckets: one token per request; verify buckets: k + 1)
+    compiles the per-token path alone and gives JAX's reference result, causal within
+    each chunk; padding rows stay zero."""
+    seq_lens = {"decode_only": SCENARIOS["decode_only"],
+                "verify": [(3, 17), (5, 64), (1, 1), (4, 33)]}[name]
     args = make_case(seq_lens, dtype=dtype, pad_tokens=2, pad_seqs=2)
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(
-        *a, sm_scale=32 ** -0.5, decode_only=True))(*args)
+        *a, sm_scale=32 ** -0.5, per_token=True))(*args)
     theirs = ref_ragged_paged_attention(*combined(args), sm_scale=32 ** -0.5)
-    check(ours, theirs, len(seq_lens), dtype)
-    assert not np.asarray(ours[len(seq_lens):], np.float32).any()
+    real = sum(q for q, _ in seq_lens)
+    check(ours, theirs, real, dtype)
+    assert not np.asarray(ours[real:], np.float32).any()

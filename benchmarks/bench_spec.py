@@ -1,0 +1,144 @@
+"""Speculative decoding (issue 14) on the bundled demo pair: tokens/s at batch 1, 4, 16
+and 64 without speculation, with the draft model (k = 2, 4), with n-gram lookup, and
+with the load-adaptive policy; acceptance rate and mean acceptance length.
+
+Workload: code completion. Prompts are windows of the corpus's held-out files (the
+demo models never trained on them, jaxinfer/corpus.py): the `--prompt_tokens` tokens
+ending with a function's `def` line, then `--output_tokens` tokens of its body generated, greedy (temperature 0,
+`ignore_eos`) unless `--temperature` is given. At batch b the engine runs b requests at
+once (`max_num_seqs=b`, each mode a fresh `LLM` over the same prompts); the rate is the
+output tokens over the wall time of `generate`, after warm-up, the best of `--repeats`
+runs (the machine is shared: the best is the least disturbed). Modes (each an engine
+setting, vLLM's `speculative_config`):
+
+- `none`: no speculation, the baseline of every ratio;
+- `draft_k2`, `draft_k4`: the demo draft model (checkpoints/demo-draft), always k drafts
+  (`adaptive: false`);
+- `ngram`: prompt lookup, k = 4, always (`adaptive: false`);
+- `adaptive`: the draft model with k up to 4, the policy choosing per step;
+- `adaptive_ngram`: n-gram lookup, k up to 4, the policy choosing per step.
+
+Targets (the issue's): the best method's batch-1 speed-up at least 2x; the adaptive
+policy at least 0.95x of no speculation at every batch size. Prints one JSON object.
+
+    python benchmarks/bench_spec.py [--batches=1,4,16,64] [--modes=...] [--repeats=2]
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+import time
+
+from absl import app, flags
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import DEFAULT_MODEL
+from jaxinfer.corpus import corpus_files, read_texts
+
+DRAFT = DEFAULT_MODEL.parent / "demo-draft"
+MODES = {
+    "none": None,
+    "draft_k2": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 2,
+                 "adaptive": False},
+    "draft_k4": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 4,
+                 "adaptive": False},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False},
+    "adaptive": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 4},
+    "adaptive_ngram": {"method": "ngram", "num_speculative_tokens": 4},
+}
+ADAPTIVE = ("adaptive", "adaptive_ngram")
+TARGET_SPEEDUP = 2.0
+TARGET_ADAPTIVE = 0.95
+PER_FILE = 2  # prompts taken from one held-out file, at most
+
+flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes (requests at once)")
+flags.DEFINE_list("modes", list(MODES), "modes to run; none is the baseline")
+flags.DEFINE_integer("prompt_tokens", 192, "tokens of each prompt")
+flags.DEFINE_integer("output_tokens", 128, "tokens generated per request")
+flags.DEFINE_integer("batch1_requests", 4, "requests run one at a time at batch 1")
+flags.DEFINE_integer("repeats", 2, "timed runs per mode and batch (the best counts)")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature (0: greedy)")
+flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "weights dtype (both models)")
+FLAGS = flags.FLAGS
+
+
+def prompts(tokenizer: object, count: int) -> list[list[int]]:
+    """`count` prompts from the held-out files: the `--prompt_tokens` tokens that end with
+    a function's `def ...:` line (at most `PER_FILE` per file), for its body to be
+    completed."""
+    out = []
+    for text in read_texts(corpus_files()[1]):
+        taken = 0
+        for match in re.finditer(r"^[ \t]*def [^\n]*:\n", text, re.MULTILINE):
+            window = text[max(0, match.end() - 8 * FLAGS.prompt_tokens):match.end()]
+            ids = tokenizer.encode(window, add_special_tokens=False)
+            if len(ids) >= FLAGS.prompt_tokens:
+                out.append(ids[-FLAGS.prompt_tokens:])
+                taken += 1
+            if len(out) == count:
+                return out
+            if taken == PER_FILE:
+                break
+    raise ValueError(f"the held-out files give only {len(out)} prompts of "
+                     f"{FLAGS.prompt_tokens} tokens")
+
+
+def run_mode(mode: str, batches: list[int], workload: list[list[int]]) -> dict:
+    results = {}
+    params = SamplingParams(max_tokens=FLAGS.output_tokens, temperature=FLAGS.temperature,
+                            ignore_eos=True, seed=0 if FLAGS.temperature else None)
+    for batch in batches:
+        llm = LLM(DEFAULT_MODEL, max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
+                  speculative_config=MODES[mode], compilation_cache_dir="", dtype=FLAGS.dtype)
+        count = FLAGS.batch1_requests if batch == 1 else batch
+        rates = []
+        for _ in range(FLAGS.repeats):
+            started = time.perf_counter()
+            outs = llm.generate(workload[:count], params)
+            seconds = time.perf_counter() - started
+            rates.append(sum(len(o.token_ids) for o in outs) / seconds)
+        metrics = llm.metrics()
+        results[batch] = {
+            "tokens_per_s": round(max(rates), 1), "runs": [round(r, 1) for r in rates],
+            "compiles_after_warmup": metrics["compiles_after_warmup"],
+            "warmup_seconds": metrics["warmup_seconds"],
+            **{k: metrics[k] for k in ("spec_acceptance_rate", "spec_mean_acceptance_length",
+                                       "spec_verify_steps", "spec_draft_time_share",
+                                       "spec_skipped_cost") if k in metrics}}
+        print(mode, batch, results[batch], file=sys.stderr, flush=True)
+        del llm
+        gc.collect()
+    return results
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    batches = [int(b) for b in FLAGS.batches]
+    tokenizer = LLM(DEFAULT_MODEL, warm_up=False).tokenizer
+    workload = prompts(tokenizer, max(max(batches), FLAGS.batch1_requests))
+    runs = {mode: run_mode(mode, batches, workload) for mode in FLAGS.modes}
+    base = runs.get("none")
+    if base:
+        for mode, by_batch in runs.items():
+            for batch, row in by_batch.items():
+                row["speedup"] = round(row["tokens_per_s"] / base[batch]["tokens_per_s"], 3)
+    out = {"dtype": FLAGS.dtype, "prompt_tokens": FLAGS.prompt_tokens, "output_tokens": FLAGS.output_tokens,
+           "temperature": FLAGS.temperature, "modes": runs}
+    if base:
+        best = max((m for m in runs if m != "none"),
+                   key=lambda m: runs[m][batches[0]]["speedup"], default=None)
+        out["best_batch1_mode"] = best
+        out["target_batch1_speedup_met"] = bool(
+            best and runs[best][batches[0]]["speedup"] >= TARGET_SPEEDUP)
+        out["target_adaptive_met"] = {m: all(r["speedup"] >= TARGET_ADAPTIVE
+                                             for r in runs[m].values())
+                                      for m in ADAPTIVE if m in runs}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
