@@ -118,6 +118,37 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
                        stats["prompt_tokens"])
         yield _counter("prefix_cache_hits", "prompt tokens the prefix cache served",
                        stats["hit_tokens"])
+    if "spec_draft_tokens" in summary:
+        yield from _speculation(summary)
+
+
+def _speculation(summary: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative decoding, vLLM's `spec_decode_*` counters plus why requests of decode
+    steps verified no draft, the acceptance rate and the draft model's time share."""
+    yield _counter("spec_decode_num_drafts", "draft runs verified (a request's drafts in "
+                   "one step)", summary["spec_num_drafts"])
+    yield _counter("spec_decode_num_draft_tokens", "draft tokens verified",
+                   summary["spec_draft_tokens"])
+    yield _counter("spec_decode_num_accepted_tokens", "draft tokens accepted",
+                   summary["spec_accepted_tokens"])
+    per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                       "draft tokens accepted at each position",
+                                       labels=["position"])
+    for position, count in enumerate(summary["spec_accepted_per_position"]):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+    skipped = CounterMetricFamily(PREFIX + "spec_decode_skipped", "requests of a step that "
+                                  "verified no draft, by reason", labels=["reason"])
+    for key, count in summary.items():
+        if key.startswith("spec_skipped_"):
+            skipped.add_metric([key.removeprefix("spec_skipped_")], count)
+    yield skipped
+    yield _gauge("spec_decode_acceptance_rate", "accepted over verified draft tokens",
+                 summary["spec_acceptance_rate"])
+    yield _gauge("spec_decode_mean_acceptance_length", "tokens a draft run emits, mean",
+                 summary["spec_mean_acceptance_length"])
+    yield _gauge("spec_decode_draft_time_share", "draft model time over step time",
+                 summary["spec_draft_time_share"])
 
 
 def _histogram(name: str, doc: str, histogram: Histogram) -> HistogramMetricFamily:
