@@ -76,7 +76,8 @@ COMMANDS = {
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
                     "roofline and cost on a device; loads no weights",
                     flags=("model", "device", "tensor_parallel_size", "memory_gb",
-                           "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS)),
+                           "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS,
+                           "speculative_config")),
     "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
                      "prefix cache would save; loads no weights",
                      flags=("model", "input", "page_size")),

@@ -59,6 +59,16 @@ def _quantized_head() -> bool:
     return checkpoint.quantized_head(model) if model.is_dir() else True
 
 
+def _draft_config(settings: EngineConfig) -> object | None:
+    """The draft model's ModelConfig when --speculative_config names one, else None."""
+    spec = settings.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from jaxinfer import checkpoint
+
+    return checkpoint.load_config(spec.model)
+
+
 def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, int]:
     """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
@@ -114,7 +124,7 @@ def plan() -> None:
                           bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
                           num_devices=acc.chips if acc else tp,
                           peak_flops_per_s=acc.chip.bf16_flops if acc else None,
-                          **_plan_budget(settings, acc))
+                          draft=_draft_config(settings), **_plan_budget(settings, acc))
     report = {"device": accelerators.describe(acc) if acc else None,
               **result.summary(price_per_hour=price)}
     sys.stdout.write(json.dumps(report, indent=1) + "\n")

@@ -18,7 +18,8 @@ without speculation, t_verify(S) + t_draft(S, k) with it (the verify bucket is p
 to K + 1 tokens a request whatever k is; t_draft is the draft model's k + 1 steps, 0
 for n-gram lookup). The policy takes the k (0 = no speculation) with the most expected
 tokens per second. The times are the runner's own, measured: seeded at warm-up by
-running each bucket once, then an exponential moving average of every step taken; an
+running each bucket, then the median of the last `WINDOW` steps of each kind (a median:
+one step slowed by the rest of the machine must not switch the policy for long); an
 option not taken for `EXPLORE_EVERY` steps whose estimate is within `EXPLORE_WITHIN`
 of the best is taken once to measure it again. Acceptance is counted per request, with
 the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
 import weakref
 from collections.abc import Sequence
@@ -43,7 +45,7 @@ from jaxinfer.engine.scheduler import Scheduler, StepPlan
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # drafts' worth of the engine-wide rate in a request's estimate
-EMA = 0.2  # weight of the newest step time
+WINDOW = 16  # step times an estimate is the median of
 EXPLORE_EVERY = 64  # steps an option may go unmeasured (per slot rung) ...
 EXPLORE_WITHIN = 0.8  # ... if its estimated speed is at least this fraction of the best
 SKIP_REASONS = ("prompt_chunks", "cost", "no_match", "limit", "pages")
@@ -92,8 +94,8 @@ class Policy:
     def __init__(self, max_drafts: int, *, adaptive: bool = True) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
-        self.times: dict[tuple[str, int], float] = {}  # ("decode"|"verify", S) -> seconds
-        self.draft_times: dict[int, dict[int, float]] = {}  # S -> {draft steps: seconds}
+        self.samples: dict[tuple[str, int], collections.deque] = {}  # (kind, S) -> seconds
+        self.draft_samples: dict[int, dict[int, collections.deque]] = {}  # S -> {steps: ...}
         self.last_taken: dict[tuple[str, int], int] = {}  # option -> step it was last run
         self.clock = 0
         self.accepted, self.reached = 0, 0  # engine-wide, for the prior
@@ -107,23 +109,29 @@ class Policy:
         accepted, reached = self._per_request.get(request, (0, 0))
         return min((accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT), 0.999)
 
+    def estimate(self, kind: str, slots: int) -> float | None:
+        """The estimated seconds of a "decode" or "verify" step over S slots; None if
+        never measured."""
+        window = self.samples.get((kind, slots))
+        return statistics.median(window) if window else None
+
     def seed(self, kind: str, slots: int, seconds: float) -> None:
-        """A measured time (warm-up's, or a step's: an EMA after the first)."""
+        """A measured step time (warm-up's or a step's)."""
         key = (kind, slots)
-        old = self.times.get(key)
-        self.times[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.samples.setdefault(key, collections.deque(maxlen=WINDOW)).append(seconds)
         self.last_taken[key] = self.clock
 
     def seed_draft(self, slots: int, steps: int, seconds: float) -> None:
-        """A proposal call's time over `steps` draft model steps (EMA per step count)."""
-        times = self.draft_times.setdefault(slots, {})
-        old = times.get(steps)
-        times[steps] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        """A proposal call's time over `steps` draft model steps."""
+        by_steps = self.draft_samples.setdefault(slots, {})
+        by_steps.setdefault(steps, collections.deque(maxlen=WINDOW)).append(seconds)
 
     def draft_seconds(self, slots: int, drafts: int) -> float:
         """Estimated time of a proposal of `drafts` drafts (drafts + 1 steps): measured,
         else the line through the nearest measured step counts (0 if none)."""
-        times, steps = self.draft_times.get(slots, {}), drafts + 1
+        times = {steps: statistics.median(window)
+                 for steps, window in self.draft_samples.get(slots, {}).items()}
+        steps = drafts + 1
         if steps in times or not times:
             return times.get(steps, 0.0)
         if len(times) == 1:
@@ -140,14 +148,15 @@ class Policy:
         if not self.adaptive:
             return self.max_drafts
         decode, verify = ("decode", slots), ("verify", slots)
-        if decode not in self.times or verify not in self.times:
+        decode_s, verify_s = self.estimate(*decode), self.estimate(*verify)
+        if decode_s is None or verify_s is None:
             return self.max_drafts  # unmeasured: try it, then it is
-        rates = {0: len(requests) / self.times[decode]}
+        rates = {0: len(requests) / decode_s}
         alphas = [self.acceptance(r) for r in requests]
         for k in (range(1, self.max_drafts + 1) if draft_model else [self.max_drafts]):
             tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, caps,
                                                                            strict=True))
-            cost = self.times[verify] + (self.draft_seconds(slots, k) if draft_model else 0)
+            cost = verify_s + (self.draft_seconds(slots, k) if draft_model else 0)
             rates[k] = tokens / cost
         best = max(rates, key=rates.get)
         other = decode if best else verify
