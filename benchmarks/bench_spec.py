@@ -5,8 +5,9 @@ with the load-adaptive policy; acceptance rate and mean acceptance length.
 Workload: code completion. Prompts are windows of the corpus's held-out files (the
 demo models never trained on them, jaxinfer/corpus.py): the `--prompt_tokens` tokens
 ending with a function's `def` line, then `--output_tokens` tokens of its body generated,
-greedy (temperature 0, `ignore_eos`) unless `--temperature` is given. At batch b the engine runs b requests at
-once (`max_num_seqs=b`, each mode a fresh `LLM` over the same prompts); the rate is the
+greedy (temperature 0, `ignore_eos`) unless `--temperature` is given. At batch b the
+engine runs b requests at once (`max_num_seqs=b`, each mode a fresh `LLM` over the
+same prompts); the rate is the
 output tokens over the wall time of `generate`, after warm-up, the best of `--repeats`
 runs (the machine is shared: the best is the least disturbed), the modes' runs
 interleaved. Modes (each an engine

@@ -23,7 +23,9 @@ one step slowed by the rest of the machine must not switch the policy for long);
 option not taken for `EXPLORE_EVERY` steps whose estimate is within `EXPLORE_WITHIN`
 of the best is taken once to measure it again. Acceptance is counted per request, with
 the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
-`PRIOR_WEIGHT` drafts. So when the batch is compute-bound (verifying K + 1 tokens a
+`PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1
+tokens a request) would not beat a decode step, nothing is proposed at all
+(`may_pay`): a batch-bound engine pays a comparison a step. So when the batch is compute-bound (verifying K + 1 tokens a
 request costs nearly K + 1 decode steps) speculation is off, and with low acceptance
 the draft model runs fewer steps. `adaptive=False` always speculates with k = K.
 
@@ -53,7 +55,9 @@ SKIP_REASONS = ("prompt_chunks", "cost", "no_match", "limit", "pages")
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
     """Tokens a request emits in a step verifying `drafts` drafts: 1 + a + ... + a^k."""
-    return sum(acceptance ** j for j in range(drafts + 1))
+    if acceptance >= 1:
+        return drafts + 1.0
+    return (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
 
 
 @dataclasses.dataclass
@@ -140,6 +144,22 @@ class Policy:
         (a, ta), (b, tb) = sorted(times.items(), key=lambda item: abs(item[0] - steps))[:2]
         return max(ta + (tb - ta) * (steps - a) / (b - a), 0.0)
 
+    def may_pay(self, slots: int) -> bool:
+        """Whether speculation could beat decoding at S slots even if every draft were
+        accepted (K + 1 tokens a request for a verify step's time), or is due to be
+        measured again: when not, a step skips proposing at all."""
+        if not self.adaptive:
+            return True
+        decode_s, verify_s = self.estimate("decode", slots), self.estimate("verify", slots)
+        if decode_s is None or verify_s is None:
+            return True
+        best_case = (self.max_drafts + 1) * decode_s / verify_s  # over decoding's rate
+        stale = self.clock - self.last_taken.get(("verify", slots), 0) >= EXPLORE_EVERY
+        if best_case >= 1 or (stale and best_case >= EXPLORE_WITHIN):
+            return True
+        self.clock += 1
+        return False
+
     def choose(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
                draft_model: bool) -> int:
         """k for this step: 0 (no speculation) .. K; `caps[i]`: the most drafts request i
@@ -217,6 +237,9 @@ class Speculation:
         if not chunks or not all(c.num_tokens == 1 and c.num_samples == 1
                                  and not c.request.scoring_prompt for c in chunks):
             self.stats.skipped["prompt_chunks"] += len(chunks)
+            return plan, None
+        if not self.policy.may_pay(slots):
+            self.stats.skipped["cost"] += len(chunks)
             return plan, None
         room = [max(0, min(c.request.params.max_tokens - len(c.request.output_token_ids),
                            scheduler.max_model_len - c.request.num_tokens) - 1)

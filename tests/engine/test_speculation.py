@@ -13,7 +13,7 @@ from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.proposer import NgramProposer
 from jaxinfer.engine.request import Request, SamplingParams, Status
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.speculation import Policy, Speculation, expected_tokens
+from jaxinfer.engine.speculation import EXPLORE_EVERY, Policy, Speculation, expected_tokens
 
 EOS = 99
 
@@ -206,6 +206,15 @@ def test_policy_measures_a_stale_option_again_when_it_is_close():
     # Speculation far slower: never tried again.
     choices = _choices(_policy(1.0, 3.0), request, 200, {False: 1.0, True: 3.0})
     assert choices.count(4) == 0
+
+
+def test_policy_skips_proposing_when_even_full_acceptance_loses():
+    assert _policy(1.0, 4.9).may_pay(1)  # 5 tokens in 4.9 s beat 1 in 1 s
+    policy = _policy(1.0, 6.0)  # K + 1 = 5 tokens in 6 s: never better than decoding
+    assert not any(policy.may_pay(1) for _ in range(EXPLORE_EVERY))
+    assert policy.may_pay(1)  # verify unmeasured for 64 steps, and 5/6 >= 0.8: look again
+    assert not any(_policy(1.0, 7.0).may_pay(1) for _ in range(200))  # 5/7 < 0.8
+    assert Policy(4).may_pay(1) and _policy(1.0, 9.0, adaptive=False).may_pay(1)
 
 
 def test_policy_estimates_draft_time_between_measured_lengths():

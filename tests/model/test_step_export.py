@@ -20,7 +20,12 @@ import pytest
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
-from jaxinfer.engine.runner.runner import input_spec, on_shardings, step_function, step_shardings
+from jaxinfer.engine.runner.programs import (
+    input_spec,
+    on_shardings,
+    step_function,
+    step_shardings,
+)
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.quantization import quantize_params

@@ -1,7 +1,9 @@
 """The runner: the engine's only bridge to the device, and its only part that imports
 jax, numpy or the model (an import-linter contract in pyproject.toml says so).
 
-`runner.py` holds the device state and the compiled step per bucket; `inputs.py`
+`runner.py` holds the device state and the compiled step per bucket; `programs.py`
+names what it compiles (step functions, input specs, shardings; ahead-of-time
+compiles from specs); `draft.py` is a speculative draft model's runner; `inputs.py`
 turns a step's chunks into padded numpy arrays; `compiles.py` counts compilations
 per runner; `device.py` asks the device (bandwidth, memory) and sets JAX's
 process-wide compilation cache. The names the rest of the engine uses are
@@ -24,17 +26,19 @@ from jaxinfer.engine.runner.inputs import (
     next_power_of_two,
     sampling_inputs,
 )
-from jaxinfer.engine.runner.runner import (
+from jaxinfer.engine.runner.programs import (
     COMPILE_THREADS,
-    PromptScores,
-    Runner,
-    Sample,
-    StepResult,
     compile_steps_for,
     input_spec,
     make_mesh,
     min_step_tokens,
     step_function,
+)
+from jaxinfer.engine.runner.runner import (
+    PromptScores,
+    Runner,
+    Sample,
+    StepResult,
 )
 
 __all__ = [

@@ -35,7 +35,7 @@ from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
-from jaxinfer.engine.runner.runner import step_shardings
+from jaxinfer.engine.runner.programs import step_shardings
 from jaxinfer.model import draft as draft_model
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache

@@ -1,0 +1,35 @@
+"""Every config as a frozen, kw-only, hashable dataclass, and TOML presets.
+
+`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets); `engine.py`:
+how the engine runs (`EngineConfig`, `SpeculativeConfig`); `faces.py`: multi-host and
+the server (`DistributedConfig`, `ServerConfig`). Imports only the standard library.
+"""
+
+from jaxinfer.config.engine import (
+    DEFAULT_MODEL,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    MAX_SPECULATIVE_TOKENS,
+    QUANTIZATION_MODES,
+    SCHEDULERS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
+from jaxinfer.config.faces import DistributedConfig, ServerConfig
+from jaxinfer.config.model import (
+    ARCHITECTURES,
+    ATTENTION_IMPLS,
+    PRESET_DIR,
+    ROPE_TYPES,
+    ModelConfig,
+    RopeScaling,
+    load_preset,
+)
+
+__all__ = [
+    "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",
+    "MAX_SPECULATIVE_TOKENS", "PRESET_DIR", "QUANTIZATION_MODES", "ROPE_TYPES", "SCHEDULERS",
+    "SPECULATIVE_METHODS", "DistributedConfig", "EngineConfig", "ModelConfig", "RopeScaling",
+    "ServerConfig", "SpeculativeConfig", "load_preset",
+]

@@ -1,0 +1,165 @@
+"""How the engine runs: `EngineConfig` (batching, KV cache, kernels, quantization, tensor
+parallelism) and `SpeculativeConfig`. Each EngineConfig field carries its help text and
+allowed values (`setting`), from which the CLI derives its flags. Imports only the
+standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from jaxinfer.config.model import ATTENTION_IMPLS
+
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+SCHEDULERS = ("continuous", "static")
+DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
+QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/quantization.py
+
+
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): who proposes draft tokens and
+    how many a step may verify per request (jaxinfer/engine/speculation.py)."""
+
+    method: str  # "draft_model" (a small model with the target's tokenizer) or "ngram"
+    num_speculative_tokens: int  # k: the most draft tokens a request verifies per step
+    model: str | None = None  # draft_model: the draft's checkpoint directory
+    prompt_lookup_min: int = 2  # ngram: shortest suffix matched against earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (the longest match wins)
+    adaptive: bool = True  # choose per step whether (and how far) to speculate by cost
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} must be one of "
+                             f"{SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int "
+                             f"in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"speculative_config model={self.model!r}: method='draft_model' "
+                             "needs the draft's directory and 'ngram' takes none")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)) or \
+                not 1 <= low <= high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low!r} and "
+                             f"prompt_lookup_max={high!r} must be ints with 1 <= min <= max")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be a bool")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, a JSON string (the CLI flag's), or None; an
+        unknown key is an error naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, not "
+                             f"{type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        missing = sorted(k for k in ("method", "num_speculative_tokens") if k not in value)
+        if missing:
+            raise ValueError(f"speculative_config lacks {missing}")
+        return cls(**value)
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of EngineConfig or DistributedConfig: its help text and allowed values feed
+    the CLI's flags."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine batches, pads and sizes its KV cache. The CLI derives one flag per
+    field from here: name, default, type, `choices` and `help` (see `setting`)."""
+
+    dtype: str = setting("float32", "weights dtype", DTYPES)
+    kv_cache_dtype: str = setting("auto", "KV pages dtype; auto: the weights' dtype; "
+                                   "int8, fp8 (float8_e4m3fn): 8-bit values with a float32 "
+                                   "scale per token and KV head", KV_CACHE_DTYPES)
+    max_num_seqs: int = setting(32, "requests in flight")
+    max_num_batched_tokens: int = setting(512, "tokens per step (the top token bucket)")
+    max_model_len: int | None = setting(None, "prompt + output; default: the model's maximum")
+    page_size: int = setting(16, "tokens per KV page")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache size; default: sized from the device memory or the limits")
+    scheduler: str = setting("continuous", "batching policy; static: the benchmarks' "
+                              "baseline (fill a batch, run it to completion)", SCHEDULERS)
+    strict_compile: bool = setting(False, "raise on any compilation after warm-up")
+    compilation_cache_dir: str | None = setting(
+        None, "directory of JAX's persistent compilation cache, one per process (set by "
+        "LLM and the CLI, not by Engine); default: ~/.cache/jaxinfer/xla; empty: off")
+    seed: int = setting(0, "draws the seeds of requests that give none")
+    enable_prefix_caching: bool = setting(True, "reuse KV pages of shared prompt prefixes")
+    attention_impl: str = setting("auto", "attention kernel; auto: the backend's kernel, "
+                                   "else the pure-jnp reference", ATTENTION_IMPLS)
+    skip_tokenizer_init: bool = setting(
+        False, "load no tokenizer: prompts must be token ids, outputs carry no text")
+    quantization: str | None = setting(
+        None, "quantize the linear weights at load (jaxinfer/quantization.py): int8 "
+        "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
+        "(float8_e4m3fn weight-only), int4 (group-wise, activation-aware scales: "
+        "jaxinfer/awq.py); default: none", QUANTIZATION_MODES)
+    calibration_data: str | None = setting(
+        None, "int4: a JSONL file of {\"text\": ...} lines to choose the activation-aware "
+        "scales on; default: windows of the bundled corpus's training files")
+    enable_prompt_logprobs: bool = setting(
+        False, "compile a scoring variant of every mixed bucket at warm-up, so requests may "
+        "ask for prompt_logprobs (eval_ppl sets it)")
+    tensor_parallel_size: int = setting(
+        1, "devices the model is split over (tensor parallelism); must divide the query "
+        "heads, and divide the KV heads or be a multiple of them")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\" or "
+        "\"draft_model\", \"num_speculative_tokens\": k, \"model\": draft directory, "
+        "\"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes, \"adaptive\": "
+        "choose per step by cost (default true)}; default: off")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
+        for field in dataclasses.fields(self):
+            choices, value = field.metadata["choices"], getattr(self, field.name)
+            unset_allowed = value is None and field.default is None
+            if choices and value not in choices and not unset_allowed:
+                raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
+                                 f"of {choices}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
+                     "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"{self.max_num_batched_tokens=} must be >= "
+                             f"{self.max_num_seqs=}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"{self.max_model_len=} must be > 1 or None")
+        if self.calibration_data is not None and self.quantization != "int4":
+            raise ValueError(f"calibration_data={self.calibration_data!r} needs "
+                             f"quantization='int4', not {self.quantization!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pages' dtype, "auto" resolved to the weights' dtype. (On CPU bfloat16
+        pages are stored as their uint16 bits, see model/attention.py; bytes are equal.)"""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

@@ -1,0 +1,87 @@
+"""How the faces run: `DistributedConfig` (joining a multi-host job) and `ServerConfig`
+(the OpenAI-compatible server). The CLI derives one flag per field, as for
+EngineConfig. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.config.engine import setting
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How this process joins a multi-host job (jaxinfer/distributed.py): the three
+    addressing fields all given, or `detect_distributed` (JAX finds them), or neither (one
+    process, nothing initialized). The CLI derives one flag per field, as for EngineConfig."""
+
+    coordinator_address: str | None = setting(
+        None, "multi-host: host:port of process 0's coordinator, the same on every process")
+    num_processes: int | None = setting(None, "multi-host: processes in the job, one per "
+                                         "host")
+    process_id: int | None = setting(None, "multi-host: this process's index, 0 to "
+                                      "num_processes - 1; process 0 writes the outputs")
+    detect_distributed: bool = setting(
+        False, "multi-host, addresses found by JAX: Cloud TPU VM slices (GCE, GKE), Slurm, "
+        "Open MPI")
+    initialization_timeout_s: int = setting(
+        300, "multi-host: seconds to wait for every process to join before failing")
+    heartbeat_timeout_s: int = setting(
+        100, "multi-host: seconds without a heartbeat after which a process counts as dead "
+        "and the job stops with an error")
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("coordinator_address", "num_processes", "process_id")
+                 if getattr(self, name) is not None]
+        if given and len(given) < 3:
+            raise ValueError(f"{given[0]}={getattr(self, given[0])!r}: give all of "
+                             "coordinator_address, num_processes and process_id, or none")
+        if given and self.detect_distributed:
+            raise ValueError(f"{self.detect_distributed=}: give it or coordinator_address, "
+                             "num_processes and process_id, not both")
+        for name in ("num_processes", "initialization_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if given and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"{self.process_id=} must be in [0, {self.num_processes=})")
+        host, _, port = (self.coordinator_address or "h:1").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{self.coordinator_address=} must be host:port")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process joins a multi-host job."""
+        return self.detect_distributed or self.coordinator_address is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How `python -m jaxinfer serve` listens and protects itself (jaxinfer/server/). The
+    CLI derives one flag per field, as for EngineConfig."""
+
+    host: str = setting("127.0.0.1", "address to listen on; 0.0.0.0 exposes the server to "
+                         "the network (set --api_key then)")
+    port: int = setting(8000, "TCP port; 0 picks a free one (logged)")
+    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' to "
+                                   "/v1/*; default: no key")
+    served_model_name: str | None = setting(None, "the model name clients give; default: "
+                                             "--model as given ('demo' for the bundled one)")
+    max_waiting_requests: int = setting(
+        256, "completions waiting for a slot (n counts each); over it requests get 503 with "
+        "Retry-After")
+    max_request_body_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
+    shutdown_timeout: int = setting(
+        30, "seconds after SIGTERM to finish in-flight requests; then they are aborted with "
+        "an error and the process exits 0")
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port!r} must be in [0, 65536)")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")

@@ -1,0 +1,209 @@
+"""The model's shape and numerics: `ModelConfig`, HF `config.json` reading, TOML presets.
+
+`ModelConfig.from_hf` reads the dict of an HF `config.json` for the decoder family we
+serve (Llama 2/3, Mistral, Qwen2, Qwen3); anything else is refused with a message
+naming the field. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+from typing import Any
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "llama3")
+ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
+PRESET_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling of RoPE (`rope_type = "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"{self.factor=} must be > 0")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"{self.high_freq_factor=} must be > {self.low_freq_factor=}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"{self.original_max_position_embeddings=} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of one decoder-only transformer."""
+
+    architecture: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 2048
+    attention_impl: str = "auto"
+    """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
+    it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
+    attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES.values():
+            raise ValueError(
+                f"{self.architecture=} must be one of {sorted(ARCHITECTURES.values())}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+        if self.head_dim % 2:
+            raise ValueError(f"{self.head_dim=} must be even for RoPE")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"{self.sliding_window=} must be > 0 or None")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"{self.rms_norm_eps=} must be > 0")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (the GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from the dict of an HF `config.json`; errors name the field."""
+        return cls(**_fields_from_hf(hf))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict that `from_hf` reads back to this config."""
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.architecture]
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope = {**rope, "rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.qkv_bias,
+        }
+        if self.architecture == "mistral":
+            out["sliding_window"] = self.sliding_window
+        return out
+
+
+def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    archs = hf.get("architectures") or []
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    if not archs and hf.get("model_type") in ARCHITECTURES.values():
+        known = [hf["model_type"]]
+    if not known:
+        raise ValueError(
+            f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
+            f"supported: {sorted(ARCHITECTURES)}")
+    arch = known[0]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key!r}")
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope_from_hf(hf)
+    return {
+        "architecture": arch,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": arch == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qk_norm": arch == "qwen3",
+        "sliding_window": _sliding_window_from_hf(arch, hf),
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+    }
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Reads `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    params = {**legacy, **params}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.json rope_type={kind!r} is not supported; use one of "
+                         f"{ROPE_TYPES}")
+    if kind == "default":
+        return float(theta), None
+    names = [f.name for f in dataclasses.fields(RopeScaling)]
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise ValueError(f"config.json llama3 rope scaling lacks {missing}")
+    return float(theta), RopeScaling(**{n: params[n] for n in names})
+
+
+def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
+    window = hf.get("sliding_window")
+    if arch == "mistral":
+        return window
+    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true (per-layer windows) is "
+                         "not supported for Qwen models")
+    return None
+
+
+def load_preset(name_or_path: str) -> ModelConfig:
+    """A `ModelConfig` from a TOML preset: a name in configs/ or a file path."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".toml":
+        path = PRESET_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {known}")
+    data = tomllib.loads(path.read_text())
+    model = dict(data.get("model", data))
+    if "rope_scaling" in model:
+        model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
+    return ModelConfig(**model)
