@@ -121,13 +121,13 @@ def attention_block(
     cfg: ModelConfig,
     *,
     rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, 1, H] (layers.rope_tables)
-    per_token: bool = False,
+    max_q_len: int = 0,
 ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
     q, k, v = project_qkv(layer, x, cfg, rope)
     shards = sharding.model_axis_size()
-    attend = functools.partial(_write_and_attend, cfg=cfg, per_token=per_token,
+    attend = functools.partial(_write_and_attend, cfg=cfg, max_q_len=max_q_len,
                                num_kv_heads=cfg.num_kv_heads // shards)
     if shards > 1:  # each device: its own KV heads, their pages, no communication
         heads = P(None, sharding.MODEL_AXIS, None)
@@ -143,7 +143,7 @@ def attention_block(
 
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
                       kv_pages: jax.Array | QuantizedPages, md: AttentionMetadata, *,
-                      cfg: ModelConfig, per_token: bool, num_kv_heads: int
+                      cfg: ModelConfig, max_q_len: int, num_kv_heads: int
                       ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Write this step's K/V, then attend: (f[T, N, H], new kv_pages); on one device's
     heads under tensor parallelism. 8-bit pages: quantized per token and head, queries
@@ -161,7 +161,7 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
         q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
         md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         num_kv_heads=num_kv_heads, impl=cfg.attention_impl,
-        interpret=cfg.attention_interpret, per_token=per_token, kv_scales=kv_scales)
+        interpret=cfg.attention_interpret, max_q_len=max_q_len, kv_scales=kv_scales)
     return out, pages if kv_scales is None else QuantizedPages(pages, kv_scales)
 
 

@@ -53,7 +53,7 @@ def propose(params: transformer.Params, kv_cache: KVCache, inputs: DraftInputs, 
     def body(i: jax.Array, carry: tuple) -> tuple:
         kv, token_ids, sampling, tokens, probs = carry
         md = step_metadata(inputs, i, page_size=page_size, num_tokens=token_ids.shape[0])
-        kv, logits = transformer.forward(params, kv, token_ids, md, cfg=cfg, per_token=True)
+        kv, logits = transformer.forward(params, kv, token_ids, md, cfg=cfg, max_q_len=1)
         token, q = _draw(fit_vocab(logits, vocab_size), sampling)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
         probs = jax.lax.dynamic_update_slice(probs, q[:, None, :], (0, i, 0))

@@ -64,7 +64,7 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
     """Forward, then sample each position; returns (kv_cache, i32[S, Q, 3 + 2k]).
     `decode_only`: every request has one token (a decode bucket; see transformer)."""
     kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg, per_token=decode_only)  # f32[S * Q, V]
+                                           cfg=cfg, max_q_len=int(decode_only))  # f32[S * Q, V]
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
     return kv_cache, _sample_packed(logits, inputs, num_logprobs)
 
@@ -75,10 +75,10 @@ def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInput
     """`step` with rejection sampling of each position's proposed token: returns
     (kv_cache, i32[S, Q, 3 + 2k]) whose token at a position is the proposal where
     accepted. draft_probs f32[S, Q, V]: q of each position's proposal; None: certain."""
-    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg, per_token=True)  # f32[S * Q, V]
-    logits = sharding.replicate(logits)
     num_slots, num_positions = inputs.proposed_ids.shape
+    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
+                                           cfg=cfg, max_q_len=num_positions)  # f32[S * Q, V]
+    logits = sharding.replicate(logits)
     if draft_probs is not None:
         draft_probs = draft_probs.reshape(num_slots * num_positions, -1)
     out = rejection.verify(logits, inputs.sampling, inputs.proposed_ids.reshape(-1),

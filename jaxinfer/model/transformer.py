@@ -115,18 +115,18 @@ def forward(
     md: AttentionMetadata,
     *,
     cfg: ModelConfig,
-    per_token: bool = False,
+    max_q_len: int = 0,
 ) -> tuple[KVCache, jax.Array]:
     """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]).
-    `per_token`: the caller promises short chunks (a decode or verify bucket), so
-    attention takes its per-token path alone."""
+    `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
+    k + 1 in a verify bucket), so attention takes its slot-by-slot path alone."""
     x = layers.embed(params["embed"], token_ids)  # f32[T, D]
     rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
     new_cache = []
     for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
-                                         per_token=per_token)
+                                         max_q_len=max_q_len)
         x = x + attn
         x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_cache.append(kv_pages)

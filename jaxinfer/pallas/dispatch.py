@@ -167,13 +167,13 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
-    per_token: bool = False,
+    max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head, 8-bit pages
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc).
-    `per_token`: a static promise that every request has few query tokens (decode and
-    verify buckets); the reference then compiles its per-token path alone (the kernels
-    need no hint)."""
+    `max_q_len`: a static promise that no request has more query tokens (decode
+    buckets: 1, speculative verify buckets: k + 1); the reference then attends slot by
+    slot alone (the kernels need no hint)."""
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
                     num_kv_heads=num_kv_heads, kv_scales=kv_scales)
@@ -184,7 +184,7 @@ def ragged_paged_attention(
         raise ValueError(f"kv_pages dtype uint16 (bfloat16 bits, the CPU storage) is read "
                          f"by the reference only, not impl={impl!r}: give bfloat16 pages")
     if chosen == "reference":
-        return reference.ragged_paged_attention(*args, **settings, per_token=per_token)
+        return reference.ragged_paged_attention(*args, **settings, max_q_len=max_q_len)
     if chosen == "tpu":
         from jaxinfer.pallas import rpa_tpu
 

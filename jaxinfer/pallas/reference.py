@@ -94,14 +94,13 @@ def ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
-    per_token: bool = False,
+    max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head (kv_quant.py)
 ) -> jax.Array:  # f[T, N, H]
-    """Attention of each token over the paged KV of its own request. `per_token`
-    (static): every token gathers its own request's KV (the per-token path alone, no
-    per-request loop compiled): for steps of short chunks, decode buckets (one token a
-    request) and speculative verify buckets (k + 1). It gathers a request's KV once per
-    token, which a verify step of many requests at long context pays for."""
+    """Attention of each token over the paged KV of its own request. `max_q_len`
+    (static): a promise that no request has more query tokens (decode buckets: 1;
+    speculative verify buckets: k + 1), so each request slot gathers its KV once per
+    block for all its queries and the per-request loop is not compiled; 0: any mix."""
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
     num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
@@ -127,9 +126,9 @@ def ragged_paged_attention(
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
     # KV once per block. Each path leaves the other's rows at zero.
-    if per_token:  # padding tokens have no KV
-        return _attend_by_tokens(queries, padded_rows[req], kv_len, q_pos, kv_pages,
-                                 **settings)
+    if max_q_len:
+        return _attend_by_slots(queries, padded_rows, kv_lens, cu_q_lens, q_lens, max_q_len,
+                                kv_pages, **settings)
     prefix = min(num_slots, tokens)
     by_token = (q_lens == 1) & (cu_q_lens[:-1] < prefix)  # bool[S]
     mine = by_token[req[:prefix]]
@@ -158,6 +157,26 @@ def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,
     blocked = jax.tree.map(lambda x: x.reshape(tokens // block, block, *x.shape[1:]), xs)
     out = jax.lax.map(attend_block, blocked)
     return out.reshape(tokens, num_heads, head_dim)
+
+
+def _attend_by_slots(queries: jax.Array, rows: jax.Array, kv_lens: jax.Array,
+                     cu_q_lens: jax.Array, q_lens: jax.Array, max_q_len: int,
+                     kv_pages: jax.Array, **settings: object) -> jax.Array:
+    """Each slot's (at most `max_q_len`) queries at once over its KV, gathered once per
+    block for all of them (`_attend_tokens` with a slot's queries as extra query heads);
+    rows no slot owns (padding) stay zero."""
+    tokens, num_heads, head_dim = queries.shape
+    num_slots = rows.shape[0]
+    j = jnp.arange(max_q_len, dtype=jnp.int32)
+    valid = j[None, :] < q_lens[:, None]  # [S, Q]
+    token_rows = jnp.where(valid, cu_q_lens[:-1, None] + j[None, :], tokens)
+    q = jnp.take(queries, token_rows, axis=0, mode="fill", fill_value=0)  # [S, Q, N, H]
+    q_pos = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # [S, Q]
+    kv_len = jnp.where(q_lens > 0, kv_lens, 0)
+    out = _attend_tokens(q, rows, kv_len, q_pos, kv_pages, **settings)  # [S, Q, N, H]
+    out = jnp.zeros((tokens + 1, num_heads, head_dim), out.dtype).at[
+        token_rows.reshape(-1)].set(out.reshape(-1, num_heads, head_dim), mode="drop")
+    return out[:tokens]
 
 
 def _attend_by_requests(
@@ -233,10 +252,10 @@ def _token_block(tokens: int, bytes_per_token: int) -> int:
 
 
 def _attend_tokens(
-    q: jax.Array,  # f[Tb, N, H]
+    q: jax.Array,  # f[Tb, N, H], or f[Tb, Q, N, H]: Q queries over each row's KV
     rows: jax.Array,  # i32[Tb, pages]: each token's page row, padded to whole KV blocks
     kv_len: jax.Array,  # i32[Tb]
-    q_pos: jax.Array,  # i32[Tb]
+    q_pos: jax.Array,  # i32[Tb] (or i32[Tb, Q])
     kv_pages: jax.Array,  # [P, K, C, H], C >= 2G
     *,
     pages_per_block: int,
@@ -244,9 +263,15 @@ def _attend_tokens(
     num_kv_heads: int,
     **settings: float | int | None,
 ) -> jax.Array:
-    """Online softmax over KV blocks, only as many blocks as the longest KV needs."""
-    tokens, num_heads, head_dim = q.shape
-    qg = q.reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    """Online softmax over KV blocks, only as many blocks as the longest KV needs; a
+    row's Q queries ride along as extra query heads of each KV head."""
+    shape_in = q.shape
+    if q.ndim == 3:
+        q, q_pos = q[:, None], q_pos[:, None]
+    tokens, num_queries, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    qg = q.reshape(tokens, num_queries, num_kv_heads, group, head_dim).transpose(
+        0, 2, 1, 3, 4).reshape(tokens, num_kv_heads, num_queries * group, head_dim)
     block_tokens = pages_per_block * kv_pages.shape[1]
     num_blocks = (jnp.max(kv_len) + block_tokens - 1) // block_tokens
 
@@ -263,7 +288,9 @@ def _attend_tokens(
             jnp.zeros(qg.shape, jnp.float32))
     _, total, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # padding rows: 0
-    return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
+    out = out.reshape(tokens, num_kv_heads, num_queries, group, head_dim).transpose(
+        0, 2, 1, 3, 4)
+    return out.reshape(shape_in).astype(q.dtype)
 
 
 def _gather_kv(kv_pages: jax.Array, pages: jax.Array, num_kv_heads: int,
@@ -295,7 +322,7 @@ def _kv_block_update(
     v: jax.Array,  # like k
     pos: jax.Array,  # i32[Cb]: KV positions of this block
     kv_len: jax.Array,  # i32[Tb]
-    q_pos: jax.Array,  # i32[Tb]
+    q_pos: jax.Array,  # i32[Tb], or i32[Tb, Q]: R = Q x query heads per KV head
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -317,10 +344,17 @@ def _kv_block_update(
     scores = jnp.einsum(spec, qg.astype(jnp.float32), k) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    visible = present & (pos[None, :] <= q_pos[:, None])
+    q_pos = q_pos if q_pos.ndim == 2 else q_pos[:, None]  # [Tb, Q]
+    visible = present[:, None, :] & (pos <= q_pos[..., None])  # [Tb, Q, Cb]
     if sliding_window is not None:
-        visible &= pos[None, :] > q_pos[:, None] - sliding_window
-    visible = visible[:, None, None, :]  # [Tb, 1, 1, Cb]
+        visible &= pos > q_pos[..., None] - sliding_window
+    tokens, num_queries, block = visible.shape
+    if num_queries == 1:
+        visible = visible[:, :, None, :]  # [Tb, 1, 1, Cb]
+    else:  # [Tb, 1, Q x R, Cb]: query q's R heads share its row
+        group = qg.shape[2] // num_queries
+        visible = jnp.broadcast_to(visible[:, None, :, None, :], (
+            tokens, 1, num_queries, group, block)).reshape(tokens, 1, -1, block)
     scores = jnp.where(visible, scores, mask_value)
     new_max = jnp.maximum(running_max, scores.max(axis=3))  # [Tb, G, R]
     probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)

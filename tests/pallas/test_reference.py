@@ -124,14 +124,15 @@ def test_write_kv_pages_stores_bf16_bits_in_uint16_pages():
 @pytest.mark.parametrize("name", ["decode_only", "verify"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_per_token_matches_jax_reference(dtype, name):
-    """`per_token=True` (decode buckets: one token per request; verify buckets: k + 1)
-    compiles the per-token path alone and gives JAX's reference result, causal within
-    each chunk; padding rows stay zero."""
+    """`max_q_len` (decode buckets: one token per request; verify buckets: k + 1)
+    compiles the slot-by-slot path alone and gives JAX's reference result, causal
+    within each chunk; padding rows stay zero."""
     seq_lens = {"decode_only": SCENARIOS["decode_only"],
                 "verify": [(3, 17), (5, 64), (1, 1), (4, 33)]}[name]
+    max_q_len = max(q for q, _ in seq_lens)
     args = make_case(seq_lens, dtype=dtype, pad_tokens=2, pad_seqs=2)
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(
-        *a, sm_scale=32 ** -0.5, per_token=True))(*args)
+        *a, sm_scale=32 ** -0.5, max_q_len=max_q_len))(*args)
     theirs = ref_ragged_paged_attention(*combined(args), sm_scale=32 ** -0.5)
     real = sum(q for q, _ in seq_lens)
     check(ours, theirs, real, dtype)
