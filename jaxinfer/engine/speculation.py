@@ -19,9 +19,12 @@ to K + 1 tokens a request whatever k is; t_draft is the draft model's k + 1 step
 for n-gram lookup). The policy takes the k (0 = no speculation) with the most expected
 tokens per second. The times are the runner's own, measured: seeded at warm-up by
 running each bucket, then the median of the last `WINDOW` steps of each kind (a median:
-one step slowed by the rest of the machine must not switch the policy for long); an
-option not taken for `EXPLORE_EVERY` steps whose estimate is within `EXPLORE_WITHIN`
-of the best is taken once to measure it again. Acceptance is counted per request, with
+one step slowed by the rest of the machine must not switch the policy for long). An
+option not taken for `EXPLORE_EVERY` steps is measured again: while speculating, a
+plain decode step always (an estimate too slow from a noisy moment must not keep the
+engine speculating at a loss, and a decode step costs nothing more); while decoding, a
+verify step only if its estimate is within `EXPLORE_WITHIN` of decoding's rate (such
+a step can cost a draft model's catch-up, and a wrong guess here only forgoes a gain). Acceptance is counted per request, with
 the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
 `PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1
 tokens a request) would not beat a decode step, nothing is proposed at all
@@ -180,12 +183,12 @@ class Policy:
             rates[k] = tokens / cost
         best = max(rates, key=rates.get)
         other = decode if best else verify
-        stale = self.clock - self.last_taken.get(other, 0) >= EXPLORE_EVERY
-        if stale:
-            alternative = 0 if best else max((k for k in rates if k), key=rates.get)
-            if rates[alternative] >= EXPLORE_WITHIN * rates[best]:
-                return alternative
-        return best
+        if self.clock - self.last_taken.get(other, 0) < EXPLORE_EVERY:
+            return best
+        if best:  # speculating: a plain decode step now and then, whatever its estimate
+            return 0
+        alternative = max((k for k in rates if k), key=rates.get)
+        return alternative if rates[alternative] >= EXPLORE_WITHIN * rates[0] else 0
 
     def record_acceptance(self, request: Request, drafts: int, accepted: int) -> None:
         """A request verified `drafts` drafts and `accepted` of them: the drafts reached are

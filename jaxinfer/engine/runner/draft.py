@@ -146,7 +146,7 @@ class DraftRunner:
         self.seconds += time.perf_counter() - started
         return drafts, probs
 
-    def time_propose(self, slots: int, num_steps: int, repeats: int = 3) -> float:
+    def time_propose(self, slots: int, num_steps: int, repeats: int = 5) -> float:
         """Seconds of a proposal call of `num_steps` draft steps over `slots` empty slots
         (the median of `repeats`), for the speculation policy's cost model."""
         bucket = self.buckets.pick(slots, slots, decode=True)

@@ -266,7 +266,7 @@ class Runner:
                     for q in range(chunk.num_samples)] for i, chunk in enumerate(plan.chunks)]
         return StepResult(bucket, samples, prompt_scores)
 
-    def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
+    def time_bucket(self, bucket: Bucket, repeats: int = 5) -> float:
         """Seconds of one step of `bucket` with nothing in it (the median of `repeats`,
         outputs read back): what the speculation policy starts its cost model from."""
         compiled = self._compile(bucket)
