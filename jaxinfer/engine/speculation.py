@@ -24,12 +24,16 @@ option not taken for `EXPLORE_EVERY` steps is measured again: while speculating,
 plain decode step always (an estimate too slow from a noisy moment must not keep the
 engine speculating at a loss, and a decode step costs nothing more); while decoding, a
 verify step only if its estimate is within `EXPLORE_WITHIN` of decoding's rate (such
-a step can cost a draft model's catch-up, and a wrong guess here only forgoes a gain). Acceptance is counted per request, with
+a step can cost a draft model's catch-up, and a wrong guess here only forgoes a gain),
+or whatever its estimate while fewer than `TRUSTED_DRAFTS` drafts have been verified
+(the prior rate is a guess). Acceptance is counted per request, with
 the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
 `PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1
 tokens a request) would not beat a decode step, nothing is proposed at all
-(`may_pay`): a batch-bound engine pays a comparison a step. So when the batch is compute-bound (verifying K + 1 tokens a
-request costs nearly K + 1 decode steps) speculation is off, and with low acceptance
+(`may_pay`), and n-gram lookups run only where k drafts for every request could pay
+(`worth_proposing`): a batch-bound engine pays a comparison a step. So when the batch
+is compute-bound (verifying K + 1 tokens a request costs nearly K + 1 decode steps)
+speculation is off, and with low acceptance
 the draft model runs fewer steps. `adaptive=False` always speculates with k = K.
 
 Imports the engine's host modules (scheduler, proposer, request).
@@ -53,6 +57,7 @@ PRIOR_WEIGHT = 2.0  # drafts' worth of the engine-wide rate in a request's estim
 WINDOW = 16  # step times an estimate is the median of
 EXPLORE_EVERY = 64  # steps an option may go unmeasured (per slot rung) ...
 EXPLORE_WITHIN = 0.8  # ... if its estimated speed is at least this fraction of the best
+TRUSTED_DRAFTS = 64  # drafts verified before the engine's acceptance rate is trusted
 SKIP_REASONS = ("prompt_chunks", "cost", "no_match", "limit", "pages")
 
 
@@ -170,10 +175,38 @@ class Policy:
         self.clock += 1
         if not self.adaptive:
             return self.max_drafts
-        decode, verify = ("decode", slots), ("verify", slots)
-        decode_s, verify_s = self.estimate(*decode), self.estimate(*verify)
-        if decode_s is None or verify_s is None:
+        rates = self._rates(requests, slots, caps, draft_model)
+        if rates is None:
             return self.max_drafts  # unmeasured: try it, then it is
+        best = max(rates, key=rates.get)
+        if best:  # speculating: a plain decode step now and then, whatever its estimate
+            return 0 if self._stale("decode", slots) else best
+        alternative = max((k for k in rates if k), key=rates.get)
+        return alternative if self._explore_verify(slots, rates[alternative] / rates[0]) else 0
+
+    def worth_proposing(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
+                        draft_model: bool) -> bool:
+        """Whether `choose` could speculate if every request had `caps[i]` drafts (the
+        most n-gram lookup can find): when not, the step skips the lookups (it counts
+        as a step for the policy's clock)."""
+        if not self.adaptive:
+            return True
+        rates = self._rates(requests, slots, caps, draft_model)
+        if rates is None:
+            return True
+        best = max(rates.values())
+        if best > rates[0] or self._explore_verify(slots, best / rates[0]):
+            return True
+        self.clock += 1
+        return False
+
+    def _rates(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
+               draft_model: bool) -> dict[int, float] | None:
+        """Expected tokens per second of decoding (k = 0) and of speculating with k
+        drafts; None until both step kinds were measured at S slots."""
+        decode_s, verify_s = self.estimate("decode", slots), self.estimate("verify", slots)
+        if decode_s is None or verify_s is None:
+            return None
         rates = {0: len(requests) / decode_s}
         alphas = [self.acceptance(r) for r in requests]
         for k in (range(1, self.max_drafts + 1) if draft_model else [self.max_drafts]):
@@ -181,14 +214,17 @@ class Policy:
                                                                            strict=True))
             cost = verify_s + (self.draft_seconds(slots, k) if draft_model else 0)
             rates[k] = tokens / cost
-        best = max(rates, key=rates.get)
-        other = decode if best else verify
-        if self.clock - self.last_taken.get(other, 0) < EXPLORE_EVERY:
-            return best
-        if best:  # speculating: a plain decode step now and then, whatever its estimate
-            return 0
-        alternative = max((k for k in rates if k), key=rates.get)
-        return alternative if rates[alternative] >= EXPLORE_WITHIN * rates[0] else 0
+        return rates
+
+    def _stale(self, kind: str, slots: int) -> bool:
+        return self.clock - self.last_taken.get((kind, slots), 0) >= EXPLORE_EVERY
+
+    def _explore_verify(self, slots: int, relative_rate: float) -> bool:
+        """While decoding: measure a verify step again when its turn has come and its
+        estimated rate is within EXPLORE_WITHIN of decoding's, or whatever it is while
+        the engine's acceptance rate rests on fewer than TRUSTED_DRAFTS drafts."""
+        return self._stale("verify", slots) and (
+            relative_rate >= EXPLORE_WITHIN or self.reached < TRUSTED_DRAFTS)
 
     def record_acceptance(self, request: Request, drafts: int, accepted: int) -> None:
         """A request verified `drafts` drafts and `accepted` of them: the drafts reached are
@@ -248,13 +284,16 @@ class Speculation:
                            scheduler.max_model_len - c.request.num_tokens) - 1)
                 for c in chunks]
         caps = [min(self.max_drafts, r) for r in room]
+        requests = [c.request for c in chunks]
         proposals = None
         if not self.draft_model:
+            if not self.policy.worth_proposing(requests, slots, caps, self.draft_model):
+                self._count_skips(room, caps, None)
+                return plan, None
             proposals = [self.proposer.propose(c.request, cap)
                          for c, cap in zip(chunks, caps, strict=True)]
             caps = [len(p) for p in proposals]
-        k = self.policy.choose([c.request for c in chunks], slots, caps,
-                               self.draft_model) if any(caps) else 0
+        k = self.policy.choose(requests, slots, caps, self.draft_model) if any(caps) else 0
         if k == 0:
             self._count_skips(room, caps, None)
             return plan, None

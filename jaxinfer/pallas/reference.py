@@ -166,7 +166,6 @@ def _attend_by_slots(queries: jax.Array, rows: jax.Array, kv_lens: jax.Array,
     block for all of them (`_attend_tokens` with a slot's queries as extra query heads);
     rows no slot owns (padding) stay zero."""
     tokens, num_heads, head_dim = queries.shape
-    num_slots = rows.shape[0]
     j = jnp.arange(max_q_len, dtype=jnp.int32)
     valid = j[None, :] < q_lens[:, None]  # [S, Q]
     token_rows = jnp.where(valid, cu_q_lens[:-1, None] + j[None, :], tokens)

@@ -146,10 +146,14 @@ def test_prefix_cache_registers_only_accepted_tokens():
 
 # ---- the cost policy ----------------------------------------------------------------
 
-def _policy(decode, verify, draft_step=0.0, **kw):
+def _policy(decode, verify, draft_step=0.0, trusted=True, **kw):
+    """A policy with measured step times at S = 1 and, `trusted`, an engine-wide
+    acceptance rate of 1/2 over 64 verified drafts (another request's)."""
     policy = Policy(4, **kw)
     policy.seed("decode", 1, decode)
     policy.seed("verify", 1, verify)
+    for _ in range(32 if trusted else 0):
+        policy.record_acceptance(_request([0], rid="earlier"), 4, 1)
     if draft_step:
         for steps in (1, 5):
             policy.seed_draft(1, steps, draft_step * steps)
@@ -210,6 +214,10 @@ def test_policy_measures_a_stale_option_again_when_it_is_close():
     # Speculation a little slower (within 0.8): tried again every 64 steps.
     choices = _choices(_policy(1.0, 2.1), request, 130, {False: 1.0, True: 2.1})
     assert choices.count(4) == 2
+    # Far slower, but the acceptance rate is the prior's guess: tried again too.
+    choices = _choices(_policy(1.0, 3.0, trusted=False), request, 130,
+                       {False: 1.0, True: 3.0})
+    assert choices.count(4) == 2
 
 
 def test_policy_skips_proposing_when_even_full_acceptance_loses():
@@ -219,6 +227,17 @@ def test_policy_skips_proposing_when_even_full_acceptance_loses():
     assert policy.may_pay(1)  # verify unmeasured for 64 steps, and 5/6 >= 0.8: look again
     assert not any(_policy(1.0, 7.0).may_pay(1) for _ in range(200))  # 5/7 < 0.8
     assert Policy(4).may_pay(1) and _policy(1.0, 9.0, adaptive=False).may_pay(1)
+
+
+def test_ngram_lookups_run_only_where_full_proposals_could_pay():
+    requests = [_request([1, 2, 3], rid=str(i)) for i in range(3)]
+    policy = _policy(1.0, 4.5)  # may pay (5 tokens in 4.5 s), but at a = 1/2 E = 1.94
+    assert policy.may_pay(1)
+    assert not policy.worth_proposing(requests, 1, [4, 4, 4], draft_model=False)
+    assert _policy(1.0, 1.5).worth_proposing(requests, 1, [4, 4, 4], draft_model=False)
+    untrusted = _policy(1.0, 4.5, trusted=False)  # the prior's guess: look every 64 steps
+    answers = [untrusted.worth_proposing(requests, 1, [4] * 3, False) for _ in range(65)]
+    assert answers == [False] * 64 + [True]
 
 
 def test_policy_estimates_draft_time_between_measured_lengths():

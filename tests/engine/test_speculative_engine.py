@@ -211,3 +211,14 @@ def test_sweep_demo_pair_greedy_equals_plain_engine(method, k):
     engine = Engine(DEMO, EngineConfig(**settings, speculative_config=spec))
     assert _greedy(engine, prompts, [40] * len(prompts)) == plain
     assert engine.metrics.summary()["compiles_after_warmup"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tensor_parallel_speculation_equals_plain_engine(hf_model_dirs, draft_dir,
+                                                         plain_tokens, method):
+    """Target and draft split over 2 devices (the draft's one KV head copied)."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    spec |= {"model": str(draft_dir)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    engine = _spec_engine(hf_model_dirs["llama"], spec, tensor_parallel_size=2)
+    _check_exact(engine, plain_tokens)

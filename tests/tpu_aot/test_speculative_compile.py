@@ -1,0 +1,88 @@
+"""Speculative decoding's programs compile for one v5e chip with the Mosaic kernel (libtpu's
+ahead-of-time compiler; no TPU): the target's verify step (Q = k + 1 = 5 positions a
+request, the draft's probabilities as an input) for the smallest and the largest
+verify bucket, and a draft model's k + 1 steps in one call (a while loop around the
+decode kernel, the draft's KV cache carried). Target: the Qwen3-0.6B shape; draft: two
+of its layers. Nothing is allocated: params, pages and inputs are ShapeDtypeStructs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import accelerators, aot, sharding
+from jaxinfer.config import load_preset
+from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.runner.inputs import sampling_inputs
+from jaxinfer.engine.runner.programs import input_spec, on_shardings, step_shardings
+from jaxinfer.model import draft as draft_model
+from jaxinfer.model import step as model_step
+
+SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
+                        max_num_batched_tokens=256, max_model_len=2048, page_size=16)
+Q = 5
+
+
+def _setup(num_layers=None):
+    cfg = load_preset("qwen3-0.6b")
+    if num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    acc = accelerators.get("v5e-1")
+    plan = aot.plan_for(cfg, acc, SETTINGS)
+    params, kv = aot.step_specs(cfg, plan, SETTINGS, 1)
+    mesh = sharding.make_mesh(1, aot.target_devices(acc))
+    tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
+    param_sh, kv_sh, whole = step_shardings(tpu_cfg, mesh, kv_dtype="bfloat16")
+    return tpu_cfg, on_shardings(params, param_sh), on_shardings(kv, kv_sh), mesh, (
+        param_sh, kv_sh, whole)
+
+
+@pytest.mark.parametrize("which", [0, -1], ids=["smallest", "largest"])
+def test_verify_step_compiles_with_the_mosaic_kernel(which):
+    cfg, params, kv, mesh, (param_sh, kv_sh, whole) = _setup()
+    bucket = BucketSet(max_num_batched_tokens=SETTINGS.max_num_batched_tokens,
+                       max_num_seqs=SETTINGS.max_num_seqs, verify_positions=Q).verify()[which]
+    inputs = on_shardings(input_spec(bucket, page_size=SETTINGS.page_size,
+                                     max_model_len=SETTINGS.max_model_len,
+                                     num_positions=Q), whole)
+    probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
+                                 sharding=whole)
+    verify = jax.jit(functools.partial(model_step.verify_step, cfg=cfg,
+                                       num_logprobs=MAX_LOGPROBS),
+                     in_shardings=(param_sh, kv_sh, whole, whole),
+                     out_shardings=(kv_sh, whole), donate_argnums=(1,))
+    with jax.set_mesh(mesh):
+        compiled = verify.lower(params, kv, inputs, probs).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") == 2 * cfg.num_layers  # the kernel's two passes
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_draft_model_steps_compile_in_one_call():
+    cfg, params, kv, mesh, (param_sh, kv_sh, whole) = _setup(num_layers=2)
+    slots, pages_per_seq = 8, -(-SETTINGS.max_model_len // SETTINGS.page_size)
+    specs = draft_model.DraftInputs(
+        token_ids=np.zeros(slots, np.int32), positions=np.zeros(slots, np.int32),
+        page_indices=np.zeros((slots, pages_per_seq), np.int32),
+        num_seqs=np.zeros(1, np.int32),
+        sampling=sampling_inputs([], num_rows=slots, history_width=SETTINGS.max_model_len,
+                                 eos_token_ids=frozenset()),
+        num_steps=np.array(1, np.int32))
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                         sharding=whole), specs)
+    propose = jax.jit(functools.partial(
+        draft_model.propose, cfg=cfg, page_size=SETTINGS.page_size, num_positions=Q,
+        vocab_size=cfg.vocab_size), in_shardings=(param_sh, kv_sh, whole),
+        out_shardings=(kv_sh, whole, whole), donate_argnums=(1,))
+    with jax.set_mesh(mesh):
+        compiled = propose.lower(params, kv, inputs).compile()
+    text = compiled.as_text()
+    assert "while(" in text  # k + 1 steps in one program
+    assert text.count("tpu_custom_call") >= cfg.num_layers
