@@ -25,10 +25,10 @@ plain decode step always (an estimate too slow from a noisy moment must not keep
 engine speculating at a loss, and a decode step costs nothing more); while decoding, a
 verify step only if its estimate is within `EXPLORE_WITHIN` of decoding's rate (such
 a step can cost a draft model's catch-up, and a wrong guess here only forgoes a gain),
-or whatever its estimate while fewer than `TRUSTED_DRAFTS` drafts have been verified
-(the prior rate is a guess). Acceptance is counted per request, with
-the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
-`PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1
+or, for n-gram lookup (free proposals), whatever its estimate while fewer than
+`TRUSTED_DRAFTS` drafts have been verified (the prior rate is a guess). Acceptance is
+counted per request, with the engine's running rate (starting at `PRIOR_ACCEPTANCE`)
+as a prior worth `PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1
 tokens a request) would not beat a decode step, nothing is proposed at all
 (`may_pay`), and n-gram lookups run only where k drafts for every request could pay
 (`worth_proposing`): a batch-bound engine pays a comparison a step. So when the batch
@@ -103,9 +103,11 @@ class Policy:
     """The cost model: measured step times per bucket kind and slot rung, acceptance per
     request; `choose` returns the k with the most expected tokens per second."""
 
-    def __init__(self, max_drafts: int, *, adaptive: bool = True) -> None:
+    def __init__(self, max_drafts: int, *, adaptive: bool = True,
+                 free_proposals: bool = False) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
+        self.free_proposals = free_proposals  # n-gram lookup: no draft model to run
         self.samples: dict[tuple[str, int], collections.deque] = {}  # (kind, S) -> seconds
         self.draft_samples: dict[int, dict[int, collections.deque]] = {}  # S -> {steps: ...}
         self.last_taken: dict[tuple[str, int], int] = {}  # option -> step it was last run
@@ -194,8 +196,8 @@ class Policy:
         rates = self._rates(requests, slots, caps, draft_model)
         if rates is None:
             return True
-        best = max(rates.values())
-        if best > rates[0] or self._explore_verify(slots, best / rates[0]):
+        speculating = max(rate for k, rate in rates.items() if k)
+        if speculating > rates[0] or self._explore_verify(slots, speculating / rates[0]):
             return True
         self.clock += 1
         return False
@@ -221,10 +223,13 @@ class Policy:
 
     def _explore_verify(self, slots: int, relative_rate: float) -> bool:
         """While decoding: measure a verify step again when its turn has come and its
-        estimated rate is within EXPLORE_WITHIN of decoding's, or whatever it is while
-        the engine's acceptance rate rests on fewer than TRUSTED_DRAFTS drafts."""
+        estimated rate is within EXPLORE_WITHIN of decoding's, or (proposals costing
+        nothing, n-gram lookup) whatever it is while the engine's acceptance rate rests on
+        fewer than TRUSTED_DRAFTS drafts. A draft model's verify step is not tried on
+        the prior alone: it costs the draft's catch-up over every token it skipped."""
         return self._stale("verify", slots) and (
-            relative_rate >= EXPLORE_WITHIN or self.reached < TRUSTED_DRAFTS)
+            relative_rate >= EXPLORE_WITHIN
+            or (self.free_proposals and self.reached < TRUSTED_DRAFTS))
 
     def record_acceptance(self, request: Request, drafts: int, accepted: int) -> None:
         """A request verified `drafts` drafts and `accepted` of them: the drafts reached are
@@ -244,9 +249,9 @@ class Speculation:
                  adaptive: bool = True) -> None:
         self.proposer = proposer
         self.max_drafts = max_drafts
-        self.policy = Policy(max_drafts, adaptive=adaptive)
-        self.stats = SpecStats(accepted_per_position=[0] * max_drafts)
         self.draft_model = isinstance(proposer, DraftProposer)
+        self.policy = Policy(max_drafts, adaptive=adaptive, free_proposals=not self.draft_model)
+        self.stats = SpecStats(accepted_per_position=[0] * max_drafts)
 
     def warm_up(self, runner: object, result: dict[str, float]) -> dict[str, float]:
         """After the target's warm-up (`result`: its counts): compile the draft model's

@@ -149,7 +149,7 @@ def test_prefix_cache_registers_only_accepted_tokens():
 def _policy(decode, verify, draft_step=0.0, trusted=True, **kw):
     """A policy with measured step times at S = 1 and, `trusted`, an engine-wide
     acceptance rate of 1/2 over 64 verified drafts (another request's)."""
-    policy = Policy(4, **kw)
+    policy = Policy(4, free_proposals=True, **kw)
     policy.seed("decode", 1, decode)
     policy.seed("verify", 1, verify)
     for _ in range(32 if trusted else 0):
@@ -238,6 +238,8 @@ def test_ngram_lookups_run_only_where_full_proposals_could_pay():
     untrusted = _policy(1.0, 4.5, trusted=False)  # the prior's guess: look every 64 steps
     answers = [untrusted.worth_proposing(requests, 1, [4] * 3, False) for _ in range(65)]
     assert answers == [False] * 64 + [True]
+    untrusted.free_proposals = False  # a draft model: its catch-up is not paid on a guess
+    assert not any(untrusted.worth_proposing(requests, 1, [4] * 3, False) for _ in range(65))
 
 
 def test_policy_estimates_draft_time_between_measured_lengths():
