@@ -122,8 +122,8 @@ def main(argv: list[str]) -> None:
     buckets = []
     real_step = engine.runner.execute
 
-    def execute(plan: object) -> object:
-        result = real_step(plan)
+    def execute(plan: object, *args: object) -> object:
+        result = real_step(plan, *args)
         buckets.append(result.bucket)
         return result
 

@@ -25,11 +25,11 @@ def failing_server():
     llm = LLM(DEFAULT_MODEL, **ENGINE_FLAGS)
     execute, calls = llm.engine.runner.execute, []
 
-    def execute_then_fail(plan):
+    def execute_then_fail(plan, *args):
         calls.append(plan)
         if len(calls) >= 5:
             raise RuntimeError("device lost")
-        return execute(plan)
+        return execute(plan, *args)
 
     llm.engine.runner.execute = execute_then_fail
     loop = EngineLoop(llm.engine, max_waiting_requests=16)
