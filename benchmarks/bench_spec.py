@@ -63,8 +63,9 @@ TARGET_SPEEDUP = 2.0
 TARGET_ADAPTIVE = 0.95
 PER_FILE = 2  # prompts taken from one held-out file, at most
 WARM_TOKENS = 16  # an untimed run of this many tokens per engine first
-SPEC_METRICS = ("spec_acceptance_rate", "spec_mean_acceptance_length", "spec_verify_steps",
-                "spec_draft_time_share", "spec_skipped_cost", "spec_skipped_no_match")
+SPEC_METRICS = ("spec_acceptance_rate", "spec_mean_acceptance_length",
+                "spec_tokens_per_request_step", "spec_verify_steps", "spec_draft_time_share",
+                "spec_skipped_cost", "spec_skipped_no_match")
 
 flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes (requests at once)")
 flags.DEFINE_list("modes", [m for m in MODES if m != "ngram_k8"],

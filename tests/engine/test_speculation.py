@@ -268,6 +268,7 @@ def test_speculation_skips_prompt_chunks_and_counts_why():
     assert stats["spec_skipped_prompt_chunks"] == 1
     assert stats["spec_accepted_per_position"] == [1, 1, 0]
     assert stats["spec_mean_acceptance_length"] == 3.0
+    assert stats["spec_tokens_per_request_step"] == 3.0  # one verify step, 3 tokens
 
 
 # ---- configuration ------------------------------------------------------------------
