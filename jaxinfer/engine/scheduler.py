@@ -215,7 +215,7 @@ class Scheduler:
 
     def _register_pages(self, request: Request) -> None:
         """Register the request's newly computed full pages in the prefix cache."""
-        full = request.num_computed_tokens // self.page_size
+        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         if not self.pool.enable_caching or full <= len(request.page_serials):
             return
         tokens = request.all_token_ids
@@ -294,17 +294,24 @@ class Scheduler:
             request.num_computed_tokens = chunk.start + chunk.num_tokens - rejected
             if chunk.draft_token_ids:
                 tokens = tokens[:accepted + 1]
-            self._register_pages(request)
-            for token in tokens:
-                request.output_token_ids.append(token)
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    self.finish(request, *reason)
-                    finished.append(request)
-                    break
-            if chunk.draft_token_ids and not request.finished:
+            reason = self._append(request, tokens)
+            self._register_pages(request)  # after the append: accepted drafts fill pages
+            if reason is not None:
+                self.finish(request, *reason)
+                finished.append(request)
+            elif chunk.draft_token_ids:
                 self._trim_pages(request)
         return finished
+
+    def _append(self, request: Request, tokens: Sequence[int]
+                ) -> tuple[str, int | None] | None:
+        """Append sampled tokens up to the first that stops the request; its reason."""
+        for token in tokens:
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                return reason
+        return None
 
     def _trim_pages(self, request: Request) -> None:
         """Free the pages past those the request's tokens need (they held rejected

@@ -144,6 +144,27 @@ def test_prefix_cache_registers_only_accepted_tokens():
     assert s.pool.num_cached == 1  # the page of rejected drafts 9, 10, 11 was not cached
 
 
+def test_pages_filled_by_accepted_drafts_are_cached_with_their_tokens():
+    s = _scheduler(caching=True)
+    request = _decoding(s, range(1, 4))  # 1 2 3 7: one page, computed 3
+    plan = s.schedule()
+    s.reserve_drafts(plan, [6])
+    # All six accepted: computed 1 2 3 7 | 8 9 10 11 | 12 13 (10), the bonus 14 appended
+    s.update(s.with_drafts(plan, [[8, 9, 10, 11, 12, 13]]), [[8, 9, 10, 11, 12, 13, 14]])
+    assert request.num_computed_tokens == 10 and len(request.page_serials) == 2
+    pages, _ = s.pool.match([1, 2, 3, 7, 8, 9, 10, 11, 0], 4, 2)
+    assert pages == request.page_ids[:2]
+    # A stop inside the run: only the pages of tokens kept are registered.
+    s = _scheduler(caching=True)
+    stopped = _decoding(s, [5, 5, 5])
+    plan = s.schedule()
+    s.reserve_drafts(plan, [6])
+    s.update(s.with_drafts(plan, [[1, 1, 1, EOS, 1, 1]]), [[1, 1, 1, EOS, 1, 1, 1]])
+    assert stopped.output_token_ids == [7, 1, 1, 1, EOS] and s.pool.num_used == 0
+    assert len(s.pool.match([5, 5, 5, 7, 1, 1, 1, EOS, 0], 4, 2)[0]) == 2
+    assert s.pool.num_cached == 2
+
+
 # ---- the cost policy ----------------------------------------------------------------
 
 def _policy(decode, verify, draft_step=0.0, trusted=True, **kw):
