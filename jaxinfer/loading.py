@@ -111,7 +111,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
                 vocab_size=served.vocab_size, kv_dtype=config.kv_dtype,
                 eos_token_ids=eos_token_ids, attention_impl=config.attention_impl))
         speculation = Speculation(proposer, max_drafts=spec.num_speculative_tokens,
-                                  adaptive=spec.adaptive)
+                                  adaptive=spec.adaptive,
+                                  disable_by_batch_size=spec.disable_by_batch_size)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
@@ -138,6 +139,11 @@ def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,
     if draft.max_position_embeddings < max_len:
         raise ValueError(f"draft model {spec.model!r}: max_position_embeddings="
                          f"{draft.max_position_embeddings} is below max_model_len={max_len}")
+    degree = spec.draft_tensor_parallel_size
+    if degree not in (None, config.tensor_parallel_size):
+        raise ValueError(f"speculative_config draft_tensor_parallel_size={degree}: the draft "
+                         "is split over the target's devices, so it must equal "
+                         f"tensor_parallel_size={config.tensor_parallel_size} (or be left out)")
     try:
         planner.check_tensor_parallel(draft, config.tensor_parallel_size)
     except ValueError as e:

@@ -35,6 +35,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched against earlier tokens
     prompt_lookup_max: int = 4  # ngram: longest suffix matched (the longest match wins)
     adaptive: bool = True  # choose per step whether (and how far) to speculate by cost
+    # vLLM's: no speculation in a step of at least this many requests (None: no limit)
+    disable_by_batch_size: int | None = None
+    # vLLM's: the draft's tensor-parallel degree; here it must be the target's (the draft
+    # is split over the same mesh). None: the target's.
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -54,6 +59,14 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={high!r} must be ints with 1 <= min <= max")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be a bool")
+        for key in ("disable_by_batch_size", "draft_tensor_parallel_size"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"speculative_config {key}={value!r} must be a positive int")
+        if self.draft_tensor_parallel_size is not None and self.method != "draft_model":
+            raise ValueError("speculative_config draft_tensor_parallel_size is for "
+                             "method='draft_model'")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -74,6 +87,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
                              f"{sorted(known)}")
+        if "method" not in value and "model" in value:  # vLLM infers it from the model
+            value = value | {"method": "ngram" if value["model"] in ("ngram", "[ngram]")
+                             else "draft_model"}
+            if value["method"] == "ngram":
+                value.pop("model")
         missing = sorted(k for k in ("method", "num_speculative_tokens") if k not in value)
         if missing:
             raise ValueError(f"speculative_config lacks {missing}")

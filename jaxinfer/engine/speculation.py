@@ -35,6 +35,8 @@ tokens a request) would not beat a decode step, nothing is proposed at all
 is compute-bound (verifying K + 1 tokens a request costs nearly K + 1 decode steps)
 speculation is off, and with low acceptance
 the draft model runs fewer steps. `adaptive=False` always speculates with k = K.
+`disable_by_batch_size` (vLLM's) is a fixed cut-off checked first: no speculation in a
+step of that many requests or more.
 
 Imports the engine's host modules (scheduler, proposer, request).
 """
@@ -58,7 +60,7 @@ WINDOW = 16  # step times an estimate is the median of
 EXPLORE_EVERY = 64  # steps an option may go unmeasured (per slot rung) ...
 EXPLORE_WITHIN = 0.8  # ... if its estimated speed is at least this fraction of the best
 TRUSTED_DRAFTS = 64  # drafts verified before the engine's acceptance rate is trusted
-SKIP_REASONS = ("prompt_chunks", "cost", "no_match", "limit", "pages")
+SKIP_REASONS = ("prompt_chunks", "batch_size", "cost", "no_match", "limit", "pages")
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -248,9 +250,10 @@ class Speculation:
     """The proposer, the policy and the counts of one engine."""
 
     def __init__(self, proposer: NgramProposer | DraftProposer, *, max_drafts: int,
-                 adaptive: bool = True) -> None:
+                 adaptive: bool = True, disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
         self.max_drafts = max_drafts
+        self.disable_by_batch_size = disable_by_batch_size
         self.draft_model = isinstance(proposer, DraftProposer)
         self.policy = Policy(max_drafts, adaptive=adaptive, free_proposals=not self.draft_model)
         self.stats = SpecStats(accepted_per_position=[0] * max_drafts)
@@ -283,6 +286,9 @@ class Speculation:
         if not chunks or not all(c.num_tokens == 1 and c.num_samples == 1
                                  and not c.request.scoring_prompt for c in chunks):
             self.stats.skipped["prompt_chunks"] += len(chunks)
+            return plan, None
+        if self.disable_by_batch_size and len(chunks) >= self.disable_by_batch_size:
+            self.stats.skipped["batch_size"] += len(chunks)
             return plan, None
         if not self.policy.may_pay(slots):
             self.stats.skipped["cost"] += len(chunks)

@@ -292,6 +292,21 @@ def test_speculation_skips_prompt_chunks_and_counts_why():
     assert stats["spec_tokens_per_request_step"] == 3.0  # one verify step, 3 tokens
 
 
+def test_no_speculation_in_steps_of_disable_by_batch_size_requests():
+    s = _scheduler()
+    spec = Speculation(NgramProposer(min_n=1, max_n=2), max_drafts=2, adaptive=False,
+                       disable_by_batch_size=2)
+    first = _decoding(s, [5, 7, 8, 9], rid="a")  # 5 7 8 9 7: "7" matched, 8 9 proposed
+    plan, _ = spec.add_drafts(s, s.schedule(), 1)
+    assert plan.chunks[0].draft_token_ids == (8, 9)
+    s.update(plan, [[5]])
+    s.add(_request([3, 4], rid="b"))
+    s.update(s.schedule(), [[1], [6]])  # a decodes, b's prompt chunk: both decode next
+    plan = s.schedule()
+    assert len(plan.chunks) == 2 and spec.add_drafts(s, plan, 2) == (plan, None)
+    assert spec.stats.skipped["batch_size"] == 2 and first.num_tokens == 7
+
+
 # ---- configuration ------------------------------------------------------------------
 
 def test_speculative_config_from_dict_json_and_errors():
@@ -300,6 +315,12 @@ def test_speculative_config_from_dict_json_and_errors():
                                                           num_speculative_tokens=3)
     text = json.dumps({"method": "draft_model", "model": "/d", "num_speculative_tokens": 2})
     assert EngineConfig(speculative_config=text).speculative_config.model == "/d"
+    # vLLM's shape without "method": inferred from "model"
+    inferred = SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 2,
+                                        "disable_by_batch_size": 8})
+    assert (inferred.method, inferred.disable_by_batch_size) == ("draft_model", 8)
+    assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}) == \
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     bad = [({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
            ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None"),
@@ -308,7 +329,13 @@ def test_speculative_config_from_dict_json_and_errors():
             "prompt_lookup_min=5"),
            ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys \\['k'\\]"),
            ({"method": "ngram"}, "lacks \\['num_speculative_tokens'\\]"),
-           ("{not json", "not valid JSON"), ("[1]", "must be a JSON object")]
+           ("{not json", "not valid JSON"), ("[1]", "must be a JSON object"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+            "disable_by_batch_size=0"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "draft_tensor_parallel_size is for"),
+           ({"model": "/d"}, "lacks \\['num_speculative_tokens'\\]"),
+           ({"num_speculative_tokens": 2}, "lacks \\['method'\\]")]
     for value, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=value)

@@ -91,9 +91,10 @@ def draft_engine(hf_model_dirs, draft_dir):
 
 def test_ngram_greedy_equals_plain_engine(hf_model_dirs, plain_tokens):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "adaptive": False}
+            "adaptive": False, "disable_by_batch_size": 6}
     metrics = _check_exact(_spec_engine(hf_model_dirs["llama"], spec), plain_tokens)
     assert 0 < metrics["spec_accepted_tokens"] < metrics["spec_draft_tokens"]
+    assert metrics["spec_skipped_batch_size"] > 0  # steps of 6 to 8 requests: none
 
 
 def test_draft_model_greedy_equals_plain_engine(draft_engine, plain_tokens):
@@ -172,6 +173,9 @@ def test_a_draft_that_cannot_serve_the_target_is_refused(hf_model_dirs, draft_di
     testing.make_hf_model(short, "llama", seed=1, max_position_embeddings=32)
     with pytest.raises(ValueError, match="max_position_embeddings=32 is below max_model_len=64"):
         load(model=str(short))
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2: .* must equal "
+                                         "tensor_parallel_size=1"):
+        load(model=str(draft_dir), draft_tensor_parallel_size=2)
     odd = tmp_path / "odd"  # 3 query heads: no split over 2 devices
     testing.make_hf_model(odd, "llama", seed=3, num_attention_heads=3, num_key_value_heads=1,
                           hidden_size=48)
