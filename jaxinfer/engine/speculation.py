@@ -79,7 +79,6 @@ class SpecStats:
     draft_tokens: int = 0  # drafts verified
     accepted_tokens: int = 0  # drafts accepted
     request_steps: int = 0  # requests summed over decode and verify steps
-    step_tokens: int = 0  # tokens those steps sampled for them (accepted drafts, + 1 each)
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -94,9 +93,10 @@ class SpecStats:
             # vLLM's mean acceptance length: 1 + accepted drafts per draft run
             "spec_mean_acceptance_length": round(
                 1 + self.accepted_tokens / max(self.drafts, 1), 3),
-            # tokens a request gains per target step, decode and verify steps alike
+            # tokens a request gains per target step, decode and verify steps alike:
+            # one each, plus the accepted drafts
             "spec_tokens_per_request_step": round(
-                self.step_tokens / max(self.request_steps, 1), 3),
+                1 + self.accepted_tokens / max(self.request_steps, 1), 3),
             "spec_accepted_per_position": list(self.accepted_per_position),
             "spec_draft_time_share": round(self.draft_seconds / max(step_seconds, 1e-9), 4),
             **{f"spec_skipped_{reason}": self.skipped[reason] for reason in SKIP_REASONS},
@@ -348,7 +348,6 @@ class Speculation:
             return  # a step with prompt chunks: its time says nothing of either option
         self.policy.seed("verify" if verified else "decode", slots, execute_seconds)
         self.stats.request_steps += len(plan.chunks)
-        self.stats.step_tokens += len(plan.chunks)
         if not verified:
             return
         self.stats.steps += 1
@@ -361,7 +360,6 @@ class Speculation:
             self.stats.drafts += 1
             self.stats.draft_tokens += drafts
             self.stats.accepted_tokens += accepted
-            self.stats.step_tokens += accepted
             for position in range(accepted):
                 self.stats.accepted_per_position[position] += 1
         if self.draft_model:
