@@ -10,6 +10,7 @@ UTF-8 character. Imports the standard library, `tokenizers`, `jinja2` and chat_t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,19 @@ PROMPT_SEED_TOKENS = 5
 # Over this many held ids with no complete character boundary are invalid UTF-8: emit them.
 MAX_HELD_TOKENS = 16
 REPLACEMENT_CHAR = "\ufffd"
+# How many characters a normalizer may fold into one (NFC composes up to three Hangul
+# jamo into a syllable; a margin over that).
+NORMALIZER_SHRINK = 4
+
+
+class TooLong(ValueError):
+    """A prompt text with surely too many tokens, found from its length alone."""
+
+    def __init__(self, num_chars: int, min_tokens: int, max_chars_per_token: int) -> None:
+        super().__init__(f"the prompt has {num_chars} characters, so at least {min_tokens} "
+                         f"tokens (one token of this tokenizer spans at most "
+                         f"{max_chars_per_token})")
+        self.min_tokens = min_tokens
 
 
 class Tokenizer:
@@ -94,13 +108,28 @@ class Tokenizer:
         return self._backend.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; the tokenizer.json post-processor adds BOS/EOS as configured."""
+        """Token ids of `text`; the tokenizer.json post-processor adds BOS/EOS as configured.
+
+        Other threads run meanwhile: `encode_batch` lets go of the GIL, `encode` holds it
+        (a long prompt tokenized on one thread stalled the server's engine thread)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, e.g. from JSON's "\ud800"
             raise ValueError(f"the text is not valid Unicode ({e.reason} at character "
                              f"{e.start})") from None
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary
+        entry (a byte-level entry has a character per byte, so this bounds characters too),
+        times NORMALIZER_SHRINK when a normalizer may compose characters first."""
+        longest = max(map(len, self.vocab()), default=1)
+        return longest * (NORMALIZER_SHRINK if self._backend.normalizer is not None else 1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenizing it."""
+        return -(-len(text) // self.max_chars_per_token)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""
@@ -132,17 +161,22 @@ class Tokenizer:
             raise ValueError(f"chat template of {self._name} failed: {e}") from e
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None,
-                   messages: list[dict] | None = None, *,
-                   add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a text prompt, a token-id prompt, or chat messages (templated)."""
+                   messages: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                   max_tokens: int | None = None) -> list[int]:
+        """Token ids of a text prompt, a token-id prompt, or chat messages (templated).
+        A text of surely more than `max_tokens` tokens (`min_tokens`) raises TooLong
+        before it is tokenized: time and memory stay bounded whatever its size."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of a prompt or chat messages")
         if messages is not None:
             text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-            return self.encode(text, add_special_tokens=False)
-        if isinstance(prompt, str):
-            return self.encode(prompt)
-        return list(prompt)
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            return list(prompt)
+        if max_tokens is not None and self.min_tokens(text) > max_tokens:
+            raise TooLong(len(text), self.min_tokens(text), self.max_chars_per_token)
+        return self.encode(text, add_special_tokens=messages is None)
 
     def detokenizer(
         self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True

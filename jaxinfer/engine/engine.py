@@ -37,6 +37,7 @@ from jaxinfer.engine.request import (
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
 from jaxinfer.loading import DEVICE_KV_FRACTION  # noqa: F401  (aot.py reads it here)
+from jaxinfer.tokenizer import TooLong
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,13 @@ class Engine:
                          add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
         if self.tokenizer is not None:
-            ids = self.tokenizer.prompt_ids(prompt, messages,
-                                            add_generation_prompt=add_generation_prompt)
+            try:
+                ids = self.tokenizer.prompt_ids(prompt, messages,
+                                                add_generation_prompt=add_generation_prompt,
+                                                max_tokens=self.max_model_len - 1)
+            except TooLong as e:
+                raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room "
+                                 "to generate") from None
         elif messages is not None or isinstance(prompt, str):
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): "
                              "give prompts as token ids, not text or chat messages")
@@ -119,14 +125,14 @@ class Engine:
     def _check_prompt(self, ids: list) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:  # before looking at each id: bounded work
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
+                             f"{self.max_model_len} leaves no room to generate")
         vocab = self.model_config.vocab_size
         tokens = [_token_id(t) for t in ids]
         bad = [t for t, i in zip(ids, tokens, strict=True) if i is None or not 0 <= i < vocab]
         if bad:
             raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
-                             f"{self.max_model_len} leaves no room to generate")
         return tokens
 
     def check_params(self, params: SamplingParams) -> None:

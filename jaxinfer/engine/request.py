@@ -12,6 +12,11 @@ import enum
 import math
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS; vLLM also raises those
+# in (0, 0.01) to 0.01, jaxinfer samples them as given). The device's softmax is finite
+# at any temperature; below 1e-5 its draw is the argmax but for exact ties, and float32
+# holds temperatures under 1.2e-38 differently on each backend (flushed or subnormal).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +51,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below GREEDY_TEMPERATURE: the argmax, no draw."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:

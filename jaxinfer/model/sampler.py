@@ -179,15 +179,19 @@ def filtered_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     (0 where filtered out): the filters become one floor per row on the scaled logits."""
     num_rows, vocab = logits.shape
     temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
-    scaled = logits / temperature  # f32[R, V]
+    # The maximum goes before the division: the top logit scales to exactly 0 and the
+    # rest to <= 0 at any temperature. Scaling first and subtracting the scaled row's
+    # maximum lets XLA round the two divisions apart (a reciprocal in one fusion), and
+    # at tiny temperatures every weight, the top one too, underflowed to 0.
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    scaled = (logits - row_max) / temperature  # f32[R, V], <= 0
     needs_sort = jnp.any((inputs.top_k > 0) & (inputs.top_k < vocab)) | jnp.any(inputs.top_p < 1)
     floor = jax.lax.cond(needs_sort, _top_k_top_p_floor,
                          lambda _s, _i: jnp.full((num_rows,), -jnp.inf), scaled, inputs)
-    row_max = jnp.max(scaled, axis=-1)
-    # min-p: prob >= min_p * max_prob, i.e. logit >= max_logit + log(min_p).
-    floor = jnp.maximum(floor, row_max + jnp.log(inputs.min_p))[:, None]
-    weights = jnp.exp(scaled - row_max[:, None])  # f32[R, V], unnormalized probs
-    keep = ((scaled >= floor) & (weights > 0)) | (scaled >= row_max[:, None])
+    # min-p: prob >= min_p * max_prob, i.e. scaled logit >= 0 + log(min_p).
+    floor = jnp.maximum(floor, jnp.log(inputs.min_p))[:, None]
+    weights = jnp.exp(scaled)  # f32[R, V], unnormalized probs; 1 at the maximum
+    keep = ((scaled >= floor) & (weights > 0)) | (scaled >= 0)
     return jnp.where(keep, weights, 0.0)
 
 

@@ -231,23 +231,9 @@ class _Shape:
             "choices": choices, **extra}
 
 
-async def _submit_all(loop: EngineLoop, submissions: list[Submission]) -> list[Stream]:
-    """Submit every prompt of one HTTP request; if one is refused, abort the others."""
-    inbox: asyncio.Queue = asyncio.Queue()
-    streams: list[Stream] = []
-    try:
-        for submission in submissions:
-            streams.append(await loop.submit(submission, inbox))
-    except BaseException:
-        for stream in streams:
-            loop.abort(stream.request_id)
-        raise
-    return streams
-
-
 async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
                    submissions: list[Submission], body: Any) -> Response:
-    streams = await _submit_all(state.loop, submissions)
+    streams = await state.loop.submit(submissions, asyncio.Queue())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(state.loop, shape, streams, include_usage)

@@ -1,9 +1,12 @@
 """The one thread that owns the Engine, and the streams request handlers read.
 
-Handlers never touch the engine: `EngineLoop.submit` puts a command on a
-thread-safe queue and awaits an asyncio future the thread resolves once the
-prompt is tokenized and checked (so a bad prompt is a 400 before any response
-starts); each step's deltas then reach the handler's `Stream` through
+Handlers never touch the engine's state. `EngineLoop.submit` tokenizes and checks
+the prompt on a preparing thread (the engine's read-only prompt methods; never on
+the engine thread, so a long prompt cannot stall everyone's steps: the tokenizer
+lets go of the GIL, and a text surely too long for the context is refused from its
+length alone), so a bad prompt is a 400 before any response starts; then it puts
+a command on a thread-safe queue and awaits an asyncio future the engine thread
+resolves once the request is added. Each step's deltas then reach the handler's `Stream` through
 `loop.call_soon_threadsafe` (with the prompt's logprobs, `prompt_logprobs`, once the
 engine has scored the whole prompt). Between steps the thread drains its commands (add,
 abort, abort all, snapshot); idle, it blocks on the queue. Admission is bounded:
@@ -19,6 +22,7 @@ plain-Python parts and protocol.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -35,6 +39,7 @@ from jaxinfer.server.protocol import APIError
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long the idle thread blocks on its queue before looking again
+PREPARING_THREADS = 4  # prompts tokenized at once
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +52,16 @@ class Submission:
     add_generation_prompt: bool = True
     limit: protocol.MaxTokens = protocol.MaxTokens(16)
     echo: bool = False  # the handler needs the prompt's text (`Stream.prompt_text`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A submission made ready off the engine thread: its token ids and final params."""
+
+    prompt: str | list[int] | None
+    ids: list[int]
+    params: SamplingParams
+    text: str  # the echoed prompt (`Submission.echo`), else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +94,13 @@ class Stream:
     """A submitted prompt as the handler sees it: its token ids, then its updates, which
     arrive in the inbox it shares with the other prompts of the same HTTP request."""
 
-    def __init__(self, inbox: Inbox, request_id: str, n: int) -> None:
+    def __init__(self, inbox: Inbox, request_id: str, n: int, prompt_text: str = "") -> None:
         self.request_id = request_id
         self.n = n
         self.inbox = inbox
         self._loop = asyncio.get_running_loop()
-        self.accepted: asyncio.Future[list[int]] = self._loop.create_future()
         self.prompt_token_ids: list[int] = []
-        self.prompt_text = ""  # set with `Submission.echo`: the text prompt, or its ids decoded
+        self.prompt_text = prompt_text  # with `Submission.echo`: the prompt, or its ids decoded
         self.prompt_logprobs: PromptLogprobs | None = None  # from the first update with them
         self.num_cached_tokens = 0
         self.finished = False
@@ -133,37 +147,87 @@ class EngineLoop:
         self._free = self._slots  # slots the running batch does not use, after the last step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Tokenizing and checking prompts: never on the engine thread, so a long prompt
+        # cannot stall the others' steps.
+        self._preparers = concurrent.futures.ThreadPoolExecutor(
+            PREPARING_THREADS, thread_name_prefix="prepare")
 
     # ---- the handlers' side (event loop thread) --------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    async def submit(self, submission: Submission, inbox: Inbox) -> Stream:
-        """Queue a prompt; returns once the engine accepted it, else raises APIError."""
-        n = submission.params.n
-        if n > self.max_waiting_requests + self._slots:  # a 503 would be retried forever
-            raise APIError(400, f"n={n} is more completions than the server ever admits at "
-                           f"once (max_num_seqs {self._slots} + max_waiting_requests "
-                           f"{self.max_waiting_requests})", param="n")
+    async def submit(self, submissions: list[Submission], inbox: Inbox) -> list[Stream]:
+        """Queue one HTTP request's prompts, all or none: returns once the engine added
+        them all; else raises APIError before any of them started."""
+        total = sum(submission.params.n for submission in submissions)
+        self._check_capacity(submissions, total)
         if not self.healthy:
             raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
         if not self.accepting:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         with self._lock:
-            if self._waiting + self._admitting + n > self.max_waiting_requests + self._free:
+            if self._waiting + self._admitting + total > self.max_waiting_requests + self._free:
                 raise APIError(503, f"too many requests waiting (max_waiting_requests="
                                f"{self.max_waiting_requests}); retry later",
                                code="overloaded", retry_after=1)
-            self._admitting += n
-        stream = Stream(inbox, f"req-{next(self._ids)}", n)
-        self._commands.put(("add", submission, stream))
+            self._admitting += total
+        loop = asyncio.get_running_loop()
         try:
-            stream.prompt_token_ids = await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(stream.request_id)
+            prepared = await asyncio.gather(*(
+                loop.run_in_executor(self._preparers, self._prepare, submission)
+                for submission in submissions))
+        except BaseException:
+            with self._lock:
+                self._admitting -= total
             raise
-        return stream
+        streams = [Stream(inbox, f"req-{next(self._ids)}", p.params.n, p.text)
+                   for p in prepared]
+        added = loop.create_future()
+        self._commands.put(("add", list(zip(prepared, streams, strict=True)), added))
+        try:
+            await added
+        except asyncio.CancelledError:
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
+        for stream, p in zip(streams, prepared, strict=True):
+            stream.prompt_token_ids = p.ids
+        return streams
+
+    def _check_capacity(self, submissions: list[Submission], total: int) -> None:
+        """400 for a request of more completions than the server ever admits at once (a
+        503 would be retried forever)."""
+        capacity = self.max_waiting_requests + self._slots
+        if total <= capacity:
+            return
+        n = submissions[0].params.n
+        what = f"n={n}" if len(submissions) == 1 else f"{len(submissions)} prompts x n={n}"
+        raise APIError(400, f"the request asks for {total} completions ({what}), more than "
+                       f"the server ever admits at once: {capacity} (max_num_seqs "
+                       f"{self._slots} + max_waiting_requests {self.max_waiting_requests}); "
+                       "send fewer prompts or a smaller n",
+                       param="n" if len(submissions) == 1 else "prompt")
+
+    def _prepare(self, submission: Submission) -> Prepared:
+        """On a preparing thread: the prompt tokenized (the tokenizer lets go of the GIL)
+        and the request checked; an APIError if it cannot be served."""
+        try:
+            ids = self.engine.prompt_token_ids(
+                submission.prompt, submission.messages,
+                add_generation_prompt=submission.add_generation_prompt)
+            params = protocol.fit_max_tokens(submission.params, len(ids),
+                                             self.engine.max_model_len, submission.limit)
+            self.engine.check_params(params)
+            text = self._prompt_text(submission.prompt, ids) if submission.echo else ""
+        except APIError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=_param(submission, e)) from None
+        except Exception as e:
+            log.exception("preparing a request failed")
+            raise APIError(500, f"adding the request failed: {e}") from None
+        return Prepared(submission.prompt, ids, params, text)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a client went away); unknown ids: nothing."""
@@ -191,6 +255,7 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        self._preparers.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ------------------------------------------------------------
 
@@ -244,42 +309,37 @@ class EngineLoop:
             except Exception as e:
                 _resolve(future, error=e)
 
-    def _add(self, submission: Submission, stream: Stream) -> None:
+    def _add(self, group: list[tuple[Prepared, Stream]], added: asyncio.Future) -> None:
+        """Add one HTTP request's prompts to the engine, all or none."""
+        streams = []
         try:
             if not self.healthy:
                 raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
-            ids, params = self._checked(submission)
-            if submission.echo:
-                stream.prompt_text = self._prompt_text(submission.prompt, ids)
-            self.engine.add_request(stream.request_id, submission.prompt, params,
-                                    prompt_token_ids=ids)
-        except APIError as e:
-            _resolve(stream.accepted, error=e)
-        except (ValueError, TypeError) as e:
-            _resolve(stream.accepted, error=APIError(400, str(e), param=_param(submission, e)))
+            for prepared, stream in group:
+                self.engine.add_request(stream.request_id, prepared.prompt, prepared.params,
+                                        prompt_token_ids=prepared.ids)
+                streams.append(stream)
         except Exception as e:
-            log.exception("adding request %s failed", stream.request_id)
-            _resolve(stream.accepted, error=APIError(500, f"adding the request failed: {e}"))
+            if not isinstance(e, APIError):
+                log.exception("adding request %s failed", group[len(streams)][1].request_id)
+                e = APIError(500, f"adding the request failed: {e}")
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+                self.engine.release(stream.request_id)
+            _resolve(added, error=e)
         else:
-            self._streams[stream.request_id] = (stream, [False] * stream.n)
-            _resolve(stream.accepted, ids)
+            for stream in streams:
+                self._streams[stream.request_id] = (stream, [False] * stream.n)
+            _resolve(added)
         finally:
             with self._lock:
-                self._admitting -= stream.n
+                self._admitting -= sum(stream.n for _, stream in group)
                 self._count()
 
     def _count(self) -> None:
         scheduler = self.engine.scheduler
         self._waiting = len(scheduler.waiting)
         self._free = max(0, self._slots - len(scheduler.running))
-
-    def _checked(self, submission: Submission) -> tuple[list[int], SamplingParams]:
-        ids = self.engine.prompt_token_ids(submission.prompt, submission.messages,
-                                           add_generation_prompt=submission.add_generation_prompt)
-        params = protocol.fit_max_tokens(submission.params, len(ids), self.engine.max_model_len,
-                                         submission.limit)
-        self.engine.check_params(params)
-        return ids, params
 
     def _prompt_text(self, prompt: str | list[int] | None, ids: list[int]) -> str:
         """What an echo shows: a text prompt as given, token ids decoded (special tokens

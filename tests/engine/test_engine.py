@@ -15,7 +15,7 @@ from jaxinfer import LLM, SamplingParams, checkpoint
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.request import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from jaxinfer.engine.runner import Sample
 from jaxinfer.model import transformer
 
@@ -116,6 +116,33 @@ def test_engine_static_scheduler_gives_the_same_greedy_tokens(hf_model_dirs, eng
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 3)]
     assert [o.token_ids for o in _run(static, prompts, params)] == \
         [o.token_ids for o in _run(engine, prompts, params)]
+
+
+TINY_TEMPERATURES = (1e-4, 1e-5, 1e-9, 1e-10, 1e-20, 1e-37, 1e-40)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_tiny_temperatures_sample_the_top_token(hf_model_dirs, dtype):
+    """Below GREEDY_TEMPERATURE a request is greedy, token for token; at and above it each
+    drawn token is a top one (a logit within 1e-3 of the best has all but e^-100 of the
+    mass at 1e-5). The fused step once drew id 0 at 1e-10 .. 1e-20."""
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(**SMALL, dtype=dtype))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(30, 60))]
+
+    def run(temperature):
+        params = [SamplingParams(max_tokens=12, temperature=temperature, seed=seed,
+                                 ignore_eos=True, logprobs=1) for seed in range(len(prompts))]
+        return _run(engine, prompts, params)
+
+    greedy = [o.token_ids for o in run(0.0)]
+    for temperature in TINY_TEMPERATURES:
+        outputs = run(temperature)
+        if temperature < GREEDY_TEMPERATURE:
+            assert [o.token_ids for o in outputs] == greedy, temperature
+            continue
+        for output in outputs:
+            for token, scores in zip(output.token_ids, output.logprobs, strict=True):
+                assert scores[token] >= max(scores.values()) - 1e-3, (temperature, scores)
 
 
 def test_engine_n_completions_differ_and_follow_the_seed(engine):

@@ -332,3 +332,32 @@ def test_first_argmax_matches_argmax_with_ties():
     x[6, 100] = np.inf
     np.testing.assert_array_equal(np.asarray(sampler.first_argmax(jnp.asarray(x))),
                                   x.argmax(axis=-1))
+
+
+# Every positive temperature the API accepts, down past float32's smallest normal
+# (1.2e-38) to its smallest subnormal; the device sees them as float32.
+TINY_TEMPERATURES = [1e-4, 1e-5, 1e-8, 1e-9, 1e-10, 1e-15, 1e-20, 1e-30, 1e-37, 1e-38,
+                     1e-40, 1e-45]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 50, "top_p": 0.9, "min_p": 0.05}])
+def test_sample_tiny_temperatures_pick_the_top_token(dtype, filters):
+    """A vocab-sized row with one clear maximum: every tiny temperature samples it, with
+    or without filters, from float32 and bfloat16 logits (the row's dtype in a model of
+    that dtype). A softmax of logits / T that rounds its maximum apart from the scaled
+    row's maximum leaves no weight at all, and the draw fell to id 0."""
+    n, vocab = len(TINY_TEMPERATURES), 4096
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(size=(n, vocab)) * 3).astype(np.float32)
+    top = rng.integers(1, vocab, size=n)
+    logits[np.arange(n), top] = logits.max(axis=-1) + 1.0  # one clear maximum per row
+    logits = jnp.asarray(logits).astype(dtype)
+    inp = _inputs(n, temperature=TINY_TEMPERATURES, seeds=np.arange(n), counters=3,
+                  **filters)
+    out = _sample(logits, inp, num_logprobs=K)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), top)
+    weights = np.asarray(jax.jit(sampler.filtered_weights)(logits.astype(jnp.float32), inp))
+    assert np.isfinite(weights).all()
+    np.testing.assert_array_equal(weights.argmax(axis=-1), top)
+    assert (weights[np.arange(n), top] > 0).all()

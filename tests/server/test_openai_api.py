@@ -24,6 +24,17 @@ def test_completion_greedy_equals_llm_generate(client, server, demo_llm):
     assert response.object == "text_completion" and response.model == server.model
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-10, 1e-20, 1e-37, 1e-45])
+def test_completion_at_a_tiny_temperature_is_greedy(client, server, demo_llm, temperature):
+    """Below 1e-5 a request is greedy (the sampler once drew <|endoftext|> from 1e-10 to
+    1e-37 and stopped after a few tokens)."""
+    response = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24,
+                                         temperature=temperature, seed=3)
+    expected = demo_llm.generate(PROMPT, greedy(demo_llm, 24))[0]
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason) == (expected.text, "length")
+
+
 def test_completion_stream_equals_whole(client, server):
     kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=30, temperature=0)
     whole = client.completions.create(**kwargs)

@@ -165,7 +165,7 @@ def _row(row: SampleRow | None) -> dict[str, float | int | bool]:
     request, p = row.request, row.request.params
     # Outputs before this row's token (0 at a position inside the prompt).
     generated = max(0, len(row.token_ids) - len(request.prompt_token_ids))
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+    return {"temperature": 0.0 if p.greedy else p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "seeds": request.seed, "counters": generated,
