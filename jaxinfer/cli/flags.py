@@ -68,6 +68,8 @@ def define_config_flags(config_class: type) -> tuple[str, ...]:
             flags.DEFINE_boolean(field.name, field.default, help_text)
         elif kinds == {int}:
             flags.DEFINE_integer(field.name, field.default, help_text)
+        elif kinds == {float}:
+            flags.DEFINE_float(field.name, field.default, help_text)
         elif kinds == {str} or all(dataclasses.is_dataclass(k) for k in kinds):
             flags.DEFINE_string(field.name, field.default, help_text)  # a dataclass: JSON
         else:

@@ -71,7 +71,15 @@ class ServerConfig:
     max_waiting_requests: int = setting(
         256, "completions waiting for a slot (n counts each); over it requests get 503 with "
         "Retry-After")
-    max_request_body_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
+    max_request_body_bytes: int = setting(
+        8 * 2**20, "larger request bodies get 413 (a larger Content-Length at once, before "
+        "the body is read)")
+    header_read_timeout: float = setting(
+        10.0, "seconds a connection has to send a request's headers, from its first byte "
+        "(or from connecting); then 408 and the connection is closed")
+    body_read_timeout: float = setting(
+        60.0, "seconds a request has to send its whole body after its headers; then 408 "
+        "and the connection is closed")
     shutdown_timeout: int = setting(
         30, "seconds after SIGTERM to finish in-flight requests; then they are aborted with "
         "an error and the process exits 0")
@@ -81,6 +89,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        for name in ("header_read_timeout", "body_read_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} must be in [0, 65536)")
         if self.api_key == "":

@@ -1,18 +1,20 @@
 """`python -m jaxinfer serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-ARCHITECTURE.md plans one `server.py`; the face is a package because it has five
-separate concerns that each fill a module: the request bodies and errors
-(`protocol`), the thread that owns the engine (`engine_loop`), response shapes
-(`responses`), the routes (`app`) and the Prometheus exposition (`prometheus`).
-This module wires them: `serve(llm, config)` starts the engine thread, binds the
-socket, runs uvicorn until SIGTERM/SIGINT, then shuts down gracefully: new
-requests get 503, requests in flight have `shutdown_timeout` seconds to finish,
-then are aborted with an error, and `serve` returns (the CLI exits 0). Imports
-the server modules, api (for LLM) and config; sits between cli and api.
+The package's modules: the request bodies and errors (`protocol`), the thread that
+owns the engine (`engine_loop`), response shapes (`responses`), the routes (`app`),
+uvicorn's HTTP protocol with header deadlines and JSON errors (`http`) and the
+Prometheus exposition (`prometheus`). This module wires them: `serve(llm, config)`
+starts the engine thread, binds the socket, runs uvicorn until SIGTERM/SIGINT, then
+shuts down gracefully: new requests and uploads still arriving get 503, requests in
+flight have `shutdown_timeout` seconds to finish, then are aborted with an error,
+and `serve` returns (the CLI exits 0). A second signal aborts them at once (their
+streams still end with the error event and `[DONE]`). Imports the server modules,
+api (for LLM) and config; sits between cli and api.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -26,11 +28,14 @@ import uvicorn
 
 from jaxinfer.api import LLM
 from jaxinfer.config import ServerConfig
+from jaxinfer.server import http
 from jaxinfer.server.app import ServerState, create_app
 from jaxinfer.server.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
+FORCED_MESSAGE = "the server was stopped (a second signal) before the request finished"
+FORCED_GRACE_S = 1.0  # for the aborted streams' last events after a second signal
 
 
 def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
@@ -38,13 +43,15 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     """Serve `llm` until a signal, on `sock` (from `bind`) or a socket bound to the
     config's host and port; `ready(url)` is called once it listens."""
     loop = EngineLoop(llm.engine, max_waiting_requests=config.max_waiting_requests)
-    app = create_app(_state(llm, config, loop, model_name))
+    state = _state(llm, config, loop, model_name)
+    app = create_app(state)
     sock = sock or bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     server = _Server(uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off",
-        timeout_graceful_shutdown=config.shutdown_timeout + 5), loop, config.shutdown_timeout)
+        http=http.protocol_class(config.header_read_timeout),
+        timeout_graceful_shutdown=config.shutdown_timeout + 5), state)
     loop.start()
     try:
         if ready is not None:
@@ -68,6 +75,12 @@ def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) ->
                        enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs)
 
 
+def _after(seconds: float, action: Callable[[], None]) -> None:
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True
+    timer.start()
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (0: a free port), not yet listening."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -83,23 +96,33 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, whose first exit signal also stops admission and arms the
-    deadline after which requests still in flight are aborted."""
+    """uvicorn's server. Its first exit signal stops admission, ends the uploads still
+    arriving (503) and arms the deadline after which requests still in flight are
+    aborted; a second signal aborts them at once, gives their streams FORCED_GRACE_S to
+    send the error event and `[DONE]`, then quits without waiting further."""
 
-    def __init__(self, config: uvicorn.Config, loop: EngineLoop, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
-        self._engine_loop = loop
-        self._timeout = timeout
+        self._state = state
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            log.info("signal %d: finishing %d request(s) within %ss", sig,
-                     self._engine_loop.num_in_flight, self._timeout)
-            self._engine_loop.accepting = False
-            timer = threading.Timer(self._timeout, self._engine_loop.abort_all,
-                                    args=(SHUTDOWN_MESSAGE,))
-            timer.daemon = True
-            timer.start()
+        engine_loop, timeout = self._state.loop, self._state.config.shutdown_timeout
+        if self.should_exit:  # the second signal: quit now
+            log.info("signal %d again: aborting %d request(s)", sig, engine_loop.num_in_flight)
+            engine_loop.abort_all(FORCED_MESSAGE)
+            _after(FORCED_GRACE_S, lambda: setattr(self, "force_exit", True))
+            return
+        log.info("signal %d: finishing %d request(s) within %ss", sig,
+                 engine_loop.num_in_flight, timeout)
+        engine_loop.accepting = False
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._state.draining.set)
+        _after(timeout, lambda: engine_loop.abort_all(SHUTDOWN_MESSAGE))
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager

@@ -29,6 +29,7 @@ from typing import Any
 import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
@@ -38,6 +39,9 @@ from jaxinfer.server.engine_loop import Disconnected, EngineLoop, Stream, Submis
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
+          "/health": "GET", "/metrics": "GET"}
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,19 +56,22 @@ class ServerState:
     defaults: SamplingParams
     token_text: out.TokenText | None  # None without a tokenizer: no logprob texts
     enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
+    draining: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # a signal came
 
 
 def create_app(state: ServerState) -> fastapi.FastAPI:
-    app = fastapi.FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect of "/v1/completions/" to the route: a 307 is outside OpenAI's shape.
+    app = fastapi.FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None,
+                          redirect_slashes=False)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Disconnected, _disconnected)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/metrics", _metrics, methods=["GET"])
-    app.add_api_route("/v1/models", _models, methods=["GET"])
-    app.add_api_route("/v1/completions", _completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    handlers = {"/health": _health, "/metrics": _metrics, "/v1/models": _models,
+                "/v1/completions": _completions, "/v1/chat/completions": _chat}
+    for path, handler in handlers.items():
+        app.add_api_route(path, handler, methods=[ROUTES[path]])
     return app
 
 
@@ -79,8 +86,17 @@ async def _api_error(request: fastapi.Request, error: Exception) -> JSONResponse
 
 
 async def _http_error(request: fastapi.Request, error: Exception) -> JSONResponse:
-    code = "not_found" if error.status_code == 404 else None
-    return _error_response(APIError(error.status_code, str(error.detail), code=code))
+    if error.status_code == 404:
+        path = protocol.shortened(request.url.path)
+        return _error_response(APIError(404, f"{request.method} {path} does not exist; the "
+                                        f"routes are {', '.join(ROUTES)}", code="not_found"))
+    return _error_response(APIError(error.status_code, str(error.detail)))
+
+
+async def _disconnected(request: fastapi.Request, error: Exception) -> Response:
+    """A client that left (mid-upload, say): nobody reads the answer; one log line."""
+    log.info("%s %s: the client went away", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def _internal_error(request: fastapi.Request, error: Exception) -> JSONResponse:
@@ -99,7 +115,7 @@ async def _health(request: fastapi.Request) -> Response:
     if not loop.healthy:
         raise APIError(503, f"the engine failed: {loop.failure}", code="engine_failed")
     if not loop.accepting:
-        raise APIError(503, "the server is shutting down", code="shutting_down")
+        raise APIError(503, SHUTTING_DOWN, code="shutting_down")
     return JSONResponse({"status": "ok"})
 
 
@@ -131,22 +147,54 @@ def _authorized(request: fastapi.Request) -> ServerState:
     return state
 
 
-async def _read_body(request: fastapi.Request, limit: int) -> bytes:
-    """The body, or 413 past `limit` bytes (the rest is read and dropped, never kept)."""
+async def _read_body(request: fastapi.Request, state: ServerState) -> bytes:
+    """The body, within `body_read_timeout` seconds (else 408); 413 past the size limit,
+    at once when Content-Length declares it (before uvicorn sends `100 Continue`); 503
+    as soon as the server starts shutting down."""
+    config = state.config
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > config.max_request_body_bytes:
+        raise _too_large(int(declared), config.max_request_body_bytes, "declares")
+    reading = asyncio.ensure_future(_body(request, config.max_request_body_bytes))
+    draining = asyncio.ensure_future(state.draining.wait())
+    try:
+        done, _ = await asyncio.wait({reading, draining}, timeout=config.body_read_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        reading.cancel()
+        draining.cancel()
+    if reading in done:
+        return reading.result()
+    if draining in done:
+        raise APIError(503, SHUTTING_DOWN, code="shutting_down")
+    raise APIError(408, f"the request body did not arrive within {config.body_read_timeout:g}"
+                   " s (body_read_timeout)", code="request_timeout")
+
+
+async def _body(request: fastapi.Request, limit: int) -> bytes:
+    """The body, or 413 past `limit` bytes (the rest is read and dropped, never kept); a
+    client that leaves meanwhile raises Disconnected."""
     body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+    except ClientDisconnect:
+        raise Disconnected from None
     if size > limit:
-        raise APIError(413, f"the request body has {size} bytes; the limit is {limit} "
-                       "(max_request_body_bytes)", code="request_too_large")
+        raise _too_large(size, limit, "has")
     return bytes(body)
+
+
+def _too_large(size: int, limit: int, verb: str) -> APIError:
+    return APIError(413, f"the request body {verb} {size} bytes; the limit is {limit} "
+                    "(max_request_body_bytes)", code="request_too_large")
 
 
 async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:
     state = _authorized(request)
-    raw = await _read_body(request, state.config.max_request_body_bytes)
+    raw = await _read_body(request, state)
     body = protocol.validate(model, protocol.parse_json(raw))
     if body.model is not None and body.model != state.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "

@@ -31,9 +31,11 @@ class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
-             404: "not_found_error", 405: "invalid_request_error",
+             404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
              503: "service_unavailable"}
+    # The body was not read whole: the connection cannot carry another request.
+    CLOSING = frozenset({408, 413})
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, retry_after: int | None = None) -> None:
@@ -50,7 +52,8 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return headers | ({"Connection": "close"} if self.status in self.CLOSING else {})
 
 
 class _Body(pydantic.BaseModel):
@@ -187,13 +190,19 @@ def validate(model: type[_Body], data: Any) -> Any:
         errors = e.errors(include_url=False)
         error = errors[0]
         if error["type"] == "extra_forbidden":
-            field = ".".join(str(p) for p in error["loc"])
+            field = shortened(".".join(str(p) for p in error["loc"]))
             raise APIError(400, f"{field}: unknown or unsupported parameter",
                            param=field) from None
         loc, tag = _split_union(error["loc"])
-        field = ".".join(str(p) for p in loc) or None
+        field = shortened(".".join(str(p) for p in loc)) or None
         message = error["msg"] if tag is None else _union_message(loc, errors)
         raise APIError(400, f"{field}: {message}" if field else message, param=field) from None
+
+
+def shortened(text: str, limit: int = 80) -> str:
+    """`text` as an error may echo it: at most `limit` characters (a client's field name or
+    path can be megabytes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _split_union(loc: tuple) -> tuple[tuple, str | None]:
