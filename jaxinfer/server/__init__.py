@@ -50,7 +50,7 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     url = f"http://{host}:{port}"
     server = _Server(uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off",
-        http=http.protocol_class(config.header_read_timeout),
+        http=http.protocol_class(config.header_read_timeout, config.body_read_timeout),
         timeout_graceful_shutdown=config.shutdown_timeout + 5), state)
     loop.start()
     try:

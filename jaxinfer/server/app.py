@@ -149,12 +149,14 @@ def _authorized(request: fastapi.Request) -> ServerState:
 
 async def _read_body(request: fastapi.Request, state: ServerState) -> bytes:
     """The body, within `body_read_timeout` seconds (else 408); 413 past the size limit,
-    at once when Content-Length declares it (before uvicorn sends `100 Continue`); 503
+    at once when Content-Length declares it (before uvicorn sends `100 Continue`; a
+    client already sending reads the 413 while uvicorn drops the rest, see http.py); 503
     as soon as the server starts shutting down."""
     config = state.config
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > config.max_request_body_bytes:
-        raise _too_large(int(declared), config.max_request_body_bytes, "declares")
+        waits = request.headers.get("expect", "").lower() == "100-continue"
+        raise _too_large(int(declared), config.max_request_body_bytes, "declares", close=waits)
     reading = asyncio.ensure_future(_body(request, config.max_request_body_bytes))
     draining = asyncio.ensure_future(state.draining.wait())
     try:
@@ -166,9 +168,9 @@ async def _read_body(request: fastapi.Request, state: ServerState) -> bytes:
     if reading in done:
         return reading.result()
     if draining in done:
-        raise APIError(503, SHUTTING_DOWN, code="shutting_down")
+        raise APIError(503, SHUTTING_DOWN, code="shutting_down", close=True)
     raise APIError(408, f"the request body did not arrive within {config.body_read_timeout:g}"
-                   " s (body_read_timeout)", code="request_timeout")
+                   " s (body_read_timeout)", code="request_timeout", close=True)
 
 
 async def _body(request: fastapi.Request, limit: int) -> bytes:
@@ -187,9 +189,9 @@ async def _body(request: fastapi.Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _too_large(size: int, limit: int, verb: str) -> APIError:
+def _too_large(size: int, limit: int, verb: str, close: bool = False) -> APIError:
     return APIError(413, f"the request body {verb} {size} bytes; the limit is {limit} "
-                    "(max_request_body_bytes)", code="request_too_large")
+                    "(max_request_body_bytes)", code="request_too_large", close=close)
 
 
 async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:

@@ -5,9 +5,13 @@ shape where uvicorn answers in plain text.
 A connection has `header_read_timeout` seconds to send a request's headers, counted
 from connecting, or, on a kept-alive connection, from the next request's first byte
 (before that byte, uvicorn's keep-alive timeout closes an idle connection); then it
-gets a 408 and is closed. A malformed request gets a 400 in OpenAI's error shape
-(uvicorn's is text/plain). The body's deadline and size limit belong to the app
-(app.py), which checks the API key first. Imports uvicorn, h11 and protocol.
+gets a 408 and is closed. A request answered before its body arrived whole (a 413
+for its declared size) keeps the connection while uvicorn reads and drops the rest,
+so a client still sending reads the answer instead of a reset, for at most
+`body_read_timeout` seconds; then the connection is closed. A malformed request gets
+a 400 in OpenAI's error shape (uvicorn's is text/plain). The body's own deadline and
+size limit belong to the app (app.py), which checks the API key first. Imports
+uvicorn, h11 and protocol.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from jaxinfer.server.protocol import APIError
 
 
-def protocol_class(header_read_timeout: float) -> type[H11Protocol]:
-    """The protocol class for uvicorn.Config(http=...), with this header deadline."""
+def protocol_class(header_read_timeout: float, body_read_timeout: float) -> type[H11Protocol]:
+    """The protocol class for uvicorn.Config(http=...), with these deadlines."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_read_timeout": header_read_timeout})
+                {"header_read_timeout": header_read_timeout,
+                 "body_read_timeout": body_read_timeout})
 
 
 def error_bytes(error: APIError) -> bytes:
@@ -42,10 +47,23 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout"}
 
 class GuardedH11Protocol(H11Protocol):
     header_read_timeout: float = 10.0
+    body_read_timeout: float = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline: asyncio.TimerHandle | None = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            self.loop.call_later(self.body_read_timeout, self._close_if_still_sending,
+                                 self.cycle)
+
+    def _close_if_still_sending(self, cycle: object) -> None:
+        """Close a connection still sending the body of the request `cycle` answered."""
+        if (self.cycle is cycle and not self.transport.is_closing()
+                and self.conn.their_state is h11.SEND_BODY):
+            self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -34,17 +34,17 @@ class APIError(Exception):
              404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
              503: "service_unavailable"}
-    # The body was not read whole: the connection cannot carry another request.
-    CLOSING = frozenset({408, 413})
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None,
+                 close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.close = close  # the connection cannot carry another request (`Connection: close`)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message,
@@ -53,7 +53,7 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-        return headers | ({"Connection": "close"} if self.status in self.CLOSING else {})
+        return headers | ({"Connection": "close"} if self.close else {})
 
 
 class _Body(pydantic.BaseModel):

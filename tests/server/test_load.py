@@ -1,12 +1,15 @@
 """Many clients at once: 64 concurrent streams are batched and each equals its
 `LLM.generate` greedy output; clients that disconnect mid-stream abort their requests
-and free their KV pages, and the server keeps serving."""
+and free their KV pages, and the server keeps serving; prompts of megabytes are refused
+without stalling the streams of others."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
+import httpx2 as httpx
 import openai
 from serving import greedy, metric_values
 
@@ -93,3 +96,61 @@ def test_disconnected_clients_free_their_pages(server, client):
     response = client.completions.create(model=server.model, prompt="import os\n",
                                          max_tokens=5)
     assert response.usage.completion_tokens == 5  # still serving
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+async def _ticker(client: httpx.AsyncClient, arrivals: list[float],
+                  done: asyncio.Event) -> None:
+    """Back-to-back streamed completions until `done`: the arrival time of every event."""
+    body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    while not done.is_set():
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+
+def test_huge_prompts_are_refused_without_stalling_other_streams(server):
+    """Three bodies of 6-8 MB (a text prompt, chat messages, token ids) are 400s found
+    from their length alone, while another client streams. Tokenizing such a prompt on
+    the engine thread once froze every stream for 7 s and grew the server by ~1 GB."""
+    text = "x = 1; " * (7_800_000 // 7)  # under the 8 MiB body limit as JSON
+    huge = [("/v1/completions", {"prompt": text, "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                      "max_tokens": 4}),
+            ("/v1/completions", {"prompt": [1] * 2_000_000, "max_tokens": 4})]
+    rss_before = _rss_bytes(server.process.pid)
+    arrivals: list[float] = []
+
+    async def run() -> tuple[list[httpx.Response], float, float]:
+        done = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
+                                     timeout=120) as client:
+            ticker = asyncio.create_task(_ticker(client, arrivals, done))
+            while len(arrivals) < 20:
+                await asyncio.sleep(0.01)
+            sent = time.monotonic()
+            responses = await asyncio.gather(*(client.post(path, json=body)
+                                               for path, body in huge))
+            answered = time.monotonic()
+            await asyncio.sleep(0.2)
+            done.set()
+            await ticker
+        return responses, sent, answered
+
+    responses, sent, answered = asyncio.run(run())
+    for (path, _), response in zip(huge, responses, strict=True):
+        assert response.status_code == 400, (path, response.text[:300])
+        error = response.json()["error"]
+        assert "max_model_len 512" in error["message"]
+        assert error["param"] == ("messages" if "chat" in path else "prompt")
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > sent and a < answered]
+    assert gaps and arrivals[-1] > answered  # the stream ran throughout
+    assert max(gaps) < 2.0, max(gaps)  # one such prompt once stalled it 7 s
+    assert _rss_bytes(server.process.pid) - rss_before < 300 * 2**20
