@@ -145,6 +145,59 @@ def test_n_up_to_slots_plus_waiting_fits_beyond_is_400(keyed_server):
     assert never.json()["error"]["param"] == "n"
 
 
+ABORTED = "jaxinfer:request_success_total{finished_reason=abort}"
+PROMPT_TOKENS = "jaxinfer:prompt_tokens_total"
+
+
+@pytest.mark.parametrize("prompts,n", [(SLOTS + WAITING + 1, 1), (7, 3), (2000, 1)])
+def test_a_list_prompt_over_the_admission_capacity_is_400_and_starts_nothing(
+        keyed_server, prompts, n):
+    """It could never be admitted: a 400 naming the numbers, decided before any work (a
+    503 here was retried for ever, after starting and aborting up to 20 completions)."""
+    before = metric_values(keyed_server)
+    response = keyed_server.post("/v1/completions", headers=AUTH, json={
+        "prompt": [f"x{i}" for i in range(prompts)], "n": n, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt"
+    assert f"{prompts * n} completions" in error["message"]
+    assert f"{SLOTS + WAITING} (max_num_seqs {SLOTS} + max_waiting_requests {WAITING})" \
+        in error["message"]
+    after = metric_values(keyed_server)
+    assert after.get(ABORTED, 0) == before.get(ABORTED, 0)
+    assert after[PROMPT_TOKENS] == before[PROMPT_TOKENS]
+
+
+def test_a_list_prompt_that_fits_is_admitted_whole(keyed_server):
+    body = {"prompt": [f"x{i}" for i in range(SLOTS + WAITING)], "max_tokens": 2,
+            "ignore_eos": True}
+    response = keyed_server.post("/v1/completions", headers=AUTH, json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == SLOTS + WAITING
+
+
+def test_a_list_prompt_that_fits_only_later_is_503_before_any_work(keyed_server):
+    """With 10 slots busy, 15 prompts fit the server but not now: one 503, nothing of
+    them started (each prompt used to be added until one was refused, then all aborted)."""
+    async def run() -> tuple[httpx.Response, dict, dict]:
+        async with _client(keyed_server) as client:
+            tasks, _ = await _fill(client, [480] * 10)
+            before = metric_values(keyed_server)
+            response = await client.post("/v1/completions", headers=AUTH, json={
+                "prompt": [f"x{i}" for i in range(15)], "max_tokens": 2})
+            after = metric_values(keyed_server)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return response, before, after
+
+    response, before, after = asyncio.run(run())
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+    _assert_error_shape(response.json(), "service_unavailable", "overloaded")
+    assert after.get(ABORTED, 0) == before.get(ABORTED, 0)
+    assert after[PROMPT_TOKENS] == before[PROMPT_TOKENS]
+
+
 def test_prompt_logprobs_without_the_flag_are_400_and_serving_goes_on(keyed_server):
     """This server was started without --enable_prompt_logprobs."""
     body = {"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}
