@@ -5,7 +5,7 @@ Workload: 64 requests sharing one 1,024-token prefix, each with a distinct
 model of SmolLM-135M's shape. The same prompts run through `LLM(...,
 enable_prefix_caching=True)` and `=False`; warm-up is excluded (the second
 engine's warm-up reads the first's persistent compilation cache). The
-prompt-overlap audit (`jaxinfer.audit.overlap`, which does not run the model)
+prompt-overlap audit (`jaxinfer.cli.audit.overlap`, which does not run the model)
 projects the prefill saving; it is printed next to the measured one. Prints one
 JSON object.
 
@@ -22,7 +22,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import LLM, SamplingParams, audit, testing
+from jaxinfer import LLM, SamplingParams, testing
+from jaxinfer.cli import audit
 
 flags.DEFINE_string("dtype", "bfloat16", "weights dtype")
 flags.DEFINE_integer("num_requests", 64, "requests in the workload")

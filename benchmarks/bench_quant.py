@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from jaxinfer import LLM, SamplingParams, quantization, testing
+from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.engine import runner as engine_runner
 
 MODES = {"bf16": None, "int8": "int8", "w8a8": "w8a8", "fp8": "fp8", "int4": "int4"}
@@ -130,13 +130,19 @@ def measured_bounds(mode: str, params: object) -> dict:
     return found
 
 
+def _is_quantized(leaf: object) -> bool:
+    """A quantized weight (values and scales), told by its fields rather than its class:
+    compare_commits.sh runs this script against commits where the class lives elsewhere."""
+    return hasattr(leaf, "value") and hasattr(leaf, "scale")
+
+
 def int8_bound(params: object) -> dict:
     """The int8 weight-read bound: a batch-2 int8 x int8 -> int32 pass over exactly the
     int8 values a w8a8 step reads (every layer's linear weights and the LM head, stored
     [O, I], contracted on their minor axis as the step's dots are); the bf16 embedding
     is gathered, a few rows a step, so it is left out."""
-    values = [leaf.value for leaf in jax.tree.leaves(params, is_leaf=quantization.is_quantized)
-              if quantization.is_quantized(leaf)]
+    values = [leaf.value for leaf in jax.tree.leaves(params, is_leaf=_is_quantized)
+              if _is_quantized(leaf)]
     matrices = [jnp.ones(v.shape, jnp.int8) for v in values]
     seconds = bounds.matmul_pass_seconds(matrices, rows=2, repeats=FLAGS.bound_repeats,
                                          contract_last=True)

@@ -43,8 +43,8 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import DEFAULT_MODEL
-from jaxinfer.corpus import corpus_files, read_texts
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.text.corpus import corpus_files, read_texts
+from jaxinfer.text.tokenizer import Tokenizer
 
 DRAFT = DEFAULT_MODEL.parent / "demo-draft"
 MODES = {

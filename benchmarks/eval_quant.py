@@ -2,7 +2,7 @@
 `eval_ppl` (jaxinfer/evaluate.py) and greedy agreement, each against the unquantized
 float32 baseline measured in the same run.
 
-Text: the corpus's held-out files (`jaxinfer.corpus.corpus_files()[1]`, 100 standard
+Text: the corpus's held-out files (`jaxinfer.text.corpus.corpus_files()[1]`, 100 standard
 library files the demo model never trained on), sorted; `--files` keeps the first N
 (default all), and `--max_tokens_per_file` (default 1020: two full 511-token windows)
 scores each file's first tokens only, so one mode takes about a minute on 2 CPU cores:
@@ -38,8 +38,9 @@ import typing
 
 from absl import app, flags
 
-from jaxinfer import LLM, SamplingParams, corpus, evaluate
+from jaxinfer import LLM, SamplingParams, evaluate
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.text import corpus
 
 BASELINE = "baseline"
 DEFAULT_MODES = [BASELINE, "quantization=int8", "quantization=w8a8", "quantization=fp8"]

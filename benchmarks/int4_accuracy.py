@@ -30,10 +30,12 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import awq, checkpoint, corpus, quantization
+from jaxinfer import checkpoint
+from jaxinfer.checkpoint import awq
 from jaxinfer.config import DEFAULT_MODEL
-from jaxinfer.model import transformer
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.model import quantization, transformer
+from jaxinfer.text import corpus
+from jaxinfer.text.tokenizer import Tokenizer
 
 flags.DEFINE_integer("windows", 32, "held-out windows (one per file)")
 flags.DEFINE_integer("window_tokens", 256, "tokens per window")

@@ -2,7 +2,7 @@
 choice of scales.
 
 Held-out windows of `--window` tokens from the corpus's held-out files
-(`jaxinfer.corpus.corpus_files()`, never trained on), tokenized with the demo tokenizer,
+(`jaxinfer.text.corpus.corpus_files()`, never trained on), tokenized with the demo tokenizer,
 are scored teacher-forced through the Runner's logits path (`Runner.logits`: one chunk
 per window, its K/V written to the cache, quantized for 8-bit KV, then attended) with
 kv_cache_dtype float32, int8 and fp8: mean NLL per predicted token and perplexity, and
@@ -25,12 +25,12 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import corpus
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import Chunk
 from jaxinfer.pallas import kv_layout, kv_quant
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.text import corpus
+from jaxinfer.text.tokenizer import Tokenizer
 
 FLAGS = flags.DEFINE_integer("windows", 16, "held-out windows")
 flags.DEFINE_integer("window", 256, "tokens per window")

@@ -47,7 +47,7 @@ def test_demo_and_draft_share_the_tokenizer():
 
 
 def _shapes(model_dir):
-    from jaxinfer import safetensors_file
+    from jaxinfer.checkpoint import safetensors_file
 
     header, _ = safetensors_file.read_header(model_dir / "model.safetensors")
     return [entry["shape"] for entry in header.values()]
@@ -80,7 +80,7 @@ def test_cli_reports_unknown_model_dir(tmp_path):
 
 
 def test_demo_generation_config_sets_sampled_defaults():
-    from jaxinfer import loading
+    from jaxinfer.engine import loading
 
     for model_dir in (DEMO, DRAFT):
         assert loading.default_sampling_params(model_dir) == SamplingParams(

@@ -19,9 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, awq, checkpoint, corpus, planner, quantization, testing
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
+from jaxinfer.checkpoint import awq
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, load_preset
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.model import quantization
+from jaxinfer.sizing import planner
+from jaxinfer.text import corpus
+from jaxinfer.text.tokenizer import Tokenizer
 
 SMALL = dict(page_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16)
 

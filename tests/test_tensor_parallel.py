@@ -16,11 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, checkpoint, shard_source, sharding, testing
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
+from jaxinfer.checkpoint import shard_source
 from jaxinfer.checkpoint.names import leaf_name
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
+from jaxinfer.model import sharding
 from jaxinfer.model.transformer import param_partition_specs
 
 TP_FAMILIES = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),

@@ -33,9 +33,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxinfer import checkpoint
 from jaxinfer.config import ModelConfig
-from jaxinfer.corpus import corpus_files as split_corpus
-from jaxinfer.corpus import read_texts
 from jaxinfer.model import transformer
+from jaxinfer.text.corpus import corpus_files as split_corpus
+from jaxinfer.text.corpus import read_texts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "checkpoints", "where to write demo/ and demo-draft/")

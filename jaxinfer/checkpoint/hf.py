@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import compressed_tensors, quantization, safetensors_file, shard_source, sharding
+from jaxinfer.checkpoint import compressed_tensors, safetensors_file, shard_source
 from jaxinfer.checkpoint.names import get_leaf, hf_names, hf_shapes, leaf_layouts, leaf_name
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion
+from jaxinfer.model import fusion, quantization, sharding
 from jaxinfer.model.transformer import Params, param_partition_specs, param_shapes
 
 log = logging.getLogger(__name__)

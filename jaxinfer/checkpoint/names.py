@@ -9,7 +9,7 @@ Imports config, model (shapes, fusion) and shard_source.
 
 from __future__ import annotations
 
-from jaxinfer import shard_source
+from jaxinfer.checkpoint import shard_source
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.transformer import Params, hf_layer_shapes, param_shapes

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer import awq, quantization, shard_source, sharding
+from jaxinfer.checkpoint import awq, shard_source
 from jaxinfer.checkpoint.hf import check_dtype, load_config, load_hf_params, model_dir_path
 from jaxinfer.checkpoint.names import FUSED
 from jaxinfer.checkpoint.quantized import (
@@ -33,7 +33,7 @@ from jaxinfer.checkpoint.quantized import (
     served_quantization,
 )
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion
+from jaxinfer.model import fusion, quantization, sharding
 from jaxinfer.model.transformer import Params, param_partition_specs, param_shapes
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,9 @@ import json
 import os
 import pathlib
 
-from jaxinfer import compressed_tensors, quantization
+from jaxinfer.checkpoint import compressed_tensors
 from jaxinfer.checkpoint.hf import read_hf_config
+from jaxinfer.model import quantization
 
 QUANTIZATION_FILE = "quantization.json"  # orbax: {"mode": "w8a8", "layout": 2}
 

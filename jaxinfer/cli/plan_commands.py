@@ -16,9 +16,9 @@ import sys
 
 from absl import app
 
-from jaxinfer import accelerators
 from jaxinfer.cli.flags import FLAGS, engine_config
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.sizing import accelerators
 
 AOT_DEFAULTS = {"device": "v5e-1"}  # over the flags
 
@@ -73,7 +73,7 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, int]:
     """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
     share of one device of --device."""
-    from jaxinfer import planner
+    from jaxinfer.sizing import planner
 
     if FLAGS.memory_gb is not None:
         return {"memory_bytes": int(FLAGS.memory_gb * 1e9)}
@@ -89,7 +89,7 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
 def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None) -> int:
     """--tensor_parallel_size, else every device of --device, else 1; ValueError unless
     the model's heads split over it."""
-    from jaxinfer import planner
+    from jaxinfer.sizing import planner
 
     if FLAGS["tensor_parallel_size"].present:
         planner.check_tensor_parallel(cfg, FLAGS.tensor_parallel_size)
@@ -104,7 +104,7 @@ def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None
 
 
 def plan() -> None:
-    from jaxinfer import planner
+    from jaxinfer.sizing import planner
 
     settings, cfg = _with_checkpoint_quantization(engine_config()), _model_config()
     acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
@@ -131,7 +131,7 @@ def plan() -> None:
 
 
 def audit() -> None:
-    from jaxinfer import audit as audit_lib
+    from jaxinfer.cli import audit as audit_lib
 
     if not FLAGS.input:
         raise app.UsageError("audit needs --input=PROMPTS.jsonl")
@@ -141,7 +141,7 @@ def audit() -> None:
 
 
 def aot() -> None:
-    from jaxinfer import aot as aot_lib
+    from jaxinfer.cli import aot as aot_lib
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
     cfg, engine = _model_config(), _with_checkpoint_quantization(engine_config())

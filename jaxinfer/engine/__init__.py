@@ -1,1 +1,2 @@
-"""Host-side serving: requests, the runner bridge, and (later) the scheduler."""
+"""Host-side serving: requests, the scheduler and its page pool, the runner (the one
+bridge to the device), loading a checkpoint into a runner, and the engine loop."""

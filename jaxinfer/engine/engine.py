@@ -20,8 +20,8 @@ import random
 import time
 from collections.abc import Sequence
 
-from jaxinfer import loading
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine import loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
@@ -36,8 +36,7 @@ from jaxinfer.engine.request import (
 )
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
-from jaxinfer.loading import DEVICE_KV_FRACTION  # noqa: F401  (aot.py reads it here)
-from jaxinfer.tokenizer import TooLong
+from jaxinfer.text.tokenizer import TooLong
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxinfer.tokenizer import IncrementalDetokenizer
+from jaxinfer.text.tokenizer import IncrementalDetokenizer
 
 
 class TextState:

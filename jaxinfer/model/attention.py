@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, layers
+from jaxinfer.model import fusion, layers, sharding
 from jaxinfer.pallas import kv_layout, kv_quant, ragged_paged_attention, reference
 
 KV_PAGES_SPEC = P(None, None, sharding.MODEL_AXIS, None, None)  # split by KV head (words)

@@ -3,7 +3,7 @@
 Matmuls take weights in their storage dtype (float32 or bfloat16) and
 accumulate in float32 (`preferred_element_type`), the fast path on CPU and the
 accurate one everywhere; activations between blocks stay float32.
-Imports jax, numpy, jaxinfer.config, jaxinfer.quantization and model.fusion.
+Imports jax, numpy, jaxinfer.config, jaxinfer.model.quantization and model.fusion.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import quantization
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion
-from jaxinfer.quantization import QuantizedWeight
+from jaxinfer.model import fusion, quantization
+from jaxinfer.model.quantization import QuantizedWeight
 
 
 def min_matmul_rows(dtype: jnp.dtype, quantization: str | None = None) -> int:

@@ -43,9 +43,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import rejection, sampler, scoring, transformer
+from jaxinfer.model import rejection, sampler, scoring, sharding, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
 

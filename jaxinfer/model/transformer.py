@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import layers
+from jaxinfer.model import layers, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
     KVCache,

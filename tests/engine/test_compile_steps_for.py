@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer import aot, sharding
+from jaxinfer.cli import aot
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner import compile_steps_for
+from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
 

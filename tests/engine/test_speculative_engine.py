@@ -138,8 +138,8 @@ def test_sampling_settings_hold_under_speculation(draft_engine):
 
 
 def _demo_prompts(count=12):
-    from jaxinfer.corpus import corpus_files, read_texts
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.corpus import corpus_files, read_texts
+    from jaxinfer.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(DEMO)
     texts = read_texts(corpus_files()[1][:count])

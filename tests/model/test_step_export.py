@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner.programs import (
@@ -26,9 +25,10 @@ from jaxinfer.engine.runner.programs import (
     step_function,
     step_shardings,
 )
+from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec
+from jaxinfer.model.quantization import quantize_params
 from jaxinfer.model.transformer import param_shapes
-from jaxinfer.quantization import quantize_params
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128

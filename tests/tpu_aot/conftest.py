@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer import aot
+from jaxinfer.cli import aot
 
 aot.tpu_compile_environment()
 
@@ -20,7 +20,7 @@ GENERATIONS = {"v5e": "v5e-1", "v5p": "v5p-8", "v6e": "v6e-1"}
 @pytest.fixture(scope="session")
 def chips():
     """generation -> one abstract chip of that generation."""
-    from jaxinfer import accelerators
+    from jaxinfer.sizing import accelerators
 
     return {gen: aot.target_devices(accelerators.get(name))[0]
             for gen, name in GENERATIONS.items()}

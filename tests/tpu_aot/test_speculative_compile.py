@@ -16,14 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import accelerators, aot, sharding
+from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import sampling_inputs
 from jaxinfer.engine.runner.programs import input_spec, on_shardings, step_shardings
 from jaxinfer.model import draft as draft_model
+from jaxinfer.model import sharding
 from jaxinfer.model import step as model_step
+from jaxinfer.sizing import accelerators
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
                         max_num_batched_tokens=256, max_model_len=2048, page_size=16)

@@ -13,9 +13,10 @@ import dataclasses
 
 import pytest
 
-from jaxinfer import accelerators, aot, planner
+from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.sizing import accelerators, planner
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=64,
                         max_num_batched_tokens=512, max_model_len=2048, page_size=16)

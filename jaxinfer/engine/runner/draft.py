@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import Request
@@ -37,6 +36,7 @@ from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
 from jaxinfer.engine.runner.programs import step_shardings
 from jaxinfer.model import draft as draft_model
+from jaxinfer.model import sharding
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
 from jaxinfer.pallas import kv_quant

@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer import quantization as quantization_lib
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
@@ -29,7 +27,8 @@ from jaxinfer.engine.runner.inputs import (
     proposed_ids,
     sampling_inputs,
 )
-from jaxinfer.model import layers, scoring, transformer
+from jaxinfer.model import layers, scoring, sharding, transformer
+from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
     KV_PAGES_SPEC,

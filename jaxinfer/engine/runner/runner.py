@@ -38,8 +38,6 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxinfer import quantization as quantization_lib
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import MAX_LOGPROBS
@@ -65,7 +63,8 @@ from jaxinfer.engine.runner.programs import (
     step_shardings,
 )
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.model import sampler, scoring
+from jaxinfer.model import quantization as quantization_lib
+from jaxinfer.model import sampler, scoring, sharding
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
     init_kv_cache,

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, checkpoint, compressed_tensors, quantization, testing
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
+from jaxinfer.checkpoint import compressed_tensors
 from jaxinfer.checkpoint.names import FUSED
 from jaxinfer.engine.runner import Chunk, Runner, tree_bytes
-from jaxinfer.model import fusion
+from jaxinfer.model import fusion, quantization
 
 SMALL = dict(page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -203,7 +204,8 @@ def test_tensor_parallel_gives_the_same_tokens(fp8, engine):
 
 
 def test_each_device_reads_only_its_slice_of_the_fp8_tensors(fp8):
-    from jaxinfer import shard_source, sharding
+    from jaxinfer.checkpoint import shard_source
+    from jaxinfer.model import sharding
 
     root = fp8["tensor"][0]
     log = shard_source.ReadLog()
@@ -346,12 +348,12 @@ def test_cli_plan_counts_the_checkpoint_in_fp8(fp8):
     import subprocess
     import sys
 
-    from jaxinfer import planner
+    from jaxinfer.sizing import planner
 
     root = fp8["channel"][0]
     result = subprocess.run(
         [sys.executable, "-m", "jaxinfer", "plan", f"--model={root}", "--memory_gb=1"],
-        cwd=pathlib.Path(__file__).parent.parent, capture_output=True, text=True,
+        cwd=pathlib.Path(__file__).parents[2], capture_output=True, text=True,
         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr
     fp8_bytes = planner.weight_bytes(checkpoint.load_config(root), "float32", 1, "fp8",

@@ -18,7 +18,7 @@ from jaxinfer.cli.flags import ENGINE_FLAGS, sampling_params
 from jaxinfer.cli.main import COMMANDS
 from jaxinfer.config import EngineConfig
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _cli(*args, timeout=300):

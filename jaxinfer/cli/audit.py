@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 
 from jaxinfer.engine.page_pool import ROOT, PagePool
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.text.tokenizer import Tokenizer
 
 
 def overlap(prompts: Sequence[Sequence[int]], page_size: int = 16) -> dict:

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 import ml_dtypes
 import numpy as np
 
-from jaxinfer import shard_source
+from jaxinfer.checkpoint import shard_source
 
 METHOD = "compressed-tensors"
 MODE = "fp8"  # the quantization.py mode these checkpoints load as

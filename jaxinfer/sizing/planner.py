@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import sharding
+from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout, kv_quant
-from jaxinfer.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 
 GB = 1e9
 DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)

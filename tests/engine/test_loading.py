@@ -10,9 +10,9 @@ import shutil
 import jax
 import pytest
 
-from jaxinfer import LLM, SamplingParams, checkpoint, loading
+from jaxinfer import LLM, SamplingParams, checkpoint
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import runner
+from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
 
 SMALL = dict(page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from jaxinfer import accelerators, checkpoint, loading, planner
+from jaxinfer import checkpoint
 from jaxinfer.config import EngineConfig, load_preset
-from jaxinfer.engine import runner
+from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
+from jaxinfer.sizing import accelerators, planner
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -38,14 +38,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import accelerators, planner, quantization, sharding
-from jaxinfer.accelerators import GIB
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.buckets import Bucket, BucketSet
-from jaxinfer.engine.engine import DEVICE_KV_FRACTION
+from jaxinfer.engine.loading import DEVICE_KV_FRACTION
+from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
+from jaxinfer.sizing import accelerators, planner
+from jaxinfer.sizing.accelerators import GIB
 
 # The entry's 5-D parameters: the KV pages (named kv_cache_* on one chip, param.* under
 # SPMD), as one chip holds them.

@@ -47,11 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import corpus, quantization
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, layers
+from jaxinfer.model import fusion, layers, quantization
 from jaxinfer.model.attention import project_qkv
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.text import corpus
+from jaxinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ALPHAS = tuple(i / 10 for i in range(11))  # mean|x| exponents tried (0: no scaling)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxinfer import accelerators
+from jaxinfer.sizing import accelerators
 
 
 @pytest.mark.parametrize("name", sorted(accelerators.PRESETS))

@@ -29,7 +29,8 @@ import logging
 import os
 import pathlib
 
-from jaxinfer import awq, checkpoint, distributed, planner, quantization, sharding
+from jaxinfer import checkpoint, distributed
+from jaxinfer.checkpoint import awq
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
@@ -37,7 +38,9 @@ from jaxinfer.engine.proposer import DraftProposer, NgramProposer
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.runner.draft import DraftRunner
 from jaxinfer.engine.speculation import Speculation
-from jaxinfer.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json
+from jaxinfer.model import quantization, sharding
+from jaxinfer.sizing import planner
+from jaxinfer.text.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from jaxinfer import accelerators, aot
+from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
+from jaxinfer.sizing import accelerators
 
 # Lines as libtpu prints them (abridged): an all-reduce, an async all-gather pair, a
 # tuple-shaped all-reduce, and instructions merely named after collectives.

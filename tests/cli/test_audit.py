@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 
-from jaxinfer import SamplingParams, audit
+from jaxinfer import SamplingParams
+from jaxinfer.cli import audit
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 

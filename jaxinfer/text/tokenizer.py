@@ -21,7 +21,7 @@ from typing import Any
 import jinja2
 import tokenizers
 
-from jaxinfer import chat_template
+from jaxinfer.text import chat_template
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",

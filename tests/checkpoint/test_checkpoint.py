@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import checkpoint, safetensors_file, testing
+from jaxinfer import checkpoint, testing
+from jaxinfer.checkpoint import safetensors_file
 from jaxinfer.model import fusion, transformer
 
 

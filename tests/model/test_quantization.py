@@ -13,9 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, planner, quantization
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.runner import tree_bytes
+from jaxinfer.model import quantization
+from jaxinfer.sizing import planner
 
 MODES = quantization.MODES
 PER_COLUMN = tuple(m for m in MODES if m != "int4")  # int4's own: tests/test_int4.py
