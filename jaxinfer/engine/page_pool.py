@@ -17,8 +17,10 @@ KV heads of all layers. Plain Python.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Callable, Hashable, Sequence
 
 TRASH_PAGE = 0
@@ -26,8 +28,14 @@ ROOT = 0  # the parent serial of a request's first page
 
 
 def page_hash(parent: int, tokens: tuple[int, ...], extra: Hashable) -> int:
-    """The hash of a full page in its chain (deterministic across processes)."""
-    return hash((parent, tokens, extra))
+    """The hash of a full page in its chain, the same in every process (hosts of a
+    multi-host job run one schedule): a blake2b digest of the parent's serial, the token
+    ids and the extra key's repr. Python's hash() differs between processes (of None,
+    str and bytes, which are salted)."""
+    digest = hashlib.blake2b(parent.to_bytes(8, "little", signed=True), digest_size=8)
+    digest.update(array.array("q", tokens).tobytes())
+    digest.update(repr(extra).encode())
+    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclasses.dataclass(frozen=True)

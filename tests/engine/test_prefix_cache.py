@@ -3,6 +3,11 @@ scheduler's hits, and the engine's greedy tokens with caching on == off."""
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -57,6 +62,25 @@ def test_match_stops_at_the_first_miss_and_respects_max_pages():
     assert pool.match(list(A + C + B), 4, 3) == ([1], [s1])
     assert pool.match(list(A + B), 4, 1) == ([1], [s1])
     assert pool.match(list(B + A), 4, 2) == ([], [])  # B is cached only after A
+
+
+_DIGESTS = """
+from jaxinfer.engine.page_pool import page_hash
+cases = [(0, (1, 2, 3, 4), None), (7, (2**31 - 1, 0, 5, 9), None), (3, (4, 4), "adapter-a"),
+         (2**40, (), ("lora", 2))]
+print([page_hash(*case) for case in cases])
+"""
+
+
+def test_page_digests_are_the_same_in_two_processes():
+    """Hosts of a multi-host job must agree on them; Python's hash() of None and str
+    changes from one interpreter to the next (address and salt)."""
+    outputs = [subprocess.run([sys.executable, "-c", _DIGESTS], capture_output=True,
+                              text=True, check=True, env=os.environ | {"PYTHONHASHSEED": seed})
+               .stdout for seed in ("1", "2")]
+    assert outputs[0] == outputs[1]
+    digests = ast.literal_eval(outputs[0])
+    assert len(set(digests)) == 4 and all(0 <= d < 2**64 for d in digests)
 
 
 def test_a_forced_hash_collision_is_never_served():
