@@ -22,7 +22,7 @@ from absl import app, flags
 from jaxinfer.config import load_preset
 from jaxinfer.model import layers, transformer
 
-flags.DEFINE_string("preset", "smollm-135m", "model shape (configs/*.toml)")
+flags.DEFINE_string("preset", "smollm-135m", "model shape (jaxinfer/config/presets/*.toml)")
 flags.DEFINE_list("rows", ["1", "2", "16", "64"], "token rows per step")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes")
 flags.DEFINE_integer("repeats", 20, "timed runs per case")

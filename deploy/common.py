@@ -155,8 +155,8 @@ def install_script(requirements: Sequence[str], *, list_devices: bool,
                    prelude: Sequence[str] = ()) -> str:
     """Python 3.11 venv (via uv: the TPU images ship 3.10), pinned JAX, jaxinfer -e.
 
-    jaxinfer is installed editable from the unpacked checkout because its presets
-    (configs/) and the demo model (checkpoints/) are found relative to the source tree.
+    jaxinfer is installed editable from the unpacked checkout because the demo model
+    (checkpoints/) is found relative to the source tree (the presets are package data).
     """
     pip = f"{REMOTE_PYTHON} -m pip install"
     lines = [

@@ -8,13 +8,14 @@ what the last step added. Every request is checked before any work starts;
 prompts given no SamplingParams get the checkpoint's generation_config.json
 defaults (vLLM's generation_config="auto"). `LLM` is a face: it sets JAX's
 process-wide compilation cache (`compilation_cache_dir`) before making its
-engine. Imports config and the engine (its runner package for the cache).
+engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,11 @@ class LLM:
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, warm_up: bool = True,
                  **engine_settings: object) -> None:
         config = EngineConfig(**engine_settings)
+        if pathlib.Path(model) == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
+            raise FileNotFoundError(
+                f"no model was given, and the default (the demo checkpoint, {DEFAULT_MODEL})"
+                " is not there: it comes with a git checkout of jaxinfer, not with the "
+                "wheel. Give a model directory: LLM(model=DIR), or --model=DIR")
         runner.use_compilation_cache(config.compilation_cache_dir)
         self.engine = Engine(model, config, warm_up=warm_up)
         self.tokenizer = self.engine.tokenizer

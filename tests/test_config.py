@@ -62,7 +62,7 @@ def test_from_hf_rejects_missing_field():
 
 
 def test_presets_all_load():
-    names = sorted(p.stem for p in config.PRESET_DIR.glob("*.toml"))
+    names = config.preset_names()
     assert {"llama2-7b", "llama3.1-8b", "mistral-7b", "qwen2-7b", "qwen3-0.6b",
             "smollm-135m"} <= set(names)
     for name in names:

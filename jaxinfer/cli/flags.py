@@ -4,8 +4,8 @@ Engine, distributed and server flags are derived from `EngineConfig`,
 `DistributedConfig` and `ServerConfig` (name, default, type, choices and help text),
 so they cannot drift from the Python API. Sampling flags default to unset: the
 checkpoint's generation_config.json defaults apply and a flag given overrides only its
-field. Which command reads which flag is `main.COMMANDS`. Imports absl, config and
-engine.request (SamplingParams); the LLM only when one is made.
+field. Which command reads which flag is `main.COMMANDS`. The LLM is imported only
+when one is made.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ FLAGS = flags.FLAGS
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax); plan and aot also take a "
-                    "preset name (configs/*.toml); default: the bundled demo model")
+                    "preset name (jaxinfer/config/presets/*.toml); default: the bundled demo model")
 flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text")
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
 flags.DEFINE_float("temperature", None, "0 = greedy; default: the checkpoint's")
@@ -42,7 +42,7 @@ flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache,
                   "default with --device: 90% of what one device lets a program use")
 flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth per device for the decode "
                    "roofline; default: the --device preset's, else no roofline")
-flags.DEFINE_string("device", None, "accelerator preset (jaxinfer/accelerators.py): a TPU "
+flags.DEFINE_string("device", None, "accelerator preset (jaxinfer/sizing/accelerators.py): a TPU "
                     "type (v5e-1, v6e-8, v5p-8...; aot takes only these) or a GCP GPU "
                     "machine (h100-8 = a3-highgpu-8g, a100-40gb-8, a100-80gb-8, l4-1...)")
 flags.DEFINE_float("price_per_hour", None, "price per hour of the whole --device preset "

@@ -1,11 +1,11 @@
 """The commands that load no weights: plan (memory plan and decode roofline), audit
 (prompt overlap) and aot (compile the step for a TPU slice with libtpu's compiler).
 
---model is a model directory or, for plan and aot, a preset name (configs/*.toml);
+--model is a model directory or, for plan and aot, a preset name (jaxinfer/config/presets/*.toml);
 a directory written quantized is planned and compiled in its own mode. Each command
 is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS` lists them.
-Imports absl, accelerators, config and cli.flags; planner, audit, aot and checkpoint
-only when the command runs (plan never imports the runner: a test says so).
+planner, audit, aot and checkpoint are imported only when the command runs (plan never
+imports the runner: a test says so).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets); `engine.py`:
 how the engine runs (`EngineConfig`, `SpeculativeConfig`); `faces.py`: multi-host and
-the server (`DistributedConfig`, `ServerConfig`). Imports only the standard library.
+the server (`DistributedConfig`, `ServerConfig`).
 """
 
 from jaxinfer.config.engine import (
@@ -25,11 +25,12 @@ from jaxinfer.config.model import (
     ModelConfig,
     RopeScaling,
     load_preset,
+    preset_names,
 )
 
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",
     "MAX_SPECULATIVE_TOKENS", "PRESET_DIR", "QUANTIZATION_MODES", "ROPE_TYPES", "SCHEDULERS",
     "SPECULATIVE_METHODS", "DistributedConfig", "EngineConfig", "ModelConfig", "RopeScaling",
-    "ServerConfig", "SpeculativeConfig", "load_preset",
+    "ServerConfig", "SpeculativeConfig", "load_preset", "preset_names",
 ]

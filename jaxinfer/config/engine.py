@@ -1,7 +1,6 @@
 """How the engine runs: `EngineConfig` (batching, KV cache, kernels, quantization, tensor
 parallelism) and `SpeculativeConfig`. Each EngineConfig field carries its help text and
-allowed values (`setting`), from which the CLI derives its flags. Imports only the
-standard library.
+allowed values (`setting`), from which the CLI derives its flags.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "d
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
-QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/quantization.py
+QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantization.py
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram")

@@ -1,6 +1,6 @@
 """How the faces run: `DistributedConfig` (joining a multi-host job) and `ServerConfig`
 (the OpenAI-compatible server). The CLI derives one flag per field, as for
-EngineConfig. Imports only the standard library.
+EngineConfig.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 `ModelConfig.from_hf` reads the dict of an HF `config.json` for the decoder family we
 serve (Llama 2/3, Mistral, Qwen2, Qwen3); anything else is refused with a message
-naming the field. Imports only the standard library.
+naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import pathlib
 import tomllib
 from typing import Any
@@ -20,7 +21,8 @@ ARCHITECTURES = {
 }
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
-PRESET_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+# Model shapes by name (llama3.1-8b, ...), package data: installed with the wheel.
+PRESET_DIR = importlib.resources.files("jaxinfer.config") / "presets"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,14 +196,19 @@ def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
     return None
 
 
+def preset_names() -> list[str]:
+    """The presets' names, sorted."""
+    return sorted(p.name.removesuffix(".toml") for p in PRESET_DIR.iterdir()
+                  if p.name.endswith(".toml"))
+
+
 def load_preset(name_or_path: str) -> ModelConfig:
-    """A `ModelConfig` from a TOML preset: a name in configs/ or a file path."""
+    """A `ModelConfig` from a TOML preset: a name in PRESET_DIR or a file path."""
     path = pathlib.Path(name_or_path)
     if path.suffix != ".toml":
         path = PRESET_DIR / f"{name_or_path}.toml"
     if not path.is_file():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-        raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {known}")
+        raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {preset_names()}")
     data = tomllib.loads(path.read_text())
     model = dict(data.get("model", data))
     if "rope_scaling" in model:
