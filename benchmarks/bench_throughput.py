@@ -45,7 +45,7 @@ flags.DEFINE_integer("max_num_seqs", 64, "continuous batching: requests in fligh
 flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
 flags.DEFINE_list("skip", [], "runs to skip: continuous, static, transformers, batch1")
 flags.DEFINE_integer("seed", 0, "workload seed")
-flags.DEFINE_string("preset", "smollm-135m", "model shape (jaxinfer/config/presets/*.toml), random weights")
+flags.DEFINE_string("preset", "smollm-135m", "model shape (a preset name), random weights")
 flags.DEFINE_enum("save_dtype", "float32", ["float32", "bfloat16"], "dtype of the saved model")
 flags.DEFINE_integer("compile_threads", runner.COMPILE_THREADS, "warm-up compile threads")
 FLAGS = flags.FLAGS

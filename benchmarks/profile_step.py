@@ -32,7 +32,7 @@ from jax.profiler import ProfileData
 
 from jaxinfer import LLM, SamplingParams, testing
 
-flags.DEFINE_string("preset", "smollm-135m", "model shape (jaxinfer/config/presets/*.toml), random weights")
+flags.DEFINE_string("preset", "smollm-135m", "model shape (a preset name), random weights")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
 flags.DEFINE_integer("repeats", 20, "timed steps per scenario")
 flags.DEFINE_integer("trace_steps", 5, "traced steps per scenario")
