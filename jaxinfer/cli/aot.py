@@ -22,8 +22,7 @@ not in the roofline).
 XLA cannot see inside a Mosaic kernel; the attention kernel gives it a `pl.CostEstimate`
 (every request of the bucket at max_model_len: a bound), which `cost_analysis()` sums
 with the rest of the step. A configuration that does not fit is reported with the
-planner's or the compiler's own message. Imports jax, config, planner, sharding, model,
-engine.runner and engine.buckets.
+planner's or the compiler's own message.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.buckets import Bucket, BucketSet
-from jaxinfer.engine.loading import DEVICE_KV_FRACTION
 from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.transformer import param_shapes
@@ -89,6 +87,7 @@ class Settings:
     max_model_len: int = 2048
     page_size: int = 16
     kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
+    gpu_memory_utilization: float = 0.9  # EngineConfig's: weights plus pool per chip
     tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
     quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
@@ -112,8 +111,8 @@ def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: S
 def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
              tensor_parallel_size: int = 1) -> planner.MemoryPlan:
     """The memory plan on each chip of `acc` at `tensor_parallel_size` (raises ValueError
-    when nothing fits): the engine's rule, weights plus pool within DEVICE_KV_FRACTION of
-    the usable HBM."""
+    when nothing fits): the engine's rule, weights plus pool within
+    `gpu_memory_utilization` of the usable HBM."""
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
@@ -121,7 +120,7 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
                   quantized_head=s.quantized_head)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
-    budget = int(acc.chip.usable_hbm_bytes * DEVICE_KV_FRACTION)
+    budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)
     return planner.plan(cfg, memory_bytes=budget, **common)
 
 

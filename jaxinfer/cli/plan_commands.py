@@ -73,7 +73,6 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, int]:
     """The per-device budget: --memory_gb, else --kv_cache_memory_bytes, else the engine's
     share of one device of --device."""
-    from jaxinfer.sizing import planner
 
     if FLAGS.memory_gb is not None:
         return {"memory_bytes": int(FLAGS.memory_gb * 1e9)}
@@ -81,7 +80,7 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
         return {"kv_cache_bytes": settings.kv_cache_memory_bytes}
     if acc is not None:
         usable = acc.chip.usable_hbm_bytes
-        return {"memory_bytes": int(usable * planner.DEVICE_MEMORY_FRACTION)}
+        return {"memory_bytes": int(usable * settings.gpu_memory_utilization)}
     raise app.UsageError("plan needs --memory_gb=GB, --kv_cache_memory_bytes=BYTES or "
                          "--device=NAME")
 
@@ -150,6 +149,7 @@ def aot() -> None:
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=engine.max_model_len or cfg.max_position_embeddings,
         page_size=engine.page_size, kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
         tensor_parallel_size=engine.tensor_parallel_size
         if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
         quantization=engine.quantization, quantized_head=_quantized_head())

@@ -118,6 +118,10 @@ class EngineConfig:
     page_size: int = setting(16, "tokens per KV page")
     kv_cache_memory_bytes: int | None = setting(
         None, "KV cache size; default: sized from the device memory or the limits")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of each accelerator's memory (TPU or GPU; vLLM's name) for the "
+        "weights plus the KV pool, unless kv_cache_memory_bytes is given. Not used on CPU, "
+        "where the pool holds every slot at full length within a quarter of RAM")
     scheduler: str = setting("continuous", "batching policy; static: the benchmarks' "
                               "baseline (fill a batch, run it to completion)", SCHEDULERS)
     strict_compile: bool = setting(False, "raise on any compilation after warm-up")
@@ -172,6 +176,9 @@ class EngineConfig:
         if self.calibration_data is not None and self.quantization != "int4":
             raise ValueError(f"calibration_data={self.calibration_data!r} needs "
                              f"quantization='int4', not {self.quantization!r}")
+        if not (isinstance(self.gpu_memory_utilization, int | float)
+                and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"{self.gpu_memory_utilization=} must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")
 

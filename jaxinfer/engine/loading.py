@@ -15,11 +15,8 @@ with it (weights, K/V per token) and served by its own `DraftRunner` over the sa
 page ids.
 
 Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
-runner package, `checkpoint` and `planner`. Imports config, checkpoint, planner,
-tokenizer, distributed, engine.request, engine.buckets, engine.speculation,
-engine.proposer and the runner package, and awq
-(int4 calibration on a float checkpoint, before the runner quantizes); never
-engine.engine.
+runner package, `checkpoint` and `planner`. For int4 on a float checkpoint it runs
+awq's calibration before the runner quantizes.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from jaxinfer.text.tokenizer import Tokenizer, eos_token_ids_from_configs, read_
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
-DEVICE_KV_FRACTION = 0.9  # of an accelerator's memory: weights plus KV pool, by default
 # generation_config.json key -> SamplingParams field: the keys vLLM's
 # generation_config="auto" applies to requests that give no sampling parameters.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -237,7 +233,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
                 ) -> planner.MemoryPlan:
     """The page pool's plan for `model_config` as served (KV heads copied under tensor
     parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
-    DEVICE_KV_FRACTION of the mesh's accelerator memory (weights included); else, on
+    `gpu_memory_utilization` of the mesh's accelerator memory (weights included); else, on
     CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
     probed once per process."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
@@ -250,8 +246,13 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
     device_limit = runner_lib.device_memory_limit()
     if device_limit:  # every device of the mesh holds 1/n of the weights and of each page
         total = device_limit * config.tensor_parallel_size
-        return planner.plan(model_config, memory_bytes=int(total * DEVICE_KV_FRACTION),
+        return planner.plan(model_config,
+                            memory_bytes=int(total * config.gpu_memory_utilization),
                             **common)
+    if config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:
+        log.warning("gpu_memory_utilization=%s is not used on CPU: the KV pool holds every "
+                    "slot at full length within a share of RAM (kv_cache_memory_bytes sets "
+                    "it)", config.gpu_memory_utilization)
     page_bytes = config.page_size * sum(
         planner.kv_bytes_per_token(m, config.kv_dtype) for m in (model_config, draft) if m)
     pages_per_seq = -(-max_len // config.page_size)

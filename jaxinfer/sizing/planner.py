@@ -15,8 +15,7 @@ split 1/tp by heads and MLP columns, the embedding and LM head along the vocabul
 when `tp` divides it (else replicated), the q/k/v biases with their heads, norms
 replicated. KV heads are split when `tp` divides them, else (tp a multiple of them)
 each device holds one, replicated. The all-reduces between devices are not counted:
-the roofline is a bound. Imports the model's parameter shapes (jax for dtype sizes),
-config and the KV page layout.
+the roofline is a bound.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout, kv_quant
 
 GB = 1e9
-DEVICE_MEMORY_FRACTION = 0.9  # of a device's usable memory, weights plus KV (the engine's)
 ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
 
 
@@ -184,7 +182,7 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
     plus a float32 scale per output column held there, int4 half a byte plus its group
-    scales (jaxinfer/quantization.py `quantized_bytes`; an int4 model's head is int8).
+    scales (jaxinfer/model/quantization.py `quantized_bytes`; an int4 model's head is int8).
     `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`)."""
     check_tensor_parallel(cfg, tensor_parallel_size)
     tp, total = tensor_parallel_size, 0

@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from jaxinfer import checkpoint
+from jaxinfer.cli import aot
 from jaxinfer.config import EngineConfig, load_preset
-from jaxinfer.engine import loading, runner
+from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.sizing import accelerators, planner
 
@@ -185,8 +186,18 @@ def test_roofline_is_the_slower_of_bytes_and_flops_over_every_replica():
     assert planner.cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
 
 
-def test_plan_device_fraction_is_the_engines():
-    assert planner.DEVICE_MEMORY_FRACTION == loading.DEVICE_KV_FRACTION
+def test_gpu_memory_utilization_sets_the_device_budget():
+    """vLLM's knob: weights plus pool within that share of each chip's memory."""
+    cfg, acc = load_preset("llama3.1-8b"), accelerators.get("v5e-8")
+    plans = {share: aot.plan_for(cfg, acc, aot.Settings(gpu_memory_utilization=share), 8)
+             for share in (0.5, 0.9)}
+    usable = acc.chip.usable_hbm_bytes
+    for share, plan in plans.items():
+        assert plan.weight_bytes + plan.kv_cache_bytes <= share * usable
+        assert plan.weight_bytes + plan.kv_cache_bytes + plan.page_bytes > share * usable
+    assert plans[0.5].num_pages < plans[0.9].num_pages
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5 must be in"):
+        EngineConfig(gpu_memory_utilization=1.5)
 
 
 def test_plan_that_does_not_fit_per_device_says_by_how_much():
