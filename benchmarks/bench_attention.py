@@ -55,7 +55,7 @@ def median_seconds(fn, *args, repeats: int) -> float:
 
 
 def memory_bandwidth(repeats: int) -> float:
-    """GB/s of a jitted float32 sum over 1 GiB: this machine's read bandwidth."""
+    """GB/s of a jitted float32 sum over 1 GiB: the host's read bandwidth."""
     data = jnp.ones((256 * 1024 * 1024,), jnp.float32)
     seconds = median_seconds(jax.jit(jnp.sum), data, repeats=repeats)
     return data.nbytes / seconds / 1e9

@@ -5,12 +5,12 @@ stack of a preset's shape (q/k/v fused, o, gate/up fused, down; random values), 
 float32 weights and for bfloat16 weights with `preferred_element_type=float32` (the
 engine's dot), at several row counts. Prints one JSON object: median ms per pass and
 the GB/s of weight bytes read, and per row count the ratio of the bfloat16 pass to
-the bfloat16 weight-read bound issue 10 sets: half the float32 pass at one row (1.0
+the bfloat16 weight-read bound: half the float32 pass at one row (1.0
 would mean bf16 weights are read as fast as f32 ones, byte for byte).
 
 With --layouts it also times bfloat16 and int8 weights (int8 activations, int32
 accumulation, the w8a8 dot) stored [in, out] against the same weights stored
-[out, in], the layout jaxinfer/quantization.py keeps: `out_in_speedup` is the [in, out]
+[out, in], the layout jaxinfer/model/quantization.py keeps: `out_in_speedup` is the [in, out]
 pass time over the [out, in] one.
 
     python benchmarks/bench_matvec.py [--rows=1,2,4,16] [--preset=smollm-135m] [--layouts]

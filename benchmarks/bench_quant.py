@@ -1,12 +1,12 @@
-"""Weight quantization (issue 13): batch-1 decode and a mixed workload, bf16 vs int8,
+"""Weight quantization: batch-1 decode and a mixed workload, bf16 vs int8,
 w8a8, fp8 and int4, against weight-read bounds measured in the same run.
 
 A random-weight model of a preset's shape (default SmolLM-135M, as
 benchmarks/bench_throughput.py makes it, saved in bfloat16) is loaded once per mode,
 each a fresh `LLM(dtype="bfloat16", quantization=...)` (the previous one freed first):
 "bf16" (no quantization, the baseline), "int8", "w8a8", "fp8", "int4"
-(jaxinfer/quantization.py; int4's load includes its AWQ calibration, jaxinfer/awq.py, on
-the default corpus windows: its warmup_seconds).
+(jaxinfer/model/quantization.py; int4's load includes its AWQ calibration,
+jaxinfer/checkpoint/awq.py, on the default corpus windows: its warmup_seconds).
 Per mode, after warm-up: batch-1 greedy decode tokens/s (median of `--repeats`
 requests; the decode steps after the first token, timed from the stream), its weight
 bytes as planned (`memory_plan.weight_bytes`) and as loaded (`tree_bytes(params)`), its
@@ -19,7 +19,7 @@ int8 values a w8a8 step reads, the layers' and the LM head's, stored [O, I] and
 contracted on their minor axis as the step does; timed right after the w8a8 decode, or
 the int8 one when w8a8 is not run). Then bench_throughput's
 continuous-batching workload (smaller by default) per `--mixed_modes` (a weight mode,
-or MODE_kv8: that mode with an int8 KV cache). The issue's targets are reported as
+or MODE_kv8: that mode with an int8 KV cache). The targets are reported as
 booleans (the mixed one for the fastest quantized mode). XLA:CPU's dots differ by ISA
 (AMX and AVX512-BF16 make bf16 dots fast; without them bf16 is emulated), so the JSON
 names the CPU features they depend on. Prints one JSON object.
@@ -190,7 +190,7 @@ def mixed_all(model_dir: str) -> dict:
 
 
 def cpu_features() -> list[str]:
-    """Which of CPU_FEATURES this machine's CPU has (Linux /proc/cpuinfo; [] elsewhere)."""
+    """Which of CPU_FEATURES the host's CPU has (Linux /proc/cpuinfo; [] elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags_line = next((line for line in f if line.startswith("flags")), "")
@@ -201,7 +201,7 @@ def cpu_features() -> list[str]:
 
 
 def targets(batch1: dict, found: dict, mixed: dict) -> dict:
-    """The issue's targets as booleans (None: not measured in this run)."""
+    """The targets as booleans (None: not measured in this run)."""
     speedups = [batch1[m]["speedup_vs_bf16"] for m in ("w8a8", "int8")
                 if "speedup_vs_bf16" in batch1.get(m, {})]
     w8a8 = batch1.get("w8a8", {}).get("fraction_of_int8_weight_read")

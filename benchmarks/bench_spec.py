@@ -1,9 +1,9 @@
-"""Speculative decoding (issue 14) on the bundled demo pair: tokens/s at batch 1, 4, 16
+"""Speculative decoding on the bundled demo pair: tokens/s at batch 1, 4, 16
 and 64 without speculation, with the draft model (k = 2, 4), with n-gram lookup, and
 with the load-adaptive policy; acceptance rate and mean acceptance length.
 
 Workload: code completion. Prompts are windows of the corpus's held-out files (the
-demo models never trained on them, jaxinfer/corpus.py): the `--prompt_tokens` tokens
+demo models never trained on them, jaxinfer/text/corpus.py): the `--prompt_tokens` tokens
 ending with a function's `def` line, then `--output_tokens` tokens of its body generated,
 greedy (temperature 0, `ignore_eos`) unless `--temperature` is given. At batch b the
 engine runs b requests at once (`max_num_seqs=b`, each mode a fresh `LLM` over the
@@ -22,7 +22,7 @@ setting, vLLM's `speculative_config`):
 - `adaptive`: the draft model with k up to 4, the policy choosing per step;
 - `adaptive_ngram`: n-gram lookup, k up to 4, the policy choosing per step.
 
-Targets (the issue's): the best method's batch-1 speed-up at least 2x; the adaptive
+Targets: the best method's batch-1 speed-up at least 2x; the adaptive
 policy at least 0.95x of no speculation at every batch size. Prints one JSON object.
 
     python benchmarks/bench_spec.py [--batches=1,4,16,64] [--modes=...] [--repeats=2]

@@ -36,7 +36,7 @@ from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.config import load_preset
 from jaxinfer.engine import runner
 
-runner = getattr(runner, "runner", runner)  # the runner module (a package since issue 10)
+runner = getattr(runner, "runner", runner)  # the runner module, in or as engine.runner
 
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes to run")
 flags.DEFINE_integer("num_requests", 128, "requests in the workload")

@@ -1,13 +1,13 @@
 """Bounds the benchmarks compare against, measured in the same run.
 
 `weight_pass_seconds`: a jitted batch-1 matmul pass over a model's own weights in
-float32, the weight-read bound of a decode step on this machine. (XLA:CPU turns a
+float32, the weight-read bound of a decode step on the host. (XLA:CPU turns a
 bf16 weight into f32 for a dot of fewer than 16 rows, so a bf16 pass at batch 1 is
 no bound; the bf16 bound is the f32 time times bf16 bytes over f32 bytes.)
 `matmul_pass_seconds`: the same pass over given matrices with `rows` rows in each
 matrix's own dtype (int8 accumulates in int32), e.g. the int8 bound of w8a8;
 `contract_last=True` contracts each matrix's last (minor) axis, as the quantized
-weights' [O, I] values are read (jaxinfer/quantization.py).
+weights' [O, I] values are read (jaxinfer/model/quantization.py).
 """
 
 from __future__ import annotations

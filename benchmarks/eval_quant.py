@@ -1,4 +1,4 @@
-"""Accuracy of quantized modes (issue 13) on the bundled demo model: perplexity through
+"""Accuracy of quantized modes on the bundled demo model: perplexity through
 `eval_ppl` (jaxinfer/evaluate.py) and greedy agreement, each against the unquantized
 float32 baseline measured in the same run.
 
@@ -12,8 +12,8 @@ scores each file's first tokens only, so one mode takes about a minute on 2 CPU 
 Greedy agreement: `--prompts` (32) prompts, each the first `--prompt_tokens` (64)
 tokens (BOS included) of a distinct held-out file (evenly spaced over the files long
 enough), `--greedy_tokens` (32) greedy tokens each (ignore_eos). Reported per mode:
-`greedy_agreement`, the fraction of positions whose token equals the baseline's (the
-issue's "agree on 90% of tokens"), and `greedy_prefix_agreement`, the fraction of
+`greedy_agreement`, the fraction of positions whose token equals the baseline's (target:
+90% of tokens), and `greedy_prefix_agreement`, the fraction of
 tokens before the first disagreement (stricter: one flip makes every later token
 count as a miss, although the continuation after it differs because its context does).
 
@@ -44,7 +44,7 @@ from jaxinfer.text import corpus
 
 BASELINE = "baseline"
 DEFAULT_MODES = [BASELINE, "quantization=int8", "quantization=w8a8", "quantization=fp8"]
-# The issue's bounds on the perplexity increase over the baseline, and greedy agreement.
+# Targets: bounds on the perplexity increase over the baseline, and greedy agreement.
 PPL_TARGETS = {"quantization=int8": 0.01, "quantization=w8a8": 0.01,
                "quantization=fp8": 0.02, "quantization=int4": 0.08,
                "kv_cache_dtype=int8": 0.01, "kv_cache_dtype=fp8": 0.02}

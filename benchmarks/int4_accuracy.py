@@ -1,10 +1,10 @@
-"""int4 accuracy on the demo model (issue 13): held-out perplexity of float weights,
-int4 round-to-nearest and int4 with AWQ scales (jaxinfer/awq.py), asymmetric (the
+"""int4 accuracy on the demo model: held-out perplexity of float weights,
+int4 round-to-nearest and int4 with AWQ scales (jaxinfer/checkpoint/awq.py), asymmetric (the
 engine's int4) and symmetric (for the record: why the engine is asymmetric).
 
 Teacher-forced: the dense causal forward (model/transformer.py forward_dense) over
 `--windows` windows of `--window_tokens` tokens, one from the start of each of that many
-held-out files of the bundled corpus (jaxinfer/corpus.py: never trained on, never
+held-out files of the bundled corpus (jaxinfer/text/corpus.py: never trained on, never
 calibrated on), tokenized by the demo's tokenizer; perplexity = exp(mean NLL of every
 next token). "int4" rows run the engine's int4 pytree and matmul (bf16 activations);
 "fake" rows hold the weights rounded through 4 bits and back in float32 (the same

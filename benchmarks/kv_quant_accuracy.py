@@ -1,5 +1,5 @@
-"""8-bit KV cache accuracy on the bundled demo model (issue 13): held-out loss and the
-choice of scales.
+"""8-bit KV cache accuracy on the bundled demo model: held-out loss and the choice of
+scales.
 
 Held-out windows of `--window` tokens from the corpus's held-out files
 (`jaxinfer.text.corpus.corpus_files()`, never trained on), tokenized with the demo tokenizer,

@@ -16,8 +16,7 @@ goes on.
 
 Multi-host (distributed.py): every process reads the same input file (checked by
 digest) and runs every request; only process 0 reads and writes the output file, and
-hands what it skips to the others, so all schedule the same requests. Imports the API
-and distributed.
+hands what it skips to the others, so all schedule the same requests.
 """
 
 from __future__ import annotations
@@ -180,8 +179,8 @@ def _completion(completion: CompletionOutput) -> dict:
     out = {"text": completion.text, "token_ids": completion.token_ids,
            "finish_reason": completion.finish_reason}
     if completion.logprobs is not None:
-        out["logprobs"] = [{str(t): max(lp, MIN_JSON_LOGPROB) for t, lp in entry.items()}
-                           for entry in completion.logprobs]
+        out["logprobs"] = [{str(t): max(lp.logprob, MIN_JSON_LOGPROB)
+                            for t, lp in entry.items()} for entry in completion.logprobs]
     return out
 
 

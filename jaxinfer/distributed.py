@@ -45,8 +45,6 @@ stops the job with an error within about the heartbeat timeout, never a silent h
 (tests/test_multihost.py kills one mid-run). Not covered: a process hung while alive
 keeps heartbeating, and its peers wait in the step's collective as long as XLA's
 collective timeouts allow.
-
-Imports jax, numpy and config.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ sliding context): the first token scored in a window sees one token.
 Each window is one request with `prompt_logprobs=0`, `max_tokens=1` (greedy); the mean
 negative log-likelihood is over every scored token of every file, in nats per token,
 and perplexity is its exponential. Files with no text are skipped (and counted).
-
-Imports the api (LLM) and the engine's SamplingParams; no jax.
 """
 
 from __future__ import annotations

@@ -40,8 +40,13 @@ def test_generate_greedy_matches_transformers(family, llms, hf_models):
     worst = 0.0
     for token, got, ref in zip(out.token_ids, out.logprobs, want_logprobs, strict=True):
         assert token in got and len(got) <= 4
-        assert set(got) >= set(np.argsort(-ref)[:3].tolist())
-        worst = max(worst, max(abs(lp - ref[t]) for t, lp in got.items()))
+        assert list(got)[0] == token and got[token].rank == 1  # greedy: the top token
+        top = np.argsort(-ref)[:3].tolist()
+        assert set(got) >= set(top)
+        assert [got[t].rank for t in top] == [1, 2, 3]
+        assert all(got[t].decoded_token == llms[family].tokenizer.decode(
+            [t], skip_special_tokens=False) for t in top)
+        worst = max(worst, max(abs(lp.logprob - ref[t]) for t, lp in got.items()))
     print(f"{family}: max logprob diff {worst:.2e}")
     assert worst < 1e-4
     expected = "stop" if len(want) < 30 else "length"

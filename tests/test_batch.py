@@ -97,7 +97,7 @@ def test_batch_records_carry_logprobs_and_prompt_logprobs(llm, tmp_path):
             assert entry[str(token)]["rank"] == logprob.rank
             assert entry[str(token)]["decoded_token"] == logprob.decoded_token
     for entry, want in zip(records["s"]["logprobs"], expected.logprobs, strict=True):
-        assert entry == pytest.approx({str(t): v for t, v in want.items()}, abs=1e-5)
+        assert entry == pytest.approx({str(t): v.logprob for t, v in want.items()}, abs=1e-5)
     assert "prompt_logprobs" not in records["p"] and "logprobs" not in records["p"]
     batch.run(llm, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", progress=False)
     refused = _records(tmp_path / "plain.jsonl")[0]  # this engine has no scoring steps

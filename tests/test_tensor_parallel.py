@@ -124,7 +124,7 @@ def _generate(model_dir, tp: int) -> tuple[list, list]:
     assert second[0].num_cached_tokens > 0
     outs = first + second
     return ([o.outputs[0].token_ids for o in outs],
-            [[lp[t] for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids,
+            [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids,
                                      strict=False)] for o in outs])
 
 

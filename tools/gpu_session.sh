@@ -6,7 +6,7 @@
 # Several stages may be given; each has its own time limit so one overrun cannot eat the
 # others. Results go to $OUT (default ./out). The machine's own JAX (with CUDA) runs the
 # repo from the checkout (PYTHONPATH=.), not our pinned CPU JAX. `.gpu/stdlib.tar.gz` is
-# this machine's Python 3.11.7 standard library (.py files), packed with:
+# the Python 3.11.7 standard library (.py files) the demo pair is trained on, packed with:
 #   (cd "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" &&
 #    find . -name '*.py' -not -path '*/site-packages/*' -print0 |
 #    tar --null -czf "$OLDPWD/.gpu/stdlib.tar.gz" -T -)

@@ -11,9 +11,9 @@ model.safetensors in bfloat16, tokenizer files) that transformers loads too.
     python tools/train_demo.py --out=checkpoints --main_steps=1200 --draft_steps=1200
 
 `--size=large` trains the larger pair (7.8 M + 1.6 M parameters) that is bundled now; it
-was trained on an H100 (`tools/gpu_session.sh`) from this machine's Python 3.11.7
-standard library carried there as a tarball (`--corpus_dir`), so the corpus, split and
-tokenizer are those of this machine.
+was trained on an H100 (`tools/gpu_session.sh`) from the Python 3.11.7 standard library
+carried there as a tarball (`--corpus_dir`), so with that Python the corpus and split of
+`jaxinfer.text.corpus` are the ones it was trained on.
 """
 
 from __future__ import annotations

@@ -6,10 +6,6 @@ restores and converts to orbax `params/`, and holds `load_params`, which reads e
 kind; `quantized.py` says which quantization a directory's weights are written and
 served in; `names.py` maps HF tensor names to params leaves. The names the rest of
 jaxinfer uses are re-exported here, so callers write `checkpoint.load_params(...)`.
-
-Departure from ARCHITECTURE.md (which has one checkpoint.py): a package, split by
-format, once the module passed the 400-line cap. Its import-linter contracts name
-`jaxinfer.checkpoint` and so cover every module here.
 """
 
 from jaxinfer.checkpoint.hf import load_config, load_hf_params, read_hf_config, save_hf

@@ -22,15 +22,14 @@ The float model's next-layer input comes from the unquantized layer, as in AWQ. 
 layer forward runs under jit on the default device and the searches in numpy (BLAS;
 the per-group errors through each group's Gram matrix), from host copies of the params
 (device_get), so a tensor-parallel engine gets the same weights as one device. Cost on
-this 2-core machine: 2.7 s for the demo model (4.7 s with compiles; 14 windows of 128
+a 2-core CPU: 2.7 s for the demo model (4.7 s with compiles; 14 windows of 128
 tokens), 28.5 s for a SmolLM-135M-shape model (30 layers).
 `quantizer` (default: int4 quantize-dequantize) is a parameter so
 benchmarks/int4_accuracy.py can compare other 4-bit schemes under the same search.
 
 Calibration data: `calibration_token_ids` cuts windows of WINDOW_TOKENS tokens from a
 JSONL file of {"text": ...} lines, or by default from NUM_WINDOWS training files of
-the bundled corpus (jaxinfer/corpus.py), tokenized by the model's tokenizer.
-Imports jax, numpy, jaxinfer.config, corpus, quantization, tokenizer and model.
+the bundled corpus (jaxinfer/text/corpus.py), tokenized by the model's tokenizer.
 """
 
 from __future__ import annotations

@@ -26,11 +26,6 @@ KV cache's dtype is the engine's `kv_cache_dtype`). Only the decoder layers' sev
 projections may be quantized, all of them: embeddings, norms and the LM head (in
 `ignore`) load as float, and a checkpoint that quantizes the LM head or keeps some
 layer projection float is refused by name.
-
-Departure from ARCHITECTURE.md (which puts formats in checkpoint.py): the format's
-config and tensor rules live here so the checkpoint package stays about names and
-shapes.
-Imports numpy, ml_dtypes and shard_source.
 """
 
 from __future__ import annotations

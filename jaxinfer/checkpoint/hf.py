@@ -8,8 +8,7 @@ memory-mapped (safetensors_file), checked against config.json by name, shape and
 are fused on the fly (model/fusion.py). A compressed-tensors FP8 checkpoint's layer
 projections load as they are stored, as fp8 QuantizedWeights (compressed_tensors.py);
 any other quantization_config is refused by load_config. `save_hf` writes what
-transformers loads. Imports numpy, jax, config, model, quantization, safetensors_file,
-shard_source, sharding, compressed_tensors and names.
+transformers loads.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ HF checkpoints keep q/k/v and gate/up as separate tensors, [out, in]; params hol
 them fused (model/fusion.py) and [in, out]. `hf_names` maps each HF tensor to its
 place in the unfused params (`hf_shapes`), `leaf_layouts` each fused params leaf to
 the HF tensors it is made of (what `shard_source` reads per device). Reads no files.
-Imports config, model (shapes, fusion) and shard_source.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An orbax checkpoint converted with a quantization mode records it in QUANTIZATIO
 beside `params/` ({"mode": "w8a8", "layout": 2, "quantized_head": true}); an HF
 compressed-tensors FP8 checkpoint says so in its config.json's quantization_config
 (compressed_tensors.py). Everything else holds float weights, which the engine may
-quantize at load. Imports quantization, compressed_tensors and checkpoint.hf.
+quantize at load.
 """
 
 from __future__ import annotations

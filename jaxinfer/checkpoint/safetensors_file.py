@@ -1,11 +1,8 @@
 """Reading and writing the safetensors file format with numpy and ml_dtypes.
 
-Departure from ARCHITECTURE.md (which puts safetensors in checkpoint.py): the
-file format lives apart so the checkpoint package stays about names and shapes. We
-read the format ourselves rather than through `safetensors.numpy` because that one
-cannot return bfloat16 without torch, and so every corruption gets an error
+We read the format ourselves rather than through `safetensors.numpy` because that
+one cannot return bfloat16 without torch, and so every corruption gets an error
 naming the file and the tensor. Tensors are memory-mapped, never copied whole.
-Imports numpy and ml_dtypes only.
 """
 
 from __future__ import annotations

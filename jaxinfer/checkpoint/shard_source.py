@@ -15,9 +15,7 @@ compressed-tensors FP8 checkpoint's weights (compressed_tensors.py) are read thr
 same layouts, as the weights' output columns.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
-device read only its share. Departure from ARCHITECTURE.md (which puts checkpoint
-reading in checkpoint.py): the slicing arithmetic lives apart so the checkpoint package
-stays about names, shapes and formats. Imports numpy, config and model.fusion.
+device read only its share.
 """
 
 from __future__ import annotations

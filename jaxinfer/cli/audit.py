@@ -7,7 +7,6 @@ every page (no eviction): each prompt is served its leading full cached pages,
 never its last token (the engine recomputes it for logits), then registers its
 full pages. It reports the prompt tokens served, the projected prefill saving,
 and the longest shared prefixes. It does not load weights or run the model.
-Imports the tokenizer and the page pool only (no jax).
 """
 
 from __future__ import annotations

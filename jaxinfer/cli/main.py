@@ -7,7 +7,6 @@ its defaults over them. `python -m jaxinfer --help` lists the commands,
 a user can fix (a bad flag value, a missing model directory, a prompt too long) print
 one line to stderr and exit non-zero (2: usage, 1: the rest); `--verbosity=1` logs
 their traceback. `run` is the entry point (`jaxinfer.cli.run`, `python -m jaxinfer`).
-Imports absl, config and the other cli modules.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ made from the engine flags; convert copies an HF checkpoint to an orbax one.
 
 Each command is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS`
 lists them with their summaries and flags. A mistake raises app.UsageError or
-ValueError, which `main.main` prints as one line. Imports absl, config and cli.flags;
-the library it drives (distributed, batch, checkpoint, evaluate, server) only when
-the command runs, so `--help` and the other commands stay light.
+ValueError, which `main.main` prints as one line. The library a command drives
+(distributed, batch, checkpoint, evaluate, server) is imported only when the command
+runs, so `--help` and the other commands stay light.
 """
 
 from __future__ import annotations

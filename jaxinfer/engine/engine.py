@@ -7,8 +7,7 @@ schedules, runs one device call, and returns a RequestOutput (with this step's
 deltas) for every prompt that moved. Bad requests are refused in `add_request`
 with a specific error; the engine keeps serving the others. Never imports jax,
 numpy, the model or checkpoint (pyproject.toml's contract): it reaches the device
-through the runner package and `loading` only. Imports config, loading, tokenizer
-and the engine modules.
+through the runner package and `loading` only.
 """
 
 from __future__ import annotations
@@ -267,10 +266,8 @@ class Engine:
             text = self._texts[id(request)]
             for index, sample in enumerate(chunk_samples[:added]):
                 if request.params.logprobs is not None:
-                    k = request.params.logprobs
-                    top = dict(zip(sample.top_ids[:k].tolist(),
-                                   sample.top_logprobs[:k].tolist(), strict=True))
-                    request.output_logprobs.append(top | {sample.token_id: sample.logprob})
+                    request.output_logprobs.append(self._output_logprobs(
+                        sample, request.params.logprobs, request.params.greedy))
                 text.add([sample.token_id])
                 if text.stop_string is not None:
                     self.scheduler.finish(request, "stop", text.stop_string,
@@ -278,6 +275,21 @@ class Engine:
                     break
             changed[request.request_id.rsplit("#", 1)[0]] = None
         return list(changed)
+
+    def _output_logprobs(self, sample: runner_lib.Sample, k: int,
+                         greedy: bool) -> dict[int, Logprob]:
+        """vLLM's entry for a generated token: the token first, then the top k, each a
+        Logprob with its rank and text. The token's rank is 1 when greedy, else 1 + the
+        top logprobs above it, None when all k are above it (its place is unknown)."""
+        top = sample.top_logprobs[:k].tolist()
+        entry = {token: Logprob(logprob, rank, self._token_text(token)) for rank, (
+            token, logprob) in enumerate(zip(sample.top_ids[:k].tolist(), top, strict=True),
+                                         start=1)}
+        above = sum(logprob > sample.logprob for logprob in top)
+        rank = 1 if greedy else above + 1 if above < k else None
+        chosen = entry.get(sample.token_id) or Logprob(sample.logprob, rank,
+                                                        self._token_text(sample.token_id))
+        return {sample.token_id: chosen} | entry
 
     def _record_prompt_scores(self, plan: StepPlan,
                               prompt_scores: list[runner_lib.PromptScores | None]) -> None:

@@ -19,8 +19,6 @@
   valid K/V exactly up to the accepted tokens, the target's computed length. A request
   that was preempted, or started on cached pages, starts over (writing the same K/V
   into a shared page again is harmless: a page holds the same tokens for every owner).
-
-Imports the engine's request and scheduler modules only.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class Request:
     seed: int  # resolved: params.seed, or drawn when the request was added
     priority: int = 0  # lower runs first, as in vLLM
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = dataclasses.field(default_factory=list)
     page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
@@ -189,7 +189,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: it and the top k (vLLM's)
     delta_text: str = ""  # text added by the last step (held back near a stop string)
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 

@@ -37,8 +37,6 @@ speculation is off, and with low acceptance
 the draft model runs fewer steps. `adaptive=False` always speculates with k = K.
 `disable_by_batch_size` (vLLM's) is a fixed cut-off checked first: no speculation in a
 step of that many requests or more.
-
-Imports the engine's host modules (scheduler, proposer, request).
 """
 
 from __future__ import annotations

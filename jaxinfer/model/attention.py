@@ -7,8 +7,7 @@ words so TPU copies of one head's words are tile-aligned. Page 0 is the trash
 page that padding tokens write into. With an 8-bit KV dtype (int8, fp8) each layer
 is a `QuantizedPages`: the pages and their scales f32[P, K, 2G], one per token and
 combined head, written at the same page slots (pallas/kv_quant.py). The structure is
-fixed per config; float caches are plain arrays as before. Imports jax,
-jaxinfer.config, jaxinfer.pallas, model.layers and model.fusion.
+fixed per config; float caches are plain arrays.
 """
 
 from __future__ import annotations

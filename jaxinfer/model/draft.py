@@ -13,7 +13,7 @@ write the K/V of the k-th draft, so that after verification the draft's cache ho
 every accepted token. q of each drafted position is returned, f32[S, K + 1, V] (the
 last position unused), for the target's rejection sampler; the target's vocabulary V
 may be larger or smaller than the draft's (a draft never proposes an id outside the
-target's). Imports jax and the model modules.
+target's).
 """
 
 from __future__ import annotations

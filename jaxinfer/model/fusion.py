@@ -13,7 +13,7 @@ built at load (`fuse_layer`) and split again to save HF files (`unfuse_layer`):
 So a tensor-parallel split of the fused axis into n equal parts gives each shard whole
 KV-head groups (n dividing G) and whole gate/up block pairs (n dividing F / B); with
 fewer KV heads than shards, the loader replicates KV heads before fusing. Works on
-numpy arrays (loading, on the host) and jax arrays alike. Imports numpy and jax.
+numpy arrays (loading, on the host) and jax arrays alike.
 """
 
 from __future__ import annotations

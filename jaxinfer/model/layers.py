@@ -3,7 +3,6 @@
 Matmuls take weights in their storage dtype (float32 or bfloat16) and
 accumulate in float32 (`preferred_element_type`), the fast path on CPU and the
 accurate one everywhere; activations between blocks stay float32.
-Imports jax, numpy, jaxinfer.config, jaxinfer.model.quantization and model.fusion.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def min_matmul_rows(dtype: jnp.dtype, quantization: str | None = None) -> int:
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight,
            b: jax.Array | None = None) -> jax.Array:
     """x f[..., I] @ w [I, O] (+ b [O]) -> f32[..., O]; a quantized weight computes as
-    its mode says (jaxinfer/quantization.py)."""
+    its mode says (jaxinfer/model/quantization.py)."""
     if isinstance(w, QuantizedWeight):
         y = quantization.linear(x, w)
     else:

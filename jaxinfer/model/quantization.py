@@ -59,9 +59,8 @@ one-row dot, so HBM is read for the packed bytes and scales only. For GPU the ex
 StableHLO holds the same unpack (shift, and, convert, multiply, add) before a bf16
 dot_general; what XLA:GPU makes of it is not checked here (no CUDA compiler): its
 Triton gemm emitter can fuse such a producer, else it runs as a fusion before cuBLAS.
-The activation-aware scales (AWQ) are chosen before quantizing, by jaxinfer/awq.py,
-and folded into the float weights.
-Imports jax, numpy and ml_dtypes and jaxinfer.config.
+The activation-aware scales (AWQ) are chosen before quantizing, by
+jaxinfer/checkpoint/awq.py, and folded into the float weights.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ proposals that are one token for sure (n-gram lookup; q one-hot at x, so x is ac
 with probability p(x) and the residual is p without x). Each row draws its acceptance
 and its residual from its own key: fold_in(fold_in(key(seed), counter), stream), with
 streams apart from the plain draw's and from the draft model's (`DRAFT_STREAM`), so no
-uniform is used twice. Imports jax and model.sampler.
+uniform is used twice.
 """
 
 from __future__ import annotations

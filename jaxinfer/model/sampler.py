@@ -15,8 +15,6 @@ logprob is returned beside the sampled token's. Rows are whatever the caller
 makes them: the step samples R = S * Q of them (Q positions per request).
 `pack`/`unpack` turn the output into one int32 array per step and back (host
 side, numpy), keeping any leading dimensions.
-
-Imports jax and numpy only.
 """
 
 from __future__ import annotations

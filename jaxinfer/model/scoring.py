@@ -10,8 +10,6 @@ a strictly higher logprob, vLLM's rule) and the top `num_logprobs` ids and logpr
 log-softmax of the raw logits: no temperature or penalties, vLLM's default.
 `pack`/`unpack` turn the result into one i32[T, 2 + 2k] array and back (host side,
 numpy), so only [T, 2 + 2k] words cross to the host, never [T, V] rows.
-
-Imports jax and numpy only.
 """
 
 from __future__ import annotations

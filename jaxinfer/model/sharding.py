@@ -18,8 +18,6 @@ Adding a data axis later: make the mesh 2-D, ("data", "model"); shard the KV cac
 page axis and the step's request rows over "data" (each data replica runs its own
 requests), keep params replicated over "data"; the specs here gain that axis and
 nothing inside the model changes.
-
-Imports jax, numpy, config and model.fusion (which imports no other model module).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ fused axis takes whole groups (model/fusion.py). Checkpoints keep HF's separate 
 (`hf_layer_shapes`); the loader fuses. The layers are an unrolled Python loop: a
 `lax.scan` over stacked layers compiles the matmuls no faster and steps 1.1-1.4x
 (f32) to 4-12x (bf16) slower on XLA:CPU, which copies each layer's weight slice
-before its dot (measured: benchmarks/bench_layer_loop.py). Imports jax, config, and model modules.
+before its dot (measured: benchmarks/bench_layer_loop.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `ragged_paged_attention` (the function) is the entry point; it lives in `dispatch.py`
 with its input validation and picks the TPU or GPU kernel or the reference.
-Imports nothing from jaxinfer, so the kernels can be lifted out whole.
+Nothing here imports from jaxinfer, so the kernels can be lifted out whole.
 """
 
 from jaxinfer.pallas.dispatch import ragged_paged_attention, resolve_impl, validate_inputs

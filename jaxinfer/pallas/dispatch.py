@@ -10,7 +10,7 @@ out-of-bounds reads raising). KV pages are `[P, K, W, packing, H]`
 (`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
 when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
 read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
-token and head (`kv_quant.py`). Imports jax and the sibling modules only.
+token and head (`kv_quant.py`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ In row-major order `[P, K, W, packing, H]` is `[P, K, W * packing, H]`: on CPU a
 the reference and the Triton kernel see the familiar combined-head axis through a free
 reshape (`combined_view`). Padding exists only for 8-bit pages with an odd number of KV
 heads (per shard, under tensor parallelism): the padded heads are written as zeros and
-never read. Imports only jax.
+never read.
 """
 
 from __future__ import annotations

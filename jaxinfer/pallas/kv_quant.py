@@ -11,7 +11,7 @@ The cache update (`write_quantized_kv`) computes each new token's scale from its
 row, `max|x| / 127` (int8) or `max|x| / 448` (fp8; a zero row gets scale 1), and never
 touches earlier tokens. Readers multiply a K or V row by its scale after unpacking it.
 Only the real heads have scales (the padded heads of 8-bit pages with an odd head count
-are never read). Imports jax, numpy and `reference` beside it.
+are never read).
 
 Why per token and head, not per page and head. Measured on the bundled demo model
 (checkpoints/demo, G=1, H=64, pages of 16 tokens) over the float K/V of all 6 layers

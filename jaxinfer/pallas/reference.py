@@ -1,7 +1,5 @@
 """Pure-jnp twins of the Pallas kernels: the path the engine runs on CPU/XLA.
 
-Imports only jax, numpy and `kv_layout` beside it, like the kernels.
-
 `ragged_paged_attention` keeps the contract of JAX's
 `ref_ragged_paged_attention`: queries f[T, N, H]; KV pages [P, K, W, packing, H]
 (`kv_layout.py`: in row-major order the combined-head axis [P, K, W * packing, H]

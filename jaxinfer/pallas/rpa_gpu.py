@@ -22,7 +22,7 @@ With `kv_scales` f32[P, K, 2G] (`kv_quant.py`) each K and V row is multiplied by
 own scale, gathered by page id like the row, before the dots.
 KV pages arrive as [P, K, W, packing, H] (`kv_layout.py`) and are read through
 the free reshape to [P, K, W * packing, H]: row-major order makes the packed
-layout the familiar combined-head axis. Imports jax, numpy and `kv_layout`.
+layout the familiar combined-head axis.
 """
 
 from __future__ import annotations

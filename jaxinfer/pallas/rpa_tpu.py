@@ -4,8 +4,7 @@
 (see `dispatch.py`, which validates inputs and dispatches here). Here: the tuning
 constants and the block sizes drawn from them, the queries grouped by KV head and
 padded, the two `pallas_call`s with their grid, scratch buffers and cost estimate. The
-body each program runs is `rpa_tpu_kernel.py`. Imports jax, numpy and its siblings
-`kv_layout` and `rpa_tpu_kernel`.
+body each program runs is `rpa_tpu_kernel.py`.
 
 Design. Two `pallas_call`s share one zero-initialised output through
 `input_output_aliases`: a prefill pass (requests with q_len > 1, query blocks of `bq`

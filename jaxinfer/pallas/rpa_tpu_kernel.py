@@ -22,11 +22,7 @@ it does not use.
 
 Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
 are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
-K and V columns, which multiply the unpacked rows. Imports jax and its sibling
-`tpu_words`.
-
-Departure from ARCHITECTURE.md (one module per kernel): the TPU kernel is split in
-two, this body and its host side `rpa_tpu.py`, once it passed the 400-line cap.
+K and V columns, which multiply the unpacked rows.
 """
 
 from __future__ import annotations

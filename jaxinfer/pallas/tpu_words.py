@@ -6,7 +6,7 @@ uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat1
 low byte up); `dequantize` then applies the scale (scalar or per token). Unpacking with shifts keeps
 every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
 the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
-way. Imports only jax.
+way.
 """
 
 from __future__ import annotations

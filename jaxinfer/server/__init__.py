@@ -8,8 +8,8 @@ starts the engine thread, binds the socket, runs uvicorn until SIGTERM/SIGINT, t
 shuts down gracefully: new requests and uploads still arriving get 503, requests in
 flight have `shutdown_timeout` seconds to finish, then are aborted with an error,
 and `serve` returns (the CLI exits 0). A second signal aborts them at once (their
-streams still end with the error event and `[DONE]`). Imports the server modules,
-api (for LLM) and config; sits between cli and api.
+streams still end with the error event and `[DONE]`). The package sits between cli
+and api.
 """
 
 from __future__ import annotations

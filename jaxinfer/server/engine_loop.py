@@ -15,8 +15,7 @@ completions waiting plus those queued for admission never exceed
 beyond), so a burst fills the batch and at most that many wait. A failure inside one
 request fails that request (500); a failure of `engine.step()` marks the loop
 unhealthy and fails every request in flight, and the thread stays to answer
-later commands with 503 so that nothing waits forever. Imports the engine's
-plain-Python parts and protocol.
+later commands with 503 so that nothing waits forever.
 """
 
 from __future__ import annotations
@@ -392,9 +391,10 @@ class EngineLoop:
 def _piece(completion: Any) -> Piece:
     logprobs = completion.logprobs
     count = len(completion.delta_token_ids)
+    new = None if logprobs is None else [{token: lp.logprob for token, lp in entry.items()}
+                                         for entry in logprobs[len(logprobs) - count:]]
     return Piece(completion.index, completion.delta_text, list(completion.delta_token_ids),
-                 logprobs[len(logprobs) - count:] if logprobs is not None else None,
-                 completion.finish_reason)
+                 new, completion.finish_reason)
 
 
 def _moved(piece: Piece, done: list[bool]) -> bool:

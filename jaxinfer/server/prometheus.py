@@ -4,8 +4,7 @@ under a `jaxinfer:` prefix.
 `snapshot(engine)` runs on the engine thread between steps and copies what the
 exposition needs (the same `Metrics` object `llm.metrics()` summarizes); the
 exposition then builds the families from that copy, so a scrape never reads
-state a step is changing. Imports prometheus_client and the engine's plain-Python
-parts.
+state a step is changing.
 """
 
 from __future__ import annotations

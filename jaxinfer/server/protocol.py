@@ -8,7 +8,6 @@ by `SamplingParams` itself, so the server and the Python API refuse the same
 things. Completions take vLLM's `prompt_logprobs` and the legacy `echo` (with
 `logprobs` it scores the prompt too, vLLM's rule; with `max_tokens=0` it generates
 nothing: one token is run and dropped, as in vLLM); chat takes `prompt_logprobs`.
-Imports pydantic and jaxinfer.engine.request only.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ figures. `find_preset` looks a name up in both tables; `python -m jaxinfer plan
 --device=NAME` reads it. FLOP/s are dense (NVIDIA's headline tensor figures are
 sparse, twice these). List prices are left unset (None): no price in this table has
 been checked against GCP's price pages, so `plan` asks for `--price_per_hour`.
-Standard library only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The environment, filters and globals match transformers' (`tojson` without HTML
 escaping, `raise_exception`, `strftime_now`, the `{% generation %}` tag,
 `namespace` and `dict` locked down), and messages are rebuilt from plain data
 so a template never reaches a Python object's methods. Nothing from a
-checkpoint runs as Python. Imports the standard library and jinja2 only.
+checkpoint runs as Python.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ tokenizer_config.json (and the legacy special_tokens_map.json), generation_confi
 config.json and chat_template.jinja, reproducing what transformers does with them without
 importing it. Chat templates render in a jinja2 sandbox; nothing from a checkpoint is ever run
 as Python. `IncrementalDetokenizer` turns generated ids into text deltas that never split a
-UTF-8 character. Imports the standard library, `tokenizers`, `jinja2` and chat_template only.
+UTF-8 character.
 """
 
 from __future__ import annotations

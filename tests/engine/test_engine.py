@@ -141,8 +141,9 @@ def test_engine_tiny_temperatures_sample_the_top_token(hf_model_dirs, dtype):
             assert [o.token_ids for o in outputs] == greedy, temperature
             continue
         for output in outputs:
-            for token, scores in zip(output.token_ids, output.logprobs, strict=True):
-                assert scores[token] >= max(scores.values()) - 1e-3, (temperature, scores)
+            for token, entry in zip(output.token_ids, output.logprobs, strict=True):
+                best = max(lp.logprob for lp in entry.values())
+                assert entry[token].logprob >= best - 1e-3, (temperature, entry)
 
 
 def test_engine_n_completions_differ_and_follow_the_seed(engine):
@@ -250,7 +251,8 @@ def test_engine_records_several_tokens_per_step_up_to_a_stop_string(hf_model_dir
     # The token completing the stop string ends it; the tokens after it are dropped.
     assert (s.token_ids, s.text, s.finish_reason, s.outputs[0].stop_reason) == (
         list(b"xcd"), "x", "stop", "cd")
-    assert s.logprobs == [{ord("x"): -0.5}, {ord("c"): -1.5}, {ord("d"): -2.5}]
+    assert [{t: lp.logprob for t, lp in e.items()} for e in s.logprobs] == [
+        {ord("x"): -0.5}, {ord("c"): -1.5}, {ord("d"): -2.5}]
     assert (z.token_ids, z.text, z.finish_reason, z.outputs[0].stop_reason) == (
         list(b"xyz"), "xyz", "stop", ord("z"))  # the scheduler dropped "w"
     # max_tokens ended it at "x", after the stop string: the stop string's end stands.

@@ -1,5 +1,5 @@
 """The whole step with the GPU (Triton) attention kernel, split over 4 devices (tensor
-parallelism), exported for CUDA from this CPU machine (`jax.export`, platforms=["cuda"]).
+parallelism), exported for CUDA on a host without a GPU (`jax.export`, platforms=["cuda"]).
 
 Export stops before XLA partitions the program, so the module holds the mesh, the
 Runner's shardings on the arguments (runner.step_shardings), and the attention in a

@@ -178,7 +178,7 @@ def test_a_list_prompt_that_fits_is_admitted_whole(keyed_server):
 
 def test_a_list_prompt_that_fits_only_later_is_503_before_any_work(keyed_server):
     """With 10 slots busy, 15 prompts fit the server but not now: one 503, nothing of
-    them started (each prompt used to be added until one was refused, then all aborted)."""
+    them started (a list's prompts are admitted all or none)."""
     async def run() -> tuple[httpx.Response, dict, dict]:
         async with _client(keyed_server) as client:
             tasks, _ = await _fill(client, [480] * 10)
@@ -305,9 +305,8 @@ async def _refusing(server) -> None:
 
 
 def test_clients_that_all_go_away_leave_the_server_admitting(keyed_server):
-    """Regression: the admission counts were refreshed only after engine steps, so
-    aborting every request of a full server left them stale and every new request got
-    503 for ever."""
+    """Aborting every request of a full server refreshes the admission counts even
+    though no engine step runs, so the next request is admitted (200), not 503."""
     async def run() -> tuple[float, float]:
         async with _client(keyed_server) as client:
             tasks, _ = await _fill(client, [480] * (SLOTS + WAITING))

@@ -117,7 +117,7 @@ def _check_quantized(device: str, mode: str, cfg) -> None:
     pytest.param("v6e-1", "int4", marks=pytest.mark.slow),
     pytest.param("v5e-1", "int8", marks=pytest.mark.slow)])
 def test_quantized_step_compiles(device, mode):
-    """Quantized weights (jaxinfer/quantization.py) in the compiled step of a 4-layer
+    """Quantized weights (jaxinfer/model/quantization.py) in the compiled step of a 4-layer
     Qwen3-0.6B shape: libtpu's argument bytes match the planner's quantized bytes (one
     byte per linear weight and LM head element plus f32 column scales, int4 half a byte
     plus bf16 group scales with an int8 head; embedding and norms bf16)."""

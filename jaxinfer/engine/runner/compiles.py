@@ -14,7 +14,7 @@ thread share that thread's tally, but a span covers only its own step (steps do
 not interleave on a thread); compiles that a step causes on another thread (none
 do today) are not in its span; `total` counts every thread, so it includes other
 engines' compiles made during the counter's life (used for the warm-up figure, as
-warm-up compiles on a thread pool). Imports jax.
+warm-up compiles on a thread pool).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@
 
 "The device" is this process's first one (`jax.local_devices()[0]`): in a multi-host
 job `jax.devices()[0]` may belong to another process.
-
-Imports jax only.
 """
 
 from __future__ import annotations

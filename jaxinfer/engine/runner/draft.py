@@ -13,7 +13,7 @@ at warm-up for every bucket they can meet (nothing compiles mid-run):
   f32[S, K + 1, V] (device, straight into the target's verify step).
 
 Which requests to catch up and what the draft has computed is the host's
-(engine/proposer.DraftProposer). Imports jax, numpy, the model and its siblings.
+(engine/proposer.DraftProposer).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The numpy half of the runner: a step's padded input arrays, built on the host.
 
-Split from runner.py (ARCHITECTURE.md keeps both in the runner) so each stays
-small: this module turns chunks of requests into the token ids, attention
-metadata, sampling rows and proposed ids of one bucket, all numpy; runner.py
-owns the device. A chunk's last `num_samples` tokens are sampled; each slot has
+This module turns chunks of requests into the token ids, attention metadata,
+sampling rows and proposed ids of one bucket, all numpy; runner.py owns the
+device. A chunk's last `num_samples` tokens are sampled; each slot has
 `num_positions` (Q, see model/step.py) sampling rows, the unused ones greedy
 padding. `score_spans`/`score_targets` name the prompt positions a step scores for
-requests collecting prompt logprobs (the scoring step's inputs). Imports numpy, the
-model's input dataclasses, and engine.request.
+requests collecting prompt logprobs (the scoring step's inputs).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """What the runner compiles: the step functions, their input specs and shardings.
 
-Split from runner.py (the Runner's device state and its per-step work) so each stays
-small: `step_function` / `score_step_function` name the jittable entry points the
+runner.py holds the Runner's device state and its per-step work; here,
+`step_function` / `score_step_function` name the jittable entry points the
 Runner compiles per bucket, `input_spec` gives a bucket's input shapes,
 `step_shardings` the shardings of params, KV cache and inputs on a mesh, and
 `compile_steps_for` compiles the step ahead of time from specs alone (for a TPU
-topology on this machine: jaxinfer/aot.py). Imports jax, the model and its siblings.
+topology from any host: jaxinfer/cli/aot.py).
 """
 
 from __future__ import annotations

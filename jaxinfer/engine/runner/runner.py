@@ -18,7 +18,6 @@ tokens runs there, given the draft model's probabilities on device
 Multi-host (jaxinfer/distributed.py) needs nothing more here: every process passes the
 same numpy inputs, which jit places on this process's devices of the replicated
 sharding, and `np.asarray` of the replicated packed output reads this process's copy.
-Imports jax, model, config, the host-side engine modules and its siblings.
 """
 
 from __future__ import annotations
