@@ -135,10 +135,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = setting(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text")
     quantization: str | None = setting(
-        None, "quantize the linear weights at load (jaxinfer/quantization.py): int8 "
+        None, "quantize the linear weights at load (jaxinfer/model/quantization.py): int8 "
         "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
         "(float8_e4m3fn weight-only), int4 (group-wise, activation-aware scales: "
-        "jaxinfer/awq.py); default: none", QUANTIZATION_MODES)
+        "jaxinfer/checkpoint/awq.py); default: none", QUANTIZATION_MODES)
     calibration_data: str | None = setting(
         None, "int4: a JSONL file of {\"text\": ...} lines to choose the activation-aware "
         "scales on; default: windows of the bundled corpus's training files")
