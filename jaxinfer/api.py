@@ -19,6 +19,7 @@ import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
@@ -51,13 +52,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 *, priority: Sequence[int] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given. No
         `sampling_params`: the checkpoint's defaults (`engine.default_params`).
-        `priority`: one int per prompt, lower runs first (as in vLLM)."""
+        `priority`: one int per prompt, lower runs first (as in vLLM). `use_tqdm`: a
+        progress bar of finished prompts on stderr (vLLM's)."""
         ids = self._add_all(prompts, sampling_params, priority)
-        while any(not self.engine.output(i).finished for i in ids):
-            self.engine.step()
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while (done := sum(self.engine.output(i).finished for i in ids)) < len(ids):
+                bar.update(done - bar.n)
+                self.engine.step()
+            bar.update(done - bar.n)
         return [self.engine.release(i) for i in ids]
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
@@ -75,7 +81,7 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         several, through the checkpoint's chat template: the server's path for
         /v1/chat/completions. One finished RequestOutput per conversation, in order."""
@@ -89,7 +95,7 @@ class LLM:
                     add_generation_prompt=add_generation_prompt))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"conversation {index}: {e}") from None
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def metrics(self) -> dict[str, float | int]:
         """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""

@@ -145,3 +145,13 @@ def test_llm_rejects_unknown_model_dir(tmp_path):
 def test_llm_rejects_bad_max_model_len(hf_model_dirs):
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's"):
         LLM(model=hf_model_dirs["llama"], max_model_len=4096)
+
+
+def test_generate_shows_a_progress_bar_unless_told_not_to(llms, capsys):
+    llm = llms["llama"]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    llm.generate([[1, 2], [3, 4], [5]], params)  # vLLM's default: shown
+    shown = capsys.readouterr().err
+    assert "Processed prompts" in shown and "3/3" in shown
+    llm.generate([[1, 2], [3, 4], [5]], params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
