@@ -14,7 +14,7 @@ import dataclasses
 import types
 import typing
 
-from absl import flags
+from absl import app, flags
 
 from jaxinfer.config import DistributedConfig, EngineConfig, ServerConfig
 from jaxinfer.engine.request import SamplingParams
@@ -87,7 +87,16 @@ def engine_config(**defaults: object) -> EngineConfig:
     """EngineConfig from the engine flags; `defaults` replace flags the user did not give."""
     settings = {name: FLAGS[name].value for name in ENGINE_FLAGS}
     settings |= {k: v for k, v in defaults.items() if not FLAGS[k].present}
-    return EngineConfig(**settings)
+    return from_flags(EngineConfig, **settings)
+
+
+def from_flags(config_class: type, **values: object) -> object:
+    """`config_class(**values)` from flag values: a value it refuses is a usage error
+    (exit 2, like a flag absl cannot parse), naming the flag."""
+    try:
+        return config_class(**values)
+    except (ValueError, TypeError) as e:
+        raise app.UsageError(f"--{e}" if str(e).split("=")[0] in values else str(e)) from None
 
 
 def make_llm(*, warm_up: bool = True, **defaults: object) -> object:

@@ -12,6 +12,7 @@ their traceback. `run` is the entry point (`jaxinfer.cli.run`, `python -m jaxinf
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import re
@@ -28,6 +29,7 @@ from jaxinfer.cli.flags import (
     FLAGS,
     SAMPLING_FLAGS,
     SERVER_FLAGS,
+    from_flags,
 )
 from jaxinfer.cli.model_commands import (
     EVAL_PPL_DEFAULTS,
@@ -55,7 +57,7 @@ class Command:
 
 
 _PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
-               "kv_cache_memory_bytes", "quantization")
+               "kv_cache_memory_bytes", "gpu_memory_utilization", "quantization")
 COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",
@@ -122,8 +124,8 @@ def _join_job() -> None:
     """Join the multi-host job the distributed flags name, if any (distributed.py)."""
     from jaxinfer import distributed
 
-    distributed.initialize(DistributedConfig(**{name: FLAGS[name].value
-                                                for name in DISTRIBUTED_FLAGS}))
+    distributed.initialize(from_flags(DistributedConfig, **{name: FLAGS[name].value
+                                                            for name in DISTRIBUTED_FLAGS}))
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:
@@ -135,14 +137,41 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        _fail(f"{e} (see --help)", 2)
+        message = re.sub(r"invalid literal for int\(\) with base 10: (.*)",
+                         r"\1 is not an integer", str(e))
+        message = re.sub(r"could not convert string to float: (.*)", r"\1 is not a number",
+                         message)
+        _fail(f"{message} (see --help)", 2)
+
+
+def _unknown_command(args: list[str]) -> str:
+    """Why `args` (what follows `python -m jaxinfer`) names no command."""
+    commands = ", ".join(COMMANDS)
+    if not args:
+        return f"give one command of {commands} (python -m jaxinfer --help)"
+    if args[0] not in COMMANDS:
+        close = difflib.get_close_matches(args[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{args[0]!r} is not a command{hint}; the commands are {commands}"
+    return f"one command at a time: {' '.join(args)!r} (flags start with --)"
+
+
+def _refuse_foreign_flags(name: str) -> None:
+    """A flag given that only other commands read is an error, not silently ignored."""
+    own = set(COMMANDS[name].flags)
+    for flag in dict.fromkeys(f for command in COMMANDS.values() for f in command.flags):
+        if FLAGS[flag].present and flag not in own:
+            readers = [n for n, c in COMMANDS.items() if flag in c.flags]
+            raise app.UsageError(f"--{flag} is not a flag of {name} (it is one of "
+                                 f"{', '.join(readers)}); see python -m jaxinfer {name} --help")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
-        _fail(f"give one command of {', '.join(COMMANDS)} (python -m jaxinfer --help)", 2)
+        _fail(_unknown_command(argv[1:]), 2)
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
+        _refuse_foreign_flags(argv[1])
         if "coordinator_address" in COMMANDS[argv[1]].flags:
             _join_job()  # before anything starts a JAX backend
         COMMANDS[argv[1]].run()

@@ -16,7 +16,7 @@ import sys
 
 from absl import app
 
-from jaxinfer.cli.flags import FLAGS, SERVER_FLAGS, make_llm, sampling_params
+from jaxinfer.cli.flags import FLAGS, SERVER_FLAGS, from_flags, make_llm, sampling_params
 from jaxinfer.config import DEFAULT_MODEL, ServerConfig
 
 GENERATE_DEFAULTS = {"max_num_seqs": 1}  # over the flags; one prompt: fewer buckets
@@ -81,7 +81,7 @@ def eval_ppl() -> None:
 def serve() -> None:
     from jaxinfer import server
 
-    config = ServerConfig(**{name: FLAGS[name].value for name in SERVER_FLAGS})
+    config = from_flags(ServerConfig, **{name: FLAGS[name].value for name in SERVER_FLAGS})
     sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
     llm = make_llm()
     name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
