@@ -130,7 +130,8 @@ def perplexity(llm: LLM, files: str | Sequence[str | pathlib.Path], *,
         raise ValueError(f"the {len(paths)} input file(s) hold no text to score")
     started, tally = time.perf_counter(), _Tally()
     for begin in range(0, len(prompts), REQUESTS_PER_CALL):
-        for out in llm.generate(prompts[begin:begin + REQUESTS_PER_CALL], SCORE_PARAMS):
+        for out in llm.generate(prompts[begin:begin + REQUESTS_PER_CALL], SCORE_PARAMS,
+                                use_tqdm=False):
             tokens, nll = window_nll(out)
             tally.tokens += tokens
             tally.nll += nll

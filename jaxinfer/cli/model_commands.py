@@ -32,7 +32,7 @@ def generate() -> None:
     params = sampling_params(llm.engine.default_params)
     distributed.check_same("the prompt and sampling parameters", repr((FLAGS.prompt, params)))
     llm.engine.warm_up()
-    (out,) = llm.generate(FLAGS.prompt, params)
+    (out,) = llm.generate(FLAGS.prompt, params, use_tqdm=False)
     if not distributed.is_primary():  # multi-host: only process 0 prints
         return
     sys.stdout.write(FLAGS.prompt + out.text + "\n")

@@ -86,13 +86,20 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""
-        result = self.runner.warm_up()
-        if self.speculation is not None:
-            result = self.speculation.warm_up(self.runner, result)
+        before = self.compiles.total
+        with runner_lib.CacheLoads() as loads:
+            result = self.runner.warm_up()
+            if self.speculation is not None:
+                result = self.speculation.warm_up(self.runner, result)
         self.metrics.warmup_seconds = result["seconds"]
         self.metrics.num_buckets = int(result["buckets"])
         self.metrics.compiles_at_warmup = self.compiles.total
-        log.info("warm-up: %d buckets in %.1fs", result["buckets"], result["seconds"])
+        # A load from the cache counts as a compile too.
+        self.metrics.warmup_compiled = self.compiles.total - before - loads.count
+        self.metrics.warmup_loaded = loads.count
+        log.info("warm-up: %d programs in %.1fs: %d compiled, %d loaded from the "
+                 "compilation cache", result["buckets"], result["seconds"],
+                 self.metrics.warmup_compiled, loads.count)
         plan = self.memory_plan
         log.info("memory: planned %d weight + %d KV bytes (%d pages); allocated %d + %d",
                  plan.weight_bytes, plan.kv_cache_bytes, plan.num_pages,

@@ -31,6 +31,8 @@ class Metrics:
     warmup_seconds: float = 0.0
     num_buckets: int = 0
     compiles_at_warmup: int = 0
+    warmup_compiled: int = 0  # programs warm-up compiled
+    warmup_loaded: int = 0  # programs warm-up loaded from the persistent compilation cache
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens computed, once per request (no cache hits)
     prompt_tokens_cached: int = 0  # prompt tokens the prefix cache served, once per request
@@ -87,6 +89,8 @@ class Metrics:
             "preemptions": self.preemptions,
             "buckets": self.num_buckets,
             "warmup_seconds": round(self.warmup_seconds, 2),
+            "warmup_compiled": self.warmup_compiled,
+            "warmup_loaded": self.warmup_loaded,
             "compiles_after_warmup": self.compiles_after_warmup,
             "bytes_read_per_s_gb": round(achieved, 2),
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),

@@ -26,8 +26,10 @@ try:
 except ValueError as e:
     error = str(e)
 count = lambda name: events.count("/jax/compilation_cache/" + name)
+metrics = llm.metrics()
 print(json.dumps({"hits": count("cache_hits"), "misses": count("cache_misses"),
-                  "buckets": llm.metrics()["buckets"], "error": error}))
+                  "buckets": metrics["buckets"], "compiled": metrics["warmup_compiled"],
+                  "loaded": metrics["warmup_loaded"], "error": error}))
 """
 
 
@@ -43,7 +45,9 @@ def test_second_start_loads_every_bucket_from_the_compilation_cache(hf_model_dir
     cache = tmp_path / "xla"
     first = _start(hf_model_dirs["qwen2"], cache)
     assert first["misses"] >= first["buckets"] > 2  # compiled, written to the cache
+    assert first["compiled"] >= first["buckets"] and first["loaded"] == 0
     second = _start(hf_model_dirs["qwen2"], cache)
     assert second["misses"] == 0  # compiled nothing: every executable came from disk
     assert second["hits"] >= second["buckets"] == first["buckets"]
+    assert second["compiled"] == 0 and second["loaded"] >= second["buckets"]  # the log says
     assert "this process already caches compilations in" in second["error"]

@@ -10,7 +10,7 @@ process-wide compilation cache. The names the rest of the engine uses are
 re-exported here.
 """
 
-from jaxinfer.engine.runner.compiles import CompileCounter, CompileSpan
+from jaxinfer.engine.runner.compiles import CacheLoads, CompileCounter, CompileSpan
 from jaxinfer.engine.runner.device import (
     device_memory_limit,
     measure_memory_bandwidth,
@@ -42,7 +42,7 @@ from jaxinfer.engine.runner.runner import (
 )
 
 __all__ = [
-    "COMPILE_THREADS", "STOP_WIDTH", "Chunk", "CompileCounter", "CompileSpan",
+    "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
     "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
     "device_memory_limit", "input_spec",
     "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",

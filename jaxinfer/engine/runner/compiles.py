@@ -28,6 +28,7 @@ import weakref
 import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +83,26 @@ class CompileCounter:
     def close(self) -> None:
         """Stop listening now (otherwise when the counter is garbage-collected)."""
         self._finalizer()
+
+
+class CacheLoads:
+    """Executables loaded from the persistent compilation cache while it is open (a
+    context manager; every thread's loads count)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listener(self, event: str, **kwargs: object) -> None:
+        if event == CACHE_HIT_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> CacheLoads:
+        jax.monitoring.register_event_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(AssertionError, ValueError):
+            jax.monitoring.unregister_event_listener(self._listener)
 
 
 def _unregister(listener: object) -> None:

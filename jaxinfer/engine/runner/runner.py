@@ -175,10 +175,10 @@ class Runner:
         if self.enable_prompt_logprobs:
             jobs += [(b, True) for b in buckets if not b.decode]
         with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool, tqdm(
-                total=len(jobs), desc="compiling buckets", disable=not progress) as bar:
+                total=len(jobs), desc="warming up buckets", disable=not progress) as bar:
             for (bucket, scores), seconds in pool.map(self._timed_compile, jobs):
-                log.info("compiled bucket %s%s in %.2fs", bucket,
-                         " (scoring)" if scores else "", seconds)
+                log.debug("bucket %s%s ready in %.2fs", bucket,
+                          " (scoring)" if scores else "", seconds)
                 bar.update()
         return {"buckets": len(buckets), "scoring_buckets": len(jobs) - len(buckets),
                 "seconds": time.perf_counter() - start}
