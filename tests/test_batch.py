@@ -110,8 +110,8 @@ def test_batch_cli(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxinfer", "batch", f"--input={tmp_path / 'in.jsonl'}",
          f"--output={tmp_path / 'out.jsonl'}", "--max_num_seqs=4",
-         "--max_num_batched_tokens=32"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300)
+         "--max_num_batched_tokens=32", "--format=json"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stderr[result.stderr.index("{\n"):])
     assert summary["done"] == 4 and summary["errors"] == 6

@@ -49,6 +49,9 @@ flags.DEFINE_float("price_per_hour", None, "price per hour of the whole --device
                    "(without --device: of tensor_parallel_size devices), for plan's cost per "
                    "million output tokens; default: the preset's list price if it carries "
                    "one, else no cost")
+flags.DEFINE_enum("format", "table", ["table", "json"],
+                  "how plan, audit, aot and batch print their report: aligned text, or JSON "
+                  "for scripts")
 flags.DEFINE_enum("buckets", "all", ["all", "ends"],
                   "every bucket, or the smallest, a mixed one and the largest")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")

@@ -40,7 +40,7 @@ from jaxinfer.cli.model_commands import (
     generate,
     serve,
 )
-from jaxinfer.cli.plan_commands import AOT_DEFAULTS, aot, audit, plan
+from jaxinfer.cli.plan_commands import AOT_DEFAULTS, PLAN_DEFAULTS, aot, audit, plan
 from jaxinfer.config import DistributedConfig
 
 HELP_ARGS = frozenset({"--help", "-help", "-h", "--helpshort", "-?"})
@@ -66,7 +66,8 @@ COMMANDS = {
                         defaults=GENERATE_DEFAULTS),
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
                      "results (resumable)",
-                     flags=("model", "input", "output", *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
+                     flags=("model", "input", "output", "format", *ENGINE_FLAGS,
+                            *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /health, /metrics)",
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
@@ -78,14 +79,15 @@ COMMANDS = {
                     "roofline and cost on a device; loads no weights",
                     flags=("model", "device", "tensor_parallel_size", "memory_gb",
                            "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS,
-                           "speculative_config")),
+                           "speculative_config", "format"),
+                    defaults=PLAN_DEFAULTS),
     "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
                      "prefix cache would save; loads no weights",
-                     flags=("model", "input", "page_size")),
+                     flags=("model", "input", "page_size", "format")),
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
                    flags=("model", "device", "tensor_parallel_size", "buckets",
-                          "max_num_batched_tokens", *_PLAN_FLAGS),
+                          "max_num_batched_tokens", *_PLAN_FLAGS, "format"),
                    defaults=AOT_DEFAULTS),
     "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "
                         "logprobs; prints one JSON object",

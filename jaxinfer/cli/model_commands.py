@@ -16,6 +16,7 @@ import sys
 
 from absl import app
 
+from jaxinfer.cli import report
 from jaxinfer.cli.flags import FLAGS, SERVER_FLAGS, from_flags, make_llm, sampling_params
 from jaxinfer.config import DEFAULT_MODEL, ServerConfig
 
@@ -50,7 +51,7 @@ def batch() -> None:
         raise app.UsageError("batch needs --input=IN.jsonl and --output=OUT.jsonl")
     summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output)
     if distributed.is_primary():
-        sys.stderr.write(json.dumps(summary, indent=1) + "\n")
+        report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
 
 
 def convert() -> None:

@@ -16,11 +16,17 @@ import sys
 
 from absl import app
 
+from jaxinfer.cli import report as report_lib
 from jaxinfer.cli.flags import FLAGS, engine_config
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.sizing import accelerators
 
-AOT_DEFAULTS = {"device": "v5e-1"}  # over the flags
+# Over the flags, as --help shows them: the weights' dtype is the model's own (vLLM's
+# auto) and the step splits over every chip of --device unless told otherwise.
+PLAN_DEFAULTS = {"dtype": "auto: the checkpoint's; bfloat16 for a preset",
+                 "tensor_parallel_size": "every device of --device, else 1"}
+AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
+                                "tensor_parallel_size": "the slice's chips if the model splits"}
 
 
 def _model_config() -> object:
@@ -32,6 +38,18 @@ def _model_config() -> object:
 
     model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
     return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+
+
+def _model_dtype() -> str:
+    """The weights' dtype when --dtype is not given (vLLM's auto): a checkpoint's own
+    (config.json's dtype or torch_dtype), bfloat16 for a preset or a float16 checkpoint."""
+    import pathlib
+
+    config = pathlib.Path(FLAGS.model or DEFAULT_MODEL) / "config.json"
+    if not config.is_file():
+        return "bfloat16"
+    hf = json.loads(config.read_text())
+    return "float32" if hf.get("dtype", hf.get("torch_dtype")) == "float32" else "bfloat16"
 
 
 def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
@@ -105,7 +123,8 @@ def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None
 def plan() -> None:
     from jaxinfer.sizing import planner
 
-    settings, cfg = _with_checkpoint_quantization(engine_config()), _model_config()
+    settings = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
+    cfg = _model_config()
     acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
     tp = _plan_tensor_parallel_size(cfg, acc)
     bandwidth = FLAGS.bandwidth_gb_per_s
@@ -124,9 +143,10 @@ def plan() -> None:
                           num_devices=acc.chips if acc else tp,
                           peak_flops_per_s=acc.chip.bf16_flops if acc else None,
                           draft=_draft_config(settings), **_plan_budget(settings, acc))
-    report = {"device": accelerators.describe(acc) if acc else None,
-              **result.summary(price_per_hour=price)}
-    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    summary = result.summary(price_per_hour=price)
+    report_lib.write({"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
+                      **summary, "device": accelerators.describe(acc) if acc else None},
+                     sys.stdout, FLAGS.format)
 
 
 def audit() -> None:
@@ -136,14 +156,15 @@ def audit() -> None:
         raise app.UsageError("audit needs --input=PROMPTS.jsonl")
     report = audit_lib.run(FLAGS.model or DEFAULT_MODEL, FLAGS.input,
                            page_size=FLAGS.page_size)
-    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    report_lib.write(report, sys.stdout, FLAGS.format)
 
 
 def aot() -> None:
     from jaxinfer.cli import aot as aot_lib
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
-    cfg, engine = _model_config(), _with_checkpoint_quantization(engine_config())
+    cfg = _model_config()
+    engine = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
     settings = aot_lib.Settings(
         dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -156,6 +177,8 @@ def aot() -> None:
     device = FLAGS.device or AOT_DEFAULTS["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)
-    sys.stdout.write(aot_lib.format_table(report) + "\n")
-    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    if FLAGS.format == "json":
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        sys.stdout.write(aot_lib.format_table(report) + "\n")
 

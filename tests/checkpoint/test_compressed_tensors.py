@@ -352,7 +352,8 @@ def test_cli_plan_counts_the_checkpoint_in_fp8(fp8):
 
     root = fp8["channel"][0]
     result = subprocess.run(
-        [sys.executable, "-m", "jaxinfer", "plan", f"--model={root}", "--memory_gb=1"],
+        [sys.executable, "-m", "jaxinfer", "plan", f"--model={root}", "--memory_gb=1",
+         "--dtype=float32", "--format=json"],
         cwd=pathlib.Path(__file__).parents[2], capture_output=True, text=True,
         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr

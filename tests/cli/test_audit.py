@@ -39,7 +39,8 @@ def test_audit_command_reads_jsonl_with_the_model_tokenizer(tmp_path, hf_model_d
     _write_prompts(tmp_path / "p.jsonl", texts)
     out = subprocess.run([sys.executable, "-m", "jaxinfer", "audit",
                           f"--model={hf_model_dirs['llama']}", f"--input={tmp_path / 'p.jsonl'}",
-                          "--page_size=8"], capture_output=True, text=True, check=True)
+                          "--page_size=8", "--format=json"], capture_output=True, text=True,
+                         check=True)
     report = json.loads(out.stdout)
     shared = len(system) // 8 * 8  # byte tokenizer (no BOS here): one token per byte
     assert report["served_tokens"] == 2 * shared

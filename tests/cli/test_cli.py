@@ -122,7 +122,8 @@ def test_plan_does_not_import_the_runner():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr
-    assert '"decode_roofline_tokens_per_s": null' in result.stdout  # no bandwidth given
+    assert ["decode_roofline_tokens_per_s", "-"] in [  # no bandwidth given
+        line.split() for line in result.stdout.splitlines()]
     assert result.stdout.splitlines()[-1] == "['jaxinfer.engine', 'jaxinfer.engine.request']"
 
 

@@ -60,8 +60,10 @@ def test_plan_command_prints_the_plan_of_a_preset():
     out = subprocess.run(
         [sys.executable, "-m", "jaxinfer", "plan", "--model=qwen3-0.6b", "--dtype=bfloat16",
          "--kv_dtype=bfloat16", "--max_model_len=4096", "--max_num_seqs=8", "--memory_gb=4",
-         "--bandwidth_gb_per_s=100"], capture_output=True, text=True, check=True)
+         "--bandwidth_gb_per_s=100", "--format=json"], capture_output=True, text=True,
+        check=True)
     summary = json.loads(out.stdout)
+    assert (summary.pop("model"), summary.pop("dtype")) == ("qwen3-0.6b", "bfloat16")
     expected = planner.plan(load_preset("qwen3-0.6b"), dtype="bfloat16", max_model_len=4096,
                             max_num_seqs=8, memory_bytes=4 * 10**9, bandwidth_gb_per_s=100.0)
     assert summary.pop("device") is None
@@ -71,7 +73,7 @@ def test_plan_command_prints_the_plan_of_a_preset():
 
 
 def _plan_cli(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "jaxinfer", "plan", *args],
+    out = subprocess.run([sys.executable, "-m", "jaxinfer", "plan", *args, "--format=json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -238,3 +240,18 @@ def test_int8_kv_pool_holds_about_twice_the_pages_of_bf16():
     assert bf16.kv_bytes_per_token == 32 * 16 * 256
     assert int8.num_pages / bf16.num_pages == pytest.approx(256 / 132, rel=1e-4)
     assert planner.plan(cfg, kv_dtype="fp8", **common).num_pages == int8.num_pages
+
+
+def test_plan_defaults_to_the_models_dtype_and_prints_a_table(hf_model_dirs):
+    """vLLM's auto: a preset plans bfloat16 weights, a checkpoint its own dtype; the
+    default output is aligned text, JSON with --format=json."""
+    preset = _plan_cli("--model=llama3.1-8b", "--device=v5e-8")
+    assert preset["dtype"] == "bfloat16"
+    assert preset["unsharded_weight_bytes"] == planner.weight_bytes(
+        load_preset("llama3.1-8b"), "bfloat16", 1)
+    assert _plan_cli(f"--model={hf_model_dirs['llama']}", "--memory_gb=1")["dtype"] == \
+        json.loads((hf_model_dirs["llama"] / "config.json").read_text()).get("dtype", "float32")
+    table = subprocess.run([sys.executable, "-m", "jaxinfer", "plan", "--model=llama3.1-8b",
+                            "--device=v5e-8"], capture_output=True, text=True, check=True).stdout
+    assert "{" not in table and table.splitlines()[1].split() == ["dtype", "bfloat16"]
+    assert any(line.split()[:2] == ["batch", "context"] for line in table.splitlines())
