@@ -259,11 +259,6 @@ def _group_errors(gram: jax.Array, diff: jax.Array) -> jax.Array:
     return jnp.sum(diff * jnp.matmul(gram, diff, precision="highest"), axis=1, keepdims=True)
 
 
-def output_error(x: np.ndarray, w: np.ndarray, w_quantized: np.ndarray) -> float:
-    """Mean square of x @ w - x @ w_quantized: the error AWQ lowers."""
-    return float(np.mean((x @ w - x @ w_quantized) ** 2))
-
-
 def calibrate_checkpoint(params: dict, cfg: ModelConfig, model_dir: str | os.PathLike,
                          calibration_data: str | os.PathLike | None) -> dict:
     """`calibrate` on windows tokenized by the checkpoint's own tokenizer."""

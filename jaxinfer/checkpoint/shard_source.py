@@ -78,8 +78,12 @@ class Reader:
         """The `index` part of the leaf at `path` (its full shape `shape`), as `dtype`."""
         self._read_bytes = 0
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        build: Callable[..., np.ndarray] = getattr(self, f"_{layout.kind}")
-        out = build(layout.names, shape, index).astype(dtype)
+        builders: dict[str, Callable[..., np.ndarray]] = {
+            "plain": self._plain, "transposed": self._transposed, "qkv": self._qkv,
+            "gate_up": self._gate_up}
+        if layout.kind not in builders:
+            raise ValueError(f"{path}: unknown layout kind {layout.kind!r}")
+        out = builders[layout.kind](layout.names, shape, index).astype(dtype)
         if self.log is not None:
             self.log.record(path, index, self._read_bytes)
         return out

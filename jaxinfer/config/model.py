@@ -90,11 +90,6 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (the GQA ratio)."""
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from the dict of an HF `config.json`; errors name the field."""

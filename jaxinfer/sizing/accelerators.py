@@ -68,8 +68,9 @@ CHIPS = {
     "v6e": Chip(generation="v6e", platform="tpu", hbm_bytes=32 * GIB,
                 usable_hbm_bytes=int(31.25 * GIB), bf16_flops=918e12, int8_ops=1836e12,
                 hbm_bytes_per_s=1640e9, source="https://cloud.google.com/tpu/docs/v6e"),
-    # cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, 459 TFLOP/s bf16, 918 TOPS int8
-    "v5p": Chip(generation="v5p", platform="tpu", hbm_bytes=95 * GIB,
+    # cloud.google.com/tpu/docs/v5p: "95 GB", 2765 GB/s, 459 TFLOP/s bf16, 918 TOPS int8.
+    # The HBM is 96 GiB (six 16 GiB stacks): libtpu lets a program use 95.74 GiB of it.
+    "v5p": Chip(generation="v5p", platform="tpu", hbm_bytes=96 * GIB,
                 usable_hbm_bytes=int(95.74 * GIB), bf16_flops=459e12, int8_ops=918e12,
                 hbm_bytes_per_s=2765e9, source="https://cloud.google.com/tpu/docs/v5p"),
     # H100 SXM5 80GB (A3 High): 3.35 TB/s HBM3; 989 TFLOP/s bf16 and 1,979 TOPS int8
