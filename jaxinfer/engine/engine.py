@@ -74,7 +74,7 @@ class Engine:
         self._arrivals = 0
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
         self._outputs: dict[str, RequestOutput] = {}
-        self._texts: dict[int, TextState] = {}  # id(Request) -> its text
+        self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
         self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
         if warm_up:
             self.warm_up()
@@ -180,11 +180,12 @@ class Engine:
             request = Request(request_id=f"{request_id}#{index}", prompt_token_ids=list(ids),
                               params=params, arrival=self._arrivals,
                               seed=(seed + index) % 2**31, priority=priority,
-                              group=request_id if params.n > 1 else "")
+                              group=request_id if params.n > 1 else "",
+                              parent_id=request_id)
             self._arrivals += 1
             self.metrics.latency.added(request.request_id, time.perf_counter())
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
-            self._texts[id(request)] = TextState(detokenizer, params.stop)
+            self._texts[request.request_id] = TextState(detokenizer, params.stop)
             children.append(request)
         if params.prompt_logprobs is not None:
             children[0].prompt_logprobs = []  # the first completion scores the prompt
@@ -213,7 +214,7 @@ class Engine:
     def release(self, request_id: str) -> RequestOutput:
         """Forget a finished prompt and return its final output."""
         for request in self._requests.pop(request_id):
-            self._texts.pop(id(request), None)
+            self._texts.pop(request.request_id, None)
         return self._outputs.pop(request_id)
 
     # ---- the loop -------------------------------------------------------------------
@@ -270,7 +271,7 @@ class Engine:
             if added <= 0:
                 continue
             self.metrics.latency.tokens(request.request_id, added, now)
-            text = self._texts[id(request)]
+            text = self._texts[request.request_id]
             for index, sample in enumerate(chunk_samples[:added]):
                 if request.params.logprobs is not None:
                     request.output_logprobs.append(self._output_logprobs(
@@ -280,7 +281,7 @@ class Engine:
                     self.scheduler.finish(request, "stop", text.stop_string,
                                           num_output_tokens=before + index + 1)
                     break
-            changed[request.request_id.rsplit("#", 1)[0]] = None
+            changed[request.parent_id] = None
         return list(changed)
 
     def _output_logprobs(self, sample: runner_lib.Sample, k: int,
@@ -337,7 +338,7 @@ class Engine:
                 first.scoring_prompt):
             out.prompt_logprobs = [None, *first.prompt_logprobs]
         for request, completion in zip(self._requests[request_id], out.outputs, strict=True):
-            text = self._texts[id(request)]
+            text = self._texts[request.request_id]
             if request.finished and completion.finish_reason is None:
                 text.finish()
                 self.metrics.latency.finish(request.request_id, request.finish_reason,

@@ -146,6 +146,7 @@ class Request:
     page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, once set
     group: str = ""  # the prompt's id when n > 1: siblings share its cached pages
+    parent_id: str = ""  # the prompt's id (add_request's); request_id is parent_id#index
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
