@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.request import Request, SamplingParams
 from jaxinfer.model.attention import AttentionMetadata
 from jaxinfer.model.sampler import SamplingInputs
 
@@ -123,52 +123,51 @@ def next_power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
+# The SamplingParams fields the device reads as they are (floats, then ints), and what a
+# greedy padding row holds: SamplingParams' own neutral defaults.
+_PARAM_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+_PADDING = SamplingParams(temperature=0.0)
+
+
 def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
                     history_width: int, eos_token_ids: frozenset[int]) -> SamplingInputs:
     """Per-row sampling arrays; None rows and rows past the given ones are greedy padding."""
     rows = list(rows) + [None] * (num_rows - len(rows))
     history = np.full((num_rows, history_width), -1, np.int32)
     stop_ids = np.full((num_rows, STOP_WIDTH), -1, np.int32)
-    fields: dict[str, list] = {k: [] for k in (
-        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "seeds", "counters", "prompt_lens", "history_lens", "ban_stop",
-        "logprobs")}
+    values = [_row(row) for row in rows]
     for i, row in enumerate(rows):
-        values = _row(row)
-        for key, value in values.items():
-            fields[key].append(value)
         if row is None:
             continue
         request, tokens = row.request, row.token_ids
         history[i, :len(tokens)] = tokens
-        if values["ban_stop"]:
+        if values[i]["ban_stop"]:
             stops = list(request.params.stop_token_ids)
             stops += [] if request.params.ignore_eos else sorted(eos_token_ids)
             stop_ids[i, :len(stops)] = stops[:STOP_WIDTH]
-    floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty")
-    arrays = {k: np.asarray(v, np.float32 if k in floats else np.int32) for k, v in
-              fields.items()}
+    arrays = {k: np.asarray([v[k] for v in values], np.float32 if k in _PARAM_FLOATS
+                            else np.int32) for k in values[0]}
     arrays["seeds"] = arrays["seeds"].astype(np.uint32)
     arrays["ban_stop"] = arrays["ban_stop"].astype(bool)
     return SamplingInputs(history=history, stop_ids=stop_ids, **arrays)
 
 
 def _row(row: SampleRow | None) -> dict[str, float | int | bool]:
+    """One row's SamplingInputs values (history and stop ids apart)."""
+    p = _PADDING if row is None else row.request.params
+    values = {name: getattr(p, name) for name in (*_PARAM_FLOATS, "top_k")}
+    values["temperature"] = 0.0 if p.greedy else p.temperature
     if row is None:
-        return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                "seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
-                "ban_stop": False, "logprobs": 0}
-    request, p = row.request, row.request.params
+        return values | {"seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
+                         "ban_stop": False, "logprobs": 0}
+    request = row.request
     # Outputs before this row's token (0 at a position inside the prompt).
     generated = max(0, len(row.token_ids) - len(request.prompt_token_ids))
-    return {"temperature": 0.0 if p.greedy else p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
-            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-            "seeds": request.seed, "counters": generated,
-            "prompt_lens": len(request.prompt_token_ids), "history_lens": len(row.token_ids),
-            "ban_stop": generated < p.min_tokens, "logprobs": p.logprobs or 0}
+    return values | {"seeds": request.seed, "counters": generated,
+                     "prompt_lens": len(request.prompt_token_ids),
+                     "history_lens": len(row.token_ids), "ban_stop": generated < p.min_tokens,
+                     "logprobs": p.logprobs or 0}
 
 
 @dataclasses.dataclass(frozen=True)
