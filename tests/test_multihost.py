@@ -51,7 +51,7 @@ def _write_jsonl(path: pathlib.Path, records: list[dict]) -> pathlib.Path:
 def _batch(model: pathlib.Path, inp: pathlib.Path, out: pathlib.Path, *extra: str
            ) -> list[str]:
     return [sys.executable, "-m", "jaxinfer", "batch", f"--model={model}", f"--input={inp}",
-            f"--output={out}", *ENGINE, *extra]
+            f"--output={out}", "--format=json", *ENGINE, *extra]
 
 
 def _env(num_devices: int) -> dict[str, str]:

@@ -135,7 +135,7 @@ def test_completion_logprobs(client, server, demo_llm):
     for token_id, chosen, top, entry in zip(expected.token_ids, logprobs.token_logprobs,
                                             logprobs.top_logprobs, expected.logprobs,
                                             strict=True):
-        assert chosen == pytest.approx(entry[token_id], abs=1e-5)
+        assert chosen == pytest.approx(entry[token_id].logprob, abs=1e-5)
         assert 3 <= len(top) <= 4  # the top 3, plus the chosen token when not among them
 
 

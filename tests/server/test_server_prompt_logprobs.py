@@ -96,7 +96,7 @@ def test_echo_with_one_token_scores_prompt_then_generation(client, server, demo_
     assert len(scores) == num_prompt + 1 and scores[0] is None
     prompt_scores = [e[t].logprob for t, e in zip(expected.prompt_token_ids[1:],
                                                  expected.prompt_logprobs[1:], strict=True)]
-    generated = expected.logprobs[0][expected.token_ids[0]]
+    generated = expected.logprobs[0][expected.token_ids[0]].logprob
     assert scores[1:] == pytest.approx([*prompt_scores, generated], abs=TOLERANCE)
     chunks = list(client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.text
