@@ -110,18 +110,15 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
-        token_ids = []
+        prepared = []
         for index, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
             try:
-                token_ids.append(self.engine.prompt_token_ids(prompt))
-                self.engine.check_params(sp)
+                prepared.append(self.engine.prepare(prompt, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {index}: {e}") from None
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        for request_id, prompt, tokens, sp, rank in zip(ids, prompt_list, token_ids, params,
-                                                        priority, strict=True):
-            self.engine.add_request(request_id, prompt, sp, priority=rank,
-                                    prompt_token_ids=tokens)
+        for request_id, request, rank in zip(ids, prepared, priority, strict=True):
+            self.engine.add_prepared(request_id, request, priority=rank)
         return ids
 
 

@@ -29,6 +29,7 @@ from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import (
     CompletionOutput,
     Logprob,
+    PreparedRequest,
     Request,
     RequestOutput,
     SamplingParams,
@@ -167,13 +168,28 @@ class Engine:
         """Queue a prompt (text, token ids, or chat messages) for `params.n` completions;
         no `params`: `default_params` (the checkpoint's generation_config.json values).
         `prompt_token_ids`, from `prompt_token_ids()`, saves tokenizing `prompt` again."""
-        if request_id in self._outputs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self.add_prepared(request_id, self.prepare(prompt, params, messages=messages,
+                                                   prompt_token_ids=prompt_token_ids),
+                          priority=priority)
+
+    def prepare(self, prompt: str | Sequence[int] | None = None,
+                params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                prompt_token_ids: list[int] | None = None) -> PreparedRequest:
+        """A request checked and its prompt tokenized, the engine unchanged: the faces
+        check a whole batch (or prepare off the engine's thread) before adding any."""
         params = params if params is not None else self.default_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
         self.check_params(params)
         ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
+        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params)
+
+    def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
+                     priority: int = 0) -> None:
+        """Queue a request `prepare` made (nothing is checked again)."""
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt, ids, params = prepared.prompt, prepared.prompt_token_ids, prepared.params
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         children = []
         for index in range(params.n):

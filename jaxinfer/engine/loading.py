@@ -84,8 +84,10 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
                              config.quantization)
     check_same_engine(served, config, max_len, memory_plan.num_pages)
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
-    if config.quantization == "int4" and quantization.mode_of(params) is None:
-        params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
+    if config.quantization is not None and quantization.mode_of(params) is None:
+        if config.quantization == "int4":  # activation-aware scales before rounding
+            params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
+        params = runner_lib.quantize_at_load(params, served, mesh, config.quantization)
     spec = config.speculative_config
     buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs,
@@ -97,7 +99,6 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
         page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention_impl=config.attention_impl,
-        quantization=config.quantization,
         enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None)
     speculation = None
     if spec is not None:

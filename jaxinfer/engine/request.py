@@ -100,6 +100,15 @@ def _is_real(x: object) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked and tokenized (`Engine.prepare`), ready to add."""
+
+    prompt: str | list[int] | None  # as given (text is echoed in outputs)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
 class Logprob:
     """A token's logprob, its rank in the vocabulary (1 = most likely; 1 + the tokens with
     a strictly higher logprob) and its text, as vLLM's `Logprob`."""

@@ -32,7 +32,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.request import PromptLogprobs, RequestOutput, SamplingParams
+from jaxinfer.engine.request import (
+    PreparedRequest,
+    PromptLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
 from jaxinfer.server import protocol
 from jaxinfer.server.protocol import APIError
 
@@ -55,11 +60,9 @@ class Submission:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A submission made ready off the engine thread: its token ids and final params."""
+    """A submission made ready off the engine thread: checked, tokenized, final params."""
 
-    prompt: str | list[int] | None
-    ids: list[int]
-    params: SamplingParams
+    request: PreparedRequest
     text: str  # the echoed prompt (`Submission.echo`), else ""
 
 
@@ -180,7 +183,7 @@ class EngineLoop:
             with self._lock:
                 self._admitting -= total
             raise
-        streams = [Stream(inbox, f"req-{next(self._ids)}", p.params.n, p.text)
+        streams = [Stream(inbox, f"req-{next(self._ids)}", p.request.params.n, p.text)
                    for p in prepared]
         added = loop.create_future()
         self._commands.put(("add", list(zip(prepared, streams, strict=True)), added))
@@ -191,7 +194,7 @@ class EngineLoop:
                 self.abort(stream.request_id)
             raise
         for stream, p in zip(streams, prepared, strict=True):
-            stream.prompt_token_ids = p.ids
+            stream.prompt_token_ids = p.request.prompt_token_ids
         return streams
 
     def _check_capacity(self, submissions: list[Submission], total: int) -> None:
@@ -217,7 +220,7 @@ class EngineLoop:
                 add_generation_prompt=submission.add_generation_prompt)
             params = protocol.fit_max_tokens(submission.params, len(ids),
                                              self.engine.max_model_len, submission.limit)
-            self.engine.check_params(params)
+            request = self.engine.prepare(submission.prompt, params, prompt_token_ids=ids)
             text = self._prompt_text(submission.prompt, ids) if submission.echo else ""
         except APIError:
             raise
@@ -226,7 +229,7 @@ class EngineLoop:
         except Exception as e:
             log.exception("preparing a request failed")
             raise APIError(500, f"adding the request failed: {e}") from None
-        return Prepared(submission.prompt, ids, params, text)
+        return Prepared(request, text)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a client went away); unknown ids: nothing."""
@@ -315,8 +318,7 @@ class EngineLoop:
             if not self.healthy:
                 raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
             for prepared, stream in group:
-                self.engine.add_request(stream.request_id, prepared.prompt, prepared.params,
-                                        prompt_token_ids=prepared.ids)
+                self.engine.add_prepared(stream.request_id, prepared.request)
                 streams.append(stream)
         except Exception as e:
             if not isinstance(e, APIError):

@@ -39,12 +39,13 @@ from jaxinfer.engine.runner.runner import (
     Runner,
     Sample,
     StepResult,
+    quantize_at_load,
 )
 
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
     "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
-    "device_memory_limit", "input_spec",
+    "device_memory_limit", "input_spec", "quantize_at_load",
     "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
     "next_power_of_two",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",

@@ -105,6 +105,14 @@ class StepResult(typing.NamedTuple):
     prompt_scores: list[PromptScores | None]
 
 
+def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str) -> dict:
+    """Float `params` quantized to `mode` on the device, placed as the step shards them
+    (AWQ's int4 scales, if any, already folded in by the checkpoint loader)."""
+    shardings, _, _ = step_shardings(cfg, mesh, mode)
+    return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode),
+                   out_shardings=shardings)(params)
+
+
 class Runner:
     """Device state (params, KV cache) and the step compiled for every bucket."""
 
@@ -113,20 +121,15 @@ class Runner:
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
-                 quantization: str | None = None, enable_prompt_logprobs: bool = False,
-                 draft_probs: bool = False) -> None:
+                 enable_prompt_logprobs: bool = False, draft_probs: bool = False) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        loaded_quantized = quantization_lib.mode_of(params) is not None
-        head = not loaded_quantized or quantization_lib.has_quantized_head(params)
+        quantization = quantization_lib.mode_of(params)  # quantized at load, if at all
+        head = quantization is None or quantization_lib.has_quantized_head(params)
         param_shardings, kv_shardings, whole = step_shardings(
             cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head)
-        if quantization is not None and not loaded_quantized:  # at load
-            params = jax.jit(functools.partial(quantization_lib.quantize_params,
-                                               mode=quantization),
-                             out_shardings=param_shardings)(params)
         self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
