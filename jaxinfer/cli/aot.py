@@ -145,8 +145,10 @@ def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Buc
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
     kernel (the compiler's exception in place of a bucket it refused)."""
     tpu_cfg = dataclasses.replace(served, attention_impl="tpu", attention_interpret=False)
+    # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
+    # running in one process, once in four runs of the TPU compile suite.
     return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
-                                    max_model_len=s.max_model_len, mesh=mesh)
+                                    max_model_len=s.max_model_len, mesh=mesh, threads=1)
 
 
 def kv_page_shapes(hlo_text: str) -> list[str]:
