@@ -59,11 +59,13 @@ class LLM:
         `priority`: one int per prompt, lower runs first (as in vLLM). `use_tqdm`: a
         progress bar of finished prompts on stderr (vLLM's)."""
         ids = self._add_all(prompts, sampling_params, priority)
+        pending = set(ids)  # a step reports the prompts it changed: no scan of all of them
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while (done := sum(self.engine.output(i).finished for i in ids)) < len(ids):
-                bar.update(done - bar.n)
-                self.engine.step()
-            bar.update(done - bar.n)
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        bar.update()
         return [self.engine.release(i) for i in ids]
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],

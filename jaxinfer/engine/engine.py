@@ -24,7 +24,7 @@ from jaxinfer.engine import loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
-from jaxinfer.engine.output import TextState
+from jaxinfer.engine.output import TextState, output_logprobs
 from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import (
     CompletionOutput,
@@ -165,9 +165,8 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                     priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions;
-        no `params`: `default_params` (the checkpoint's generation_config.json values).
-        `prompt_token_ids`, from `prompt_token_ids()`, saves tokenizing `prompt` again."""
+        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions:
+        `prepare`, then `add_prepared`."""
         self.add_prepared(request_id, self.prepare(prompt, params, messages=messages,
                                                    prompt_token_ids=prompt_token_ids),
                           priority=priority)
@@ -175,8 +174,10 @@ class Engine:
     def prepare(self, prompt: str | Sequence[int] | None = None,
                 params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                 prompt_token_ids: list[int] | None = None) -> PreparedRequest:
-        """A request checked and its prompt tokenized, the engine unchanged: the faces
-        check a whole batch (or prepare off the engine's thread) before adding any."""
+        """A request checked and its prompt tokenized (`prompt_token_ids`, from
+        `prompt_token_ids()`, saves tokenizing it again), the engine unchanged: the faces
+        check a whole batch, or prepare off the engine's thread, before adding any. No
+        `params`: `default_params` (the checkpoint's generation_config.json values)."""
         params = params if params is not None else self.default_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
@@ -290,8 +291,9 @@ class Engine:
             text = self._texts[request.request_id]
             for index, sample in enumerate(chunk_samples[:added]):
                 if request.params.logprobs is not None:
-                    request.output_logprobs.append(self._output_logprobs(
-                        sample, request.params.logprobs, request.params.greedy))
+                    request.output_logprobs.append(output_logprobs(
+                        sample, request.params.logprobs, request.params.greedy,
+                        self._token_text))
                 text.add([sample.token_id])
                 if text.stop_string is not None:
                     self.scheduler.finish(request, "stop", text.stop_string,
@@ -299,21 +301,6 @@ class Engine:
                     break
             changed[request.parent_id] = None
         return list(changed)
-
-    def _output_logprobs(self, sample: runner_lib.Sample, k: int,
-                         greedy: bool) -> dict[int, Logprob]:
-        """vLLM's entry for a generated token: the token first, then the top k, each a
-        Logprob with its rank and text. The token's rank is 1 when greedy, else 1 + the
-        top logprobs above it, None when all k are above it (its place is unknown)."""
-        top = sample.top_logprobs[:k].tolist()
-        entry = {token: Logprob(logprob, rank, self._token_text(token)) for rank, (
-            token, logprob) in enumerate(zip(sample.top_ids[:k].tolist(), top, strict=True),
-                                         start=1)}
-        above = sum(logprob > sample.logprob for logprob in top)
-        rank = 1 if greedy else above + 1 if above < k else None
-        chosen = entry.get(sample.token_id) or Logprob(sample.logprob, rank,
-                                                        self._token_text(sample.token_id))
-        return {sample.token_id: chosen} | entry
 
     def _record_prompt_scores(self, plan: StepPlan,
                               prompt_scores: list[runner_lib.PromptScores | None]) -> None:

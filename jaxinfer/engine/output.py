@@ -8,8 +8,10 @@ the start of a stop string that the next tokens complete. Without a detokenizer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from jaxinfer.engine.request import Logprob
 from jaxinfer.text.tokenizer import IncrementalDetokenizer
 
 
@@ -53,3 +55,18 @@ class TextState:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+
+
+def output_logprobs(sample: Any, k: int, greedy: bool,
+                    token_text: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """vLLM's entry for a generated token (a runner Sample): it, then the top k, as
+    Logprobs. Its rank: 1 when greedy, else 1 + the top k above it; None if all k are
+    (its place is unknown)."""
+    top = sample.top_logprobs[:k].tolist()
+    entry = {token: Logprob(logprob, rank, token_text(token)) for rank, (token, logprob)
+             in enumerate(zip(sample.top_ids[:k].tolist(), top, strict=True), start=1)}
+    above = sum(logprob > sample.logprob for logprob in top)
+    rank = 1 if greedy else above + 1 if above < k else None
+    chosen = entry.get(sample.token_id) or Logprob(sample.logprob, rank,
+                                                    token_text(sample.token_id))
+    return {sample.token_id: chosen} | entry

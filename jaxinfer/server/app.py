@@ -34,8 +34,9 @@ from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import prometheus, protocol
 from jaxinfer.server import responses as out
-from jaxinfer.server.engine_loop import Disconnected, EngineLoop, Stream, Submission, updates
+from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
+from jaxinfer.server.streams import Disconnected, Stream, updates
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
