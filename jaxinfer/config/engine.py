@@ -124,6 +124,11 @@ class EngineConfig:
         "where the pool holds every slot at full length within a quarter of RAM")
     scheduler: str = setting("continuous", "batching policy; static: the benchmarks' "
                               "baseline (fill a batch, run it to completion)", SCHEDULERS)
+    async_scheduling: bool = setting(
+        True, "plan and send step t + 1 while step t runs on the device; decode tokens "
+        "pass from step to step on the device and are read one step late (a request that "
+        "stops may compute one extra position, discarded). Speculative decoding runs "
+        "synchronous steps")
     strict_compile: bool = setting(False, "raise on any compilation after warm-up")
     compilation_cache_dir: str | None = setting(
         None, "directory of JAX's persistent compilation cache, one per process (set by "

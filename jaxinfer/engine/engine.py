@@ -4,7 +4,10 @@ The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV po
 and builds the runner; the engine owns the scheduler (with its page pool), the
 runner it was given, per-request text state and the metrics. One `step()`
 schedules, runs one device call, and returns a RequestOutput (with this step's
-deltas) for every prompt that moved. Bad requests are refused in `add_request`
+deltas) for every prompt that moved. With `async_scheduling` (the default without
+speculative decoding) `step()` dispatches the step it plans, then reads back the one
+the previous call dispatched: the device runs step t + 1 while the host turns step
+t's tokens into outputs (docs/architecture.md, "The host loop"). Bad requests are refused in `add_request`
 with a specific error; the engine keeps serving the others. Never imports jax,
 numpy, the model or checkpoint (pyproject.toml's contract): it reaches the device
 through the runner package and `loading` only.
@@ -12,6 +15,7 @@ through the runner package and `loading` only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
@@ -77,6 +81,10 @@ class Engine:
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
         self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
+        self.async_scheduling = config.async_scheduling and self.speculation is None
+        self.metrics.async_scheduling = self.async_scheduling
+        self._in_flight: _Dispatched | None = None  # async: the step the next call reads
+        self._device_free_at: float | None = None  # since when the device has had no step
         if warm_up:
             self.warm_up()
 
@@ -223,7 +231,7 @@ class Engine:
             self._sync(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def output(self, request_id: str) -> RequestOutput:
         return self._outputs[request_id]
@@ -237,34 +245,65 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One device step. Returns the outputs of prompts that changed, with deltas."""
+        """One device step. Returns the outputs of prompts that changed, with deltas:
+        of the step dispatched now, or with `async_scheduling` of the one the previous
+        call dispatched (this call's is read by the next)."""
+        started = time.perf_counter()
+        if self._in_flight is not None and self.runner.is_done(self._in_flight.step):
+            self._device_free_at = self._device_free_at or started
         plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if not plan.chunks and self._in_flight is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting request "
                                    "(KV cache smaller than one request?)")
             return []
-        started = time.perf_counter()
         compiles = self.compiles.begin()
+        dispatched = self._dispatch(plan) if plan.chunks else None
+        previous = dispatched
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, dispatched
+        outputs = self._complete(previous, started) if previous is not None else []
+        self._check_compiles(compiles)
+        return outputs
+
+    def _dispatch(self, plan: StepPlan) -> _Dispatched:
+        """Add drafts (speculative decoding) and start the step on the device."""
         draft_probs, slots = None, 0
         if self.speculation is not None:
             slots = self.runner.buckets.decode_slots_for(len(plan.chunks))
             plan, draft_probs = self.speculation.add_drafts(self.scheduler, plan, slots)
-        executed = time.perf_counter()
-        bucket, samples, prompt_scores = self.runner.execute(plan, draft_probs)
-        execute_seconds = time.perf_counter() - executed
+        now = time.perf_counter()
+        if self._device_free_at is not None:
+            self.metrics.device_idle_seconds += now - self._device_free_at
+            self._device_free_at = None
+        step = self.runner.dispatch(plan, draft_probs)
+        return _Dispatched(plan, step, slots, now, self.runner.last_step_bytes)
+
+    def _complete(self, done: _Dispatched, started: float) -> list[RequestOutput]:
+        """Read a dispatched step back and move its requests on; `started`: when this
+        call of `step()` began."""
+        plan = done.plan
+        waited = time.perf_counter()
+        bucket, samples, prompt_scores = self.runner.collect(done.step)
+        ready = time.perf_counter()
+        if self._in_flight is None:
+            self._device_free_at = ready
         self._record_prompt_scores(plan, prompt_scores)
+        discarded = sum(c.num_tokens for c in plan.chunks if c.request.finished)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         for chunk in plan.chunks:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
         sampled = [[s.token_id for s in chunk] for chunk in samples]
         self.scheduler.update(plan, sampled)
         if self.speculation is not None:
-            self.speculation.record(plan, sampled, slots, execute_seconds)
-        self._check_compiles(compiles)
+            self.speculation.record(plan, sampled, done.slots, ready - done.dispatched)
         changed = self._record_tokens(plan, samples, lengths)
-        self._record_metrics(plan, bucket, lengths, time.perf_counter() - started)
-        return [self._sync(rid) for rid in changed]
+        outputs = [self._sync(rid) for rid in changed]
+        seconds = time.perf_counter() - started
+        self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes,
+                                 discarded_tokens=discarded)
+        self._record_metrics(plan, bucket, lengths, seconds, discarded)
+        return outputs
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)
@@ -308,7 +347,7 @@ class Engine:
         {prompt token: Logprob} plus the top k, vLLM's dict."""
         for chunk, scores in zip(plan.chunks, prompt_scores, strict=True):
             request = chunk.request
-            if scores is None or request.prompt_logprobs is None:
+            if scores is None or request.prompt_logprobs is None or request.finished:
                 continue
             if scores.first != len(request.prompt_logprobs):
                 raise RuntimeError(f"{request.request_id}: prompt position {scores.first} "
@@ -359,7 +398,7 @@ class Engine:
         return out
 
     def _record_metrics(self, plan: StepPlan, bucket: Bucket, lengths: list[int],
-                        seconds: float) -> None:
+                        seconds: float, discarded: int = 0) -> None:
         """Count the step: tokens generated are those appended to outputs (after stops);
         a request's prompt counts once, at its first token, split into the tokens
         computed and those the prefix cache served (see metrics.py)."""
@@ -375,12 +414,23 @@ class Engine:
                 cached += hits
         self.metrics.preemptions = self.scheduler.num_preemptions
         self.metrics.record_step(
-            real_tokens=plan.num_tokens, padded_tokens=bucket.num_tokens,
+            real_tokens=plan.num_tokens - discarded, padded_tokens=bucket.num_tokens,
             requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=computed,
             prompt_tokens_cached=cached, generated=generated,
             pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
             bytes_read=self.memory_plan.weight_bytes
             + attended * self.memory_plan.kv_bytes_per_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """A step on its way: its plan, the runner's handle, and what `_complete` records."""
+
+    plan: StepPlan
+    step: runner_lib.InFlight
+    slots: int  # decode slots the speculation policy priced (0 without it)
+    dispatched: float  # perf_counter() when it was sent
+    bytes: int  # host-to-device bytes it sent
 
 
 def _token_id(token: object) -> int | None:

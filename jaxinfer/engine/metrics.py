@@ -11,7 +11,17 @@ sampled, split by source as vLLM's `prompt_tokens_by_source`: the tokens the
 device computed (`prompt_tokens`, "local_compute") and those the prefix cache
 served at admission (`prompt_tokens_cached`, "local_cache_hit"); their sum is
 vLLM's `prompt_tokens` (n x prompt length). Recomputation after a preemption
-is in neither: `computed_tokens` counts every token the device ran.
+is in neither: `computed_tokens` counts every token the device ran for a request
+still running. With asynchronous scheduling a request that stops (EOS, a stop token or
+string) is read one step late, and the position the next step computed for it is
+discarded: `discarded_tokens` counts those.
+
+The host loop: `host_ms_per_step` is the host's own time per step (scheduling, inputs,
+outputs: a step's wall time less the time spent waiting for the device),
+`device_idle_ms_per_step` the time the device had no step queued as the host sees it
+(from the moment the host knew the last step had finished to the next dispatch: a lower
+bound), `host_to_device_bytes_per_step` what each step sent (benchmarks/bench_host_loop.py
+measures the device's gap exactly).
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ class Metrics:
     compiles_after_warmup: int = 0
     step_seconds: float = 0.0
     bytes_read: int = 0
+    async_scheduling: bool = False
+    host_seconds: float = 0.0  # the host's work per step: schedule, inputs, outputs
+    device_idle_seconds: float = 0.0  # the device had no step queued (seen from the host)
+    host_to_device_bytes: int = 0  # step inputs sent, admission calls included
+    host_steps: int = 0
+    discarded_tokens: int = 0  # positions computed for requests that had stopped
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
     # speculative decoding's counts given the step seconds (engine/speculation.py)
     speculation: Callable[[float], dict[str, object]] | None = None
@@ -68,6 +84,12 @@ class Metrics:
         self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
         self.step_seconds += seconds
         self.bytes_read += bytes_read
+
+    def record_host(self, *, seconds: float, bytes_sent: int, discarded_tokens: int) -> None:
+        self.host_steps += 1
+        self.discarded_tokens += discarded_tokens
+        self.host_seconds += seconds
+        self.host_to_device_bytes += bytes_sent
 
     def summary(self) -> dict[str, float | int]:
         steps, busy = max(self.steps, 1), max(self.step_seconds, 1e-9)
@@ -92,6 +114,14 @@ class Metrics:
             "warmup_compiled": self.warmup_compiled,
             "warmup_loaded": self.warmup_loaded,
             "compiles_after_warmup": self.compiles_after_warmup,
+            "async_scheduling": int(self.async_scheduling),
+            "discarded_tokens": self.discarded_tokens,
+            "host_to_device_bytes": self.host_to_device_bytes,
+            "host_to_device_bytes_per_step": round(
+                self.host_to_device_bytes / max(self.host_steps, 1), 1),
+            "host_ms_per_step": round(1e3 * self.host_seconds / max(self.host_steps, 1), 3),
+            "device_idle_ms_per_step": round(
+                1e3 * self.device_idle_seconds / max(self.host_steps, 1), 3),
             "bytes_read_per_s_gb": round(achieved, 2),
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)

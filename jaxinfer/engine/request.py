@@ -150,7 +150,10 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache or a step in flight
+    # Tokens sampled by steps in flight, not yet read by the host (asynchronous scheduling):
+    # they follow output_token_ids, and the next step feeds them from the device.
+    num_output_placeholders: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
     page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, once set
@@ -179,6 +182,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without copying the rest of the context."""
+        prompt = len(self.prompt_token_ids)
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
     @property
     def sort_key(self) -> tuple[int, int]:

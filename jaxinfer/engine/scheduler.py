@@ -23,6 +23,15 @@ has been scheduled: `reserve_drafts` takes pages for them (never preempting),
 samples agree with plus the target's own next token, rolls the request's computed
 length back to the accepted tokens (so only they are registered in the prefix cache)
 and frees the pages that held only rejected ones.
+
+A request's computed count moves on when its tokens are scheduled (vLLM's rule), and
+the full pages of known tokens it covers are registered then, so the next step can be
+planned while this one runs (asynchronous scheduling) and sees the same cache: a
+sampled token not yet read back is a placeholder (`num_output_placeholders`), which
+the next step feeds from the device. `update` appends the tokens one step late; a
+request whose placeholders will reach `max_tokens` or `max_model_len` is not
+scheduled again, so only an EOS, stop token or stop string can leave one extra
+position computed, which `update` discards.
 """
 
 from __future__ import annotations
@@ -64,9 +73,10 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        """The request's tokens the chunk computes, then its drafts."""
+        """The request's tokens the chunk computes, then its drafts (known tokens only:
+        see runner/slots.py for placeholders)."""
         end = self.start + self.num_tokens - len(self.draft_token_ids)
-        return self.request.all_token_ids[self.start:end] + list(self.draft_token_ids)
+        return self.request.tokens(self.start, end) + list(self.draft_token_ids)
 
     def accepted(self, sampled: Sequence[int]) -> int:
         """Drafts the target agrees with: the leading drafts equal to the samples before
@@ -126,7 +136,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(_target(request) - request.num_computed_tokens, budget)
+            if count <= 0 or self._ends_in_flight(request):
+                index += 1
+                continue
             if not self._reserve_or_preempt(request, count, preempted):
                 continue  # `request` itself was preempted; the next one moved up
             chunks.append(_chunk(request, count))
@@ -136,9 +149,19 @@ class Scheduler:
             self._static_quota = self.max_num_seqs  # the next batch may form
         if not preempted:
             budget = self._admit(budget, chunks)
+        for chunk in chunks:  # seen from the next step on, computed or not (device order)
+            self._register_pages(chunk.request)
         # Single-token chunks (decodes) first: attention gathers their KV per token.
         chunks.sort(key=lambda c: c.num_tokens > 1)
         return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the tokens in flight bring the request to `max_tokens` or
+        `max_model_len`: it finishes when they are read, and computes nothing more."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            len(request.output_token_ids) + pending >= request.params.max_tokens
+            or request.num_tokens + pending >= self.max_model_len)
 
     def _reserve_or_preempt(self, request: Request, count: int,
                             preempted: list[Request]) -> bool:
@@ -157,11 +180,11 @@ class Scheduler:
             if self.policy == "static" and self._static_quota == 0:
                 break  # the batch is formed: no newcomers until it has finished
             request = self.waiting[index]
-            if self._waits_for_sibling(request):
+            if self._waits_for_sibling(request) or request.num_output_placeholders:
                 index += 1
                 continue
             self._take_cached_pages(request)
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(_target(request) - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + count):
                 self._release(request)  # the cached pages it took, if any
                 request.num_computed_tokens = 0
@@ -182,8 +205,10 @@ class Scheduler:
             return False
         if len(request.prompt_token_ids) <= self.page_size:
             return False  # no full page to share
-        return any(r.group == request.group and
-                   r.num_computed_tokens < len(r.prompt_token_ids) for r in self.running)
+        shared = (len(request.prompt_token_ids) - 1) // self.page_size
+        return any(r.group == request.group and (
+            r.num_computed_tokens < len(r.prompt_token_ids)
+            or len(r.page_serials) < shared) for r in self.running)
 
     def _take_cached_pages(self, request: Request) -> None:
         """Start `request` on the cached pages of its leading full pages (not the last
@@ -218,12 +243,10 @@ class Scheduler:
         full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         if not self.pool.enable_caching or full <= len(request.page_serials):
             return
-        tokens = request.all_token_ids
         parent = request.page_serials[-1] if request.page_serials else ROOT
         for index in range(len(request.page_serials), full):
-            parent = self.pool.register(request.page_ids[index], parent,
-                                        tokens[index * self.page_size:
-                                               (index + 1) * self.page_size])
+            parent = self.pool.register(request.page_ids[index], parent, request.tokens(
+                index * self.page_size, (index + 1) * self.page_size))
             request.page_serials.append(parent)
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
@@ -270,6 +293,8 @@ class Scheduler:
             chunk, num_tokens=chunk.num_tokens + len(draft),
             num_samples=chunk.num_samples + len(draft), draft_token_ids=tuple(draft))
             if draft else chunk for chunk, draft in zip(plan.chunks, drafts, strict=True))
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += len(chunk.draft_token_ids)
         return dataclasses.replace(plan, chunks=chunks)
 
     def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
@@ -278,7 +303,9 @@ class Scheduler:
         `max_model_len` are dropped. `sampled` has one list per chunk, of at most its
         `num_samples` tokens. A chunk with drafts keeps the accepted ones and the target's
         token after them (`ScheduledChunk.accepted`); its computed length rolls back to
-        them and pages past the request's tokens are freed. Returns the requests that
+        them and pages past the request's tokens are freed. A request preempted while
+        the step ran keeps its tokens (it recomputes them); one that finished meanwhile
+        (aborted, or a stop one step earlier) takes none. Returns the requests that
         finished."""
         finished = []
         for chunk, tokens in zip(plan.chunks, sampled, strict=True):
@@ -287,15 +314,16 @@ class Scheduler:
                                  f"{chunk.request.request_id!r} that samples "
                                  f"{chunk.num_samples}")
             request = chunk.request
-            if request.finished or request.status is not Status.RUNNING:
-                continue  # aborted while the step ran
-            accepted = chunk.accepted(tokens)
-            rejected = len(chunk.draft_token_ids) - accepted
-            request.num_computed_tokens = chunk.start + chunk.num_tokens - rejected
+            request.num_output_placeholders -= chunk.num_samples > 0  # _chunk's one
+            if request.finished:
+                continue
             if chunk.draft_token_ids:
+                accepted = chunk.accepted(tokens)
+                request.num_computed_tokens -= len(chunk.draft_token_ids) - accepted
                 tokens = tokens[:accepted + 1]
             reason = self._append(request, tokens)
-            self._register_pages(request)  # after the append: accepted drafts fill pages
+            if request.status is Status.RUNNING:
+                self._register_pages(request)  # after the append: accepted drafts fill pages
             if reason is not None:
                 self.finish(request, *reason)
                 finished.append(request)
@@ -358,7 +386,16 @@ class Scheduler:
         request.stop_reason = stop_reason
 
 
+def _target(request: Request) -> int:
+    """Tokens the request's K/V must cover: prompt, outputs, and placeholders."""
+    return request.num_tokens + request.num_output_placeholders
+
+
 def _chunk(request: Request, count: int) -> ScheduledChunk:
-    """The next `count` tokens of `request`; one sample if they reach its last token."""
+    """The next `count` tokens of `request`, one sample if they reach its last token;
+    the request's computed count and placeholders move on."""
     start = request.num_computed_tokens
-    return ScheduledChunk(request, start, count, int(start + count == request.num_tokens))
+    samples = int(start + count == _target(request))
+    request.num_computed_tokens += count
+    request.num_output_placeholders += samples
+    return ScheduledChunk(request, start, count, samples)

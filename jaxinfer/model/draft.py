@@ -119,9 +119,9 @@ def _draw(logits: jax.Array, sampling: sampler.SamplingInputs
 def _advance(sampling: sampler.SamplingInputs, token: jax.Array) -> sampler.SamplingInputs:
     """The rows' settings for the next position: `token` appended to the history, one
     more generated token counted."""
-    rows = jnp.arange(token.shape[0], dtype=jnp.int32)
     width = sampling.history.shape[1]
-    history = sampling.history.at[rows, sampling.history_lens].set(token, mode="drop")
+    history = sampling.history.at[sampling.history_rows, sampling.history_lens].set(
+        token, mode="drop")
     return dataclasses.replace(sampling, history=history,
                                history_lens=jnp.minimum(sampling.history_lens + 1, width),
                                counters=sampling.counters + 1)

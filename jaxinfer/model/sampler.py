@@ -40,7 +40,8 @@ class SamplingInputs:
     frequency_penalty: jax.Array  # f32[R]; 0 = off; per occurrence in output
     seeds: jax.Array  # u32[R]
     counters: jax.Array  # i32[R]: tokens the request generated before this row's
-    history: jax.Array  # i32[R, W]: prompt then output token ids, padded with -1
+    history: jax.Array  # i32[H, W]: token ids by position, one row per request
+    history_rows: jax.Array  # i32[R]: the history row of each sampling row
     prompt_lens: jax.Array  # i32[R]: prompt tokens at the start of history
     history_lens: jax.Array  # i32[R]: prompt + output tokens in history
     ban_stop: jax.Array  # bool[R]: True while the request has < min_tokens outputs
@@ -128,7 +129,7 @@ def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 def _apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """vLLM's penalties: repetition (prompt or output ids), then frequency, then presence."""
     num_rows, vocab = logits.shape
-    ids = inputs.history  # i32[R, W]
+    ids = inputs.history[inputs.history_rows]  # i32[R, W], gathered only when penalized
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     seen = (pos < inputs.history_lens[:, None]) & (ids >= 0) & (ids < vocab)
     is_output = seen & (pos >= inputs.prompt_lens[:, None])

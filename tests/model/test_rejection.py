@@ -48,7 +48,8 @@ def _inputs(rows, counters, *, temperature, top_p, seed_offset=0):
         presence_penalty=zeros, frequency_penalty=zeros,
         seeds=(np.arange(rows) + seed_offset).astype(np.uint32),
         counters=np.broadcast_to(counters, rows).astype(np.int32),
-        history=np.full((rows, 1), -1, np.int32), prompt_lens=np.zeros(rows, np.int32),
+        history=np.full((rows, 1), -1, np.int32), history_rows=np.arange(rows, dtype=np.int32),
+        prompt_lens=np.zeros(rows, np.int32),
         history_lens=np.zeros(rows, np.int32), ban_stop=np.zeros(rows, bool),
         stop_ids=np.full((rows, 1), -1, np.int32), logprobs=np.zeros(rows, np.int32))
 

@@ -37,6 +37,7 @@ def _inputs(num_rows: int = S, width: int = W, num_stops: int = E,
     """Neutral greedy rows; `fields` override (broadcast to [num_rows] or given whole)."""
     arrays = {name: np.full(num_rows, value, dtype) for name, (dtype, value) in _DEFAULTS.items()}
     arrays["history"] = np.full((num_rows, width), -1, np.int32)
+    arrays["history_rows"] = np.arange(num_rows, dtype=np.int32)
     arrays["stop_ids"] = np.full((num_rows, num_stops), -1, np.int32)
     for name, value in fields.items():
         dtype = arrays[name].dtype

@@ -35,6 +35,7 @@ from jaxinfer.engine.runner.programs import (
     step_function,
 )
 from jaxinfer.engine.runner.runner import (
+    InFlight,
     PromptScores,
     Runner,
     Sample,
@@ -44,7 +45,7 @@ from jaxinfer.engine.runner.runner import (
 
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
-    "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
+    "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
     "device_memory_limit", "input_spec", "quantize_at_load",
     "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
     "next_power_of_two",

@@ -150,7 +150,8 @@ def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
                             else np.int32) for k in values[0]}
     arrays["seeds"] = arrays["seeds"].astype(np.uint32)
     arrays["ban_stop"] = arrays["ban_stop"].astype(bool)
-    return SamplingInputs(history=history, stop_ids=stop_ids, **arrays)
+    return SamplingInputs(history=history, history_rows=np.arange(num_rows, dtype=np.int32),
+                          stop_ids=stop_ids, **arrays)
 
 
 def _row(row: SampleRow | None) -> dict[str, float | int | bool]:

@@ -2,7 +2,9 @@
 
 runner.py holds the Runner's device state and its per-step work; here,
 `step_function` / `score_step_function` name the jittable entry points the
-Runner compiles per bucket, `input_spec` gives a bucket's input shapes,
+Runner compiles per bucket (over the device batch state and a step's delta,
+model/batch_state.py), `input_spec` gives a bucket's delta shapes, `state_spec`
+the state's,
 `step_shardings` the shardings of params, KV cache and inputs on a mesh, and
 `compile_steps_for` compiles the step ahead of time from specs alone (for a TPU
 topology from any host: jaxinfer/cli/aot.py).
@@ -11,8 +13,9 @@ topology from any host: jaxinfer/cli/aot.py).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +24,9 @@ from jax.sharding import Mesh, NamedSharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
-from jaxinfer.engine.runner.inputs import (
-    NUM_SAMPLE_POSITIONS,
-    build_metadata,
-    proposed_ids,
-    sampling_inputs,
-)
-from jaxinfer.model import layers, scoring, sharding, transformer
+from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS, STOP_WIDTH
+from jaxinfer.engine.runner.slots import SlotTable
+from jaxinfer.model import batch_state, layers, scoring, sharding, transformer
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
@@ -41,18 +40,28 @@ from jaxinfer.pallas import kv_quant
 COMPILE_THREADS = 2  # buckets compiled at once during warm-up
 
 
-def step_function(cfg: ModelConfig, *, decode_only: bool = False) -> functools.partial:
-    """The step the runner compiles: (params, kv_cache, inputs) -> (kv_cache, packed);
-    `decode_only` for decode buckets (one token per request)."""
-    return functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS,
-                             decode_only=decode_only)
+def step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False
+                  ) -> Callable:
+    """The step the runner compiles: (params, kv_cache, state, delta) -> (kv_cache,
+    state, packed); `decode_only` for decode buckets (one token per request)."""
+    return batch_state.stateful(functools.partial(
+        model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS, decode_only=decode_only),
+        page_size=page_size)
 
 
-def score_step_function(cfg: ModelConfig) -> functools.partial:
+def score_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
     """The scoring variant the runner compiles per mixed bucket with
-    `enable_prompt_logprobs`: (params, kv_cache, inputs, score_inputs) -> (kv_cache,
-    packed samples, packed scores)."""
-    return functools.partial(model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS)
+    `enable_prompt_logprobs`: (params, kv_cache, state, delta, score_inputs) ->
+    (kv_cache, state, packed samples, packed scores)."""
+    return batch_state.stateful(functools.partial(
+        model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size)
+
+
+def verify_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
+    """The step of a verify bucket: (params, kv_cache, state, delta[, draft_probs]) ->
+    (kv_cache, state, packed)."""
+    return batch_state.stateful(functools.partial(
+        model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size)
 
 
 def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
@@ -73,20 +82,27 @@ def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
     return layers.min_matmul_rows(jnp.dtype(dtype), quantization)
 
 
-def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int,
-               num_positions: int = NUM_SAMPLE_POSITIONS) -> model_step.StepInputs:
-    """ShapeDtypeStructs of a bucket's step inputs (an empty plan, padded), sampling
-    `num_positions` (Q) positions per request."""
-    token_ids, md = build_metadata([], page_size=page_size,
-                                   pages_per_seq=-(-max_model_len // page_size),
-                                   num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
-                                   num_positions=num_positions)
-    sampling = sampling_inputs([], num_rows=bucket.num_slots * num_positions,
-                               history_width=max_model_len, eos_token_ids=frozenset())
-    inputs = model_step.StepInputs(
-        token_ids=token_ids, md=md, sampling=sampling,
-        proposed_ids=proposed_ids([], num_slots=bucket.num_slots, num_positions=num_positions))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
+def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int = 0,
+               num_positions: int = NUM_SAMPLE_POSITIONS) -> batch_state.StepDelta:
+    """ShapeDtypeStructs of a bucket's step delta (an empty plan, padded), sampling
+    `num_positions` (Q) positions per request; its shapes depend on the bucket alone."""
+    del max_model_len  # the delta's size never depends on the context
+    bucket = dataclasses.replace(bucket, num_positions=max(bucket.num_positions,
+                                                           num_positions))
+    delta, _ = SlotTable(bucket.num_slots, page_size=page_size).delta([], bucket)
+    return _specs(delta)
+
+
+def state_spec(num_slots: int, *, page_size: int, max_model_len: int
+               ) -> batch_state.BatchState:
+    """ShapeDtypeStructs of the batch state of `num_slots` slots (model/batch_state.py)."""
+    return jax.eval_shape(functools.partial(
+        batch_state.init, num_slots, pages_per_seq=-(-max_model_len // page_size),
+        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH))
+
+
+def _specs(tree: object) -> object:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
@@ -115,13 +131,16 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
-    steps = {decode: jax.jit(step_function(cfg, decode_only=decode),
-                             in_shardings=(param_shardings, kv_shardings, whole),
-                             out_shardings=(kv_shardings, whole), donate_argnums=(1,))
+    steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode),
+                             in_shardings=(param_shardings, kv_shardings, whole, whole),
+                             out_shardings=(kv_shardings, whole, whole),
+                             donate_argnums=(1, 2))
              for decode in (False, True)}
+    state = on_shardings(state_spec(max((b.num_slots for b in buckets), default=1),
+                                    page_size=page_size, max_model_len=max_model_len), whole)
     with jax.set_mesh(mesh):
-        lowered = [steps[b.decode].lower(params, kv_cache, on_shardings(input_spec(
-            b, page_size=page_size, max_model_len=max_model_len), whole)) for b in buckets]
+        lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
+            b, page_size=page_size), whole)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:

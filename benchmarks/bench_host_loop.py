@@ -1,0 +1,195 @@
+"""The host loop: synchronous vs asynchronous scheduling, and host time at long context.
+
+`--mode=loop` (default): per model (the tiny test model, whose steps take a few ms
+so host time shows, and a random model of `--preset`'s shape), one mixed workload
+through the engine with `async_scheduling` off, then on, same settings, same run.
+For each: wall seconds, steps, generated tokens/s, the engine's own host-loop metrics,
+and the gap: wall time per step minus the device time per step of the same compiled
+calls replayed back to back on device-resident inputs (every call the run made,
+recorded, its inputs put on the device first, run in order, timed to the last
+result). Prints the ratios async/sync of the gap and of the throughput.
+
+`--mode=long_context`: 16 requests with 8k-token prompts, `max_model_len` 16k, the
+tiny model; after every prompt is prefilled, times `--decode_steps` decode steps:
+host time per step = the step's wall time less its compiled calls' time, each call
+waited for (wrapping the compiled calls, so an older commit measures the same way:
+`BENCH=benchmarks/bench_host_loop.py benchmarks/compare_commits.sh BASE
+--mode=long_context`).
+
+    python benchmarks/bench_host_loop.py [--mode=loop] [--preset=smollm-135m]
+    python benchmarks/bench_host_loop.py --mode=long_context
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from jaxinfer import SamplingParams, testing
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+
+flags.DEFINE_enum("mode", "loop", ["loop", "long_context"], "what to measure")
+flags.DEFINE_string("preset", "smollm-135m", "second model's shape (random weights); "
+                    "empty: the tiny model only")
+flags.DEFINE_integer("num_requests", 64, "loop: requests in the mixed workload")
+flags.DEFINE_integer("max_num_seqs", 16, "loop: requests in flight")
+flags.DEFINE_integer("decode_steps", 64, "long_context: decode steps timed")
+flags.DEFINE_integer("seed", 0, "workload seed")
+FLAGS = flags.FLAGS
+_CALLS: list | None = None  # (compiled, args) of every compiled call, while recording
+_WAIT = [False, 0.0]  # long_context: wait for each compiled call; seconds spent in them
+
+
+def _patch_compiled_calls() -> None:
+    """Record (loop) or time (long_context) every compiled call the engine makes."""
+    original = jax.stages.Compiled.__call__
+
+    def call(self, *args):
+        if _CALLS is not None:  # keep the host inputs only: the rest is the device state
+            _CALLS.append((self, [a for a in args if not _on_device(a)], len(args)))
+        began = time.perf_counter()
+        out = original(self, *args)
+        if _WAIT[0]:
+            jax.block_until_ready(out)
+            _WAIT[1] += time.perf_counter() - began
+        return out
+
+    jax.stages.Compiled.__call__ = call
+
+
+def _on_device(tree: object) -> bool:
+    return any(isinstance(x, jax.Array) for x in jax.tree.leaves(tree))
+
+
+def _make_model(path: str, preset: str | None) -> str:
+    if preset:
+        testing.make_random_model(path, preset, seed=0)
+    else:
+        testing.make_hf_model(path, "llama", max_position_embeddings=32768)
+    return path
+
+
+def _workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 16..256 tokens, outputs of 16..128, greedy and sampled alike."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, min(vocab, 256), int(rng.integers(16, 257))).tolist()
+        out.append((prompt, SamplingParams(max_tokens=int(rng.integers(16, 129)),
+                                           temperature=0.0 if i % 2 else 0.8, seed=i,
+                                           ignore_eos=True)))
+    return out
+
+
+def _run_loop(model: str, async_scheduling: bool, work: list) -> dict:
+    global _CALLS
+    config = EngineConfig(max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=256,
+                          max_model_len=512, compilation_cache_dir="",
+                          async_scheduling=async_scheduling)
+    engine = Engine(model, config)
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(str(i), prompt, params)
+    _CALLS = []
+    began = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - began
+    calls, _CALLS = _CALLS, None
+    metrics = engine.metrics.summary()
+    device = _replay(engine.runner, calls)
+    steps = metrics["steps"]
+    result = {"wall_s": round(wall, 3), "steps": steps,
+              "generated_tokens_per_s": round(metrics["generated_tokens"] / wall, 1),
+              "wall_ms_per_step": round(1e3 * wall / steps, 3),
+              "device_ms_per_step": round(1e3 * device / steps, 3),
+              "gap_ms_per_step": round(1e3 * (wall - device) / steps, 3)}
+    for key in ("host_ms_per_step", "device_idle_ms_per_step",
+                "host_to_device_bytes_per_step", "discarded_tokens"):
+        result[key] = metrics[key]
+    del engine
+    gc.collect()
+    return result
+
+
+def _replay(runner: object, calls: list) -> float:
+    """Seconds of the recorded calls run back to back on device-resident inputs."""
+    placed = [(c, jax.device_put(host), n) for c, host, n in calls]
+    jax.block_until_ready([h for _, h, _ in placed])
+    params, kv, state = runner.params, runner.kv_cache, runner.state
+    began = time.perf_counter()
+    for compiled, host, n in placed:
+        if n == 2:  # the admission program: (state, admission) -> state
+            state = compiled(state, *host)
+        else:  # a step: (params, kv, state, delta, ...) -> (kv, state, packed, ...)
+            kv, state, *_ = compiled(params, kv, state, *host)
+    jax.block_until_ready((kv, state))
+    runner.kv_cache, runner.state = kv, state
+    return time.perf_counter() - began
+
+
+def loop() -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"tiny": _make_model(f"{tmp}/tiny", None)}
+        if FLAGS.preset:
+            models[FLAGS.preset] = _make_model(f"{tmp}/preset", FLAGS.preset)
+        for name, path in models.items():
+            vocab = 256
+            work = _workload(FLAGS.num_requests, vocab, FLAGS.seed)
+            sync, async_ = (_run_loop(path, flag, work) for flag in (False, True))
+            out[name] = {"sync": sync, "async": async_,
+                         "gap_async_over_sync": round(
+                             async_["gap_ms_per_step"] / max(sync["gap_ms_per_step"], 1e-9), 3),
+                         "throughput_async_over_sync": round(
+                             async_["generated_tokens_per_s"] / sync["generated_tokens_per_s"],
+                             3)}
+    return out
+
+
+def long_context() -> dict:
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    extra = {"async_scheduling": True} if "async_scheduling" in fields else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _make_model(f"{tmp}/tiny", None)
+        engine = Engine(model, EngineConfig(
+            max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=16384,
+            compilation_cache_dir="", **extra))
+        rng = np.random.default_rng(FLAGS.seed)
+        for i in range(16):
+            engine.add_request(str(i), rng.integers(0, 256, 8192).tolist(),
+                               SamplingParams(max_tokens=FLAGS.decode_steps + 8,
+                                              temperature=0.0, ignore_eos=True))
+        while any(not engine.output(str(i)).token_ids for i in range(16)):
+            engine.step()
+        for _ in range(2):
+            engine.step()
+        _WAIT[0], _WAIT[1] = True, 0.0
+        began = time.perf_counter()
+        for _ in range(FLAGS.decode_steps):
+            engine.step()
+        wall = time.perf_counter() - began
+        device, _WAIT[0] = _WAIT[1], False
+    steps = FLAGS.decode_steps
+    return {"decode_steps": steps, "requests": 16, "context": 8192,
+            "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "device_ms_per_step": round(1e3 * device / steps, 3),
+            "host_ms_per_step": round(1e3 * (wall - device) / steps, 3)}
+
+
+def main(_: list[str]) -> None:
+    _patch_compiled_calls()
+    result = {"mode": FLAGS.mode, "jax": jax.__version__, "backend": jax.default_backend()}
+    result |= loop() if FLAGS.mode == "loop" else long_context()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

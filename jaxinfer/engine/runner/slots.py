@@ -1,0 +1,216 @@
+"""The host's side of the device batch state: which request holds which slot, and
+each step's delta (model/batch_state.py), in numpy.
+
+A request takes a slot the first step it is scheduled in and keeps it until it
+finishes or is preempted. The host mirrors the page ids it has written to each
+slot's page-table row, so a step sends only the ids appended since (pages change
+at a request's end only: appended, or trimmed after rejected drafts). A step's
+host work is a loop over its requests and tokens: nothing here reads a request's
+whole context, except once, when a penalized request is placed with tokens
+already computed (a prefix-cache hit, a recompute), whose history is written then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.request import Request, SamplingParams, Status
+from jaxinfer.engine.runner.inputs import STOP_WIDTH
+from jaxinfer.model.batch_state import Admission, SlotRows, StepDelta
+
+ADMIT_ROWS = 8  # slots one admission call writes
+WRITE_WIDTH = 256  # page or history writes one admission call carries
+TAIL = 8  # a slot's last page ids compared with the request's each step
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    preemptions: int  # the request's count when placed: a new count means a new placement
+    pages: list[int]  # page ids written to the device row
+
+
+class SlotTable:
+    """Slots of the requests in flight, and the deltas that keep their rows current."""
+
+    def __init__(self, num_slots: int, *, page_size: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.eos_token_ids = eos_token_ids
+        self._slots: dict[int, _Slot] = {}  # slot -> its request
+        self._slot_of: dict[Request, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest
+
+    def slot(self, request: Request) -> int | None:
+        return self._slot_of.get(request)
+
+    def release_done(self) -> None:
+        """Free the slots of requests that finished or were preempted."""
+        for slot, held in list(self._slots.items()):
+            request = held.request
+            if (request.status is not Status.RUNNING
+                    or request.num_preemptions != held.preemptions):
+                del self._slots[slot], self._slot_of[request]
+                self._free.append(slot)
+
+    def delta(self, chunks: Sequence, bucket: Bucket) -> tuple[StepDelta, list[Admission]]:
+        """A step's delta and the admission calls to run before it, numpy."""
+        self.release_done()
+        n, q = self.num_slots, bucket.num_positions
+        placed: list[tuple[int, Request, int]] = []
+        writes: list[tuple[int, int, int]] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        seq_slots = np.full(bucket.num_slots, n, np.int32)
+        kv_lens = np.zeros(bucket.num_slots, np.int32)
+        cu_q_lens = np.zeros(bucket.num_slots + 1, np.int32)
+        logits_indices = np.zeros((bucket.num_slots, q), np.int32)
+        sample_slots = np.full((bucket.num_slots, q), n, np.int32)
+        proposed = np.full((bucket.num_slots, q), -1, np.int32)
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            slot = self._slot_of.get(request)
+            if slot is None:
+                slot = self._place(request)
+                placed.append((slot, request, chunk.start))
+            fed = _fed_tokens(chunk)
+            end = chunk.start + len(fed)
+            writes += self._page_writes(slot, request, end)
+            tokens += fed
+            positions += range(chunk.start, end)
+            token_slots += [slot] * len(fed)
+            seq_slots[i], kv_lens[i] = slot, end
+            cu_q_lens[i + 1:] = len(tokens)
+            m = chunk.num_samples
+            if m > q:
+                raise ValueError(f"request {i}: {m} samples, at most {q} per request")
+            logits_indices[i, :m] = np.arange(len(tokens) - m, len(tokens))
+            sample_slots[i, :m] = slot
+            proposed[i, :max(m - 1, 0)] = fed[len(fed) - m + 1:]
+        if len(tokens) > bucket.num_tokens or len(chunks) > bucket.num_slots:
+            raise ValueError(f"{len(tokens)} tokens / {len(chunks)} requests exceed the "
+                             f"bucket ({bucket.num_tokens}, {bucket.num_slots})")
+        capacity = page_write_capacity(bucket, self.page_size)
+        in_step, overflow = writes[:capacity], writes[capacity:]
+        pad = bucket.num_tokens - len(tokens)
+        delta = StepDelta(
+            token_ids=np.array(tokens + [0] * pad, np.int32),
+            positions=np.array(positions + [0] * pad, np.int32),
+            token_slots=np.array(token_slots + [n] * pad, np.int32),
+            seq_slots=seq_slots, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+            num_seqs=np.array([len(chunks)], np.int32),
+            logits_indices=logits_indices.reshape(-1), sample_slots=sample_slots.reshape(-1),
+            proposed_ids=proposed, page_writes=_triples(in_step, capacity, n + 1))
+        return delta, self._admissions(placed, overflow)
+
+    def _place(self, request: Request) -> int:
+        if not self._free:
+            raise RuntimeError(f"more than {self.num_slots} requests in flight")
+        slot = self._free.pop()
+        self._slots[slot] = _Slot(request, request.num_preemptions, [])
+        self._slot_of[request] = slot
+        return slot
+
+    def _page_writes(self, slot: int, request: Request, end: int
+                     ) -> list[tuple[int, int, int]]:
+        """(slot, index, page id) of the request's pages up to position `end` that the
+        device row lacks; pages past the mirror's common tail are rewritten."""
+        mirror, ids = self._slots[slot].pages, request.page_ids
+        common = min(len(mirror), len(ids))
+        for index in range(max(0, common - TAIL), common):
+            if mirror[index] != ids[index]:
+                common = index
+                break
+        del mirror[common:]
+        needed = min(-(-end // self.page_size), len(ids))
+        new = ids[len(mirror):needed]
+        out = [(slot, len(mirror) + k, page) for k, page in enumerate(new)]
+        mirror.extend(new)
+        return out
+
+    def _admissions(self, placed: list[tuple[int, Request, int]],
+                    overflow: list[tuple[int, int, int]]) -> list[Admission]:
+        """Admission calls: the placed slots' rows, page writes past the step's capacity,
+        and the history a penalized request has before its first fed token."""
+        history: list[tuple[int, int, int]] = []
+        for slot, request, start in placed:
+            if request.params.penalized and start:
+                history += [(slot, p, t) for p, t in enumerate(request.tokens(0, start))]
+        calls = []
+        while placed or overflow or history:
+            batch, placed = placed[:ADMIT_ROWS], placed[ADMIT_ROWS:]
+            pages, overflow = overflow[:WRITE_WIDTH], overflow[WRITE_WIDTH:]
+            past, history = history[:WRITE_WIDTH], history[WRITE_WIDTH:]
+            calls.append(self._admission(batch, pages, past))
+        return calls
+
+    def _admission(self, placed: list[tuple[int, Request, int]],
+                   pages: list[tuple[int, int, int]], history: list[tuple[int, int, int]]
+                   ) -> Admission:
+        """One admission call's arrays (padded: slot N + 1, dropped on the device)."""
+        n = self.num_slots
+        return Admission(
+            slots=np.array([s for s, _, _ in placed] + [n + 1] * (ADMIT_ROWS - len(placed)),
+                           np.int32),
+            rows=self._rows([r for _, r, _ in placed]),
+            page_writes=_triples(pages, WRITE_WIDTH, n + 1),
+            history_writes=_triples(history, WRITE_WIDTH, n + 1))
+
+    def empty_admission(self) -> Admission:
+        """An admission call that writes nothing (its shapes compile the program)."""
+        return self._admission([], [], [])
+
+    def _rows(self, requests: Sequence[Request]) -> SlotRows:
+        """SlotRows of ADMIT_ROWS rows: the requests', then greedy padding."""
+        params = [r.params for r in requests] + [_PADDING] * (ADMIT_ROWS - len(requests))
+        values = {name: np.array([getattr(p, name) for p in params], np.float32)
+                  for name in _FLOATS}
+        values["temperature"] = np.array([0.0 if p.greedy else p.temperature
+                                          for p in params], np.float32)
+        stop_ids = np.full((ADMIT_ROWS, STOP_WIDTH), -1, np.int32)
+        for i, p in enumerate(params[:len(requests)]):
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos
+                                              else sorted(self.eos_token_ids))
+            stop_ids[i, :min(len(stops), STOP_WIDTH)] = stops[:STOP_WIDTH]
+        pad = [0] * (ADMIT_ROWS - len(requests))
+        return SlotRows(
+            **values, top_k=np.array([p.top_k for p in params], np.int32),
+            seeds=np.array([r.seed for r in requests] + pad, np.uint32),
+            prompt_lens=np.array([len(r.prompt_token_ids) for r in requests] + pad, np.int32),
+            min_tokens=np.array([p.min_tokens for p in params], np.int32),
+            logprobs=np.array([p.logprobs or 0 for p in params], np.int32), stop_ids=stop_ids)
+
+
+_PADDING = SamplingParams(temperature=0.0)
+
+
+def page_write_capacity(bucket: Bucket, page_size: int) -> int:
+    """Page ids a step's delta carries: enough for every request to cross into a new
+    page and for its tokens to fill new ones (more, placed requests' cached pages, go
+    in an admission call)."""
+    return bucket.num_slots + bucket.num_tokens // page_size + 1
+
+
+def _fed_tokens(chunk: object) -> list[int]:
+    """The chunk's tokens: the request's known ones, -1 for those still on the device
+    (sampled by a step whose output the host has not read), then its drafts."""
+    request, drafts = chunk.request, list(chunk.draft_token_ids)
+    start, end = chunk.start, chunk.start + chunk.num_tokens - len(drafts)
+    known = min(end, request.num_tokens)
+    return request.tokens(start, known) + [-1] * (end - max(known, start)) + drafts
+
+
+def _triples(items: list[tuple[int, int, int]], width: int, pad_row: int) -> np.ndarray:
+    out = np.zeros((width, 3), np.int32)
+    out[:, 0] = pad_row
+    if items:
+        out[:len(items)] = items
+    return out

@@ -1,0 +1,183 @@
+"""What stays on the device across steps, and the small delta each step sends.
+
+A request in flight holds one of N slots (`max_num_seqs`) from the step it is
+scheduled in until it finishes or is preempted. Its slot's rows on the device
+hold what every step would otherwise send again: its page-table row, its token
+history (for penalties), the token it sampled last, and its sampling settings.
+Slot N is padding: its rows stay neutral (greedy, no penalties, page 0).
+
+Each step the host sends a `StepDelta`, whose size depends on the step's tokens
+and requests, never on their contexts: token ids (-1 where the token is the one
+the slot sampled in the step before, still on the device), positions, the slot
+of each token and request, the KV lengths, the rows to sample, and the page ids
+appended since the last step. `expand` turns the state and the delta into the
+model step's `StepInputs`; `record_samples` keeps each slot's sampled token for
+the next step. `admit` writes the rows of newly placed requests (their sampling
+settings, their pages so far, and the history a penalized request already has),
+a separate program run only in steps that place a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.model.attention import AttentionMetadata
+from jaxinfer.model.sampler import SamplingInputs
+from jaxinfer.model.step import StepInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotRows:
+    """Sampling settings per slot (vLLM's SamplingParams, greedy as temperature 0)."""
+
+    temperature: jax.Array  # f32[n]
+    top_k: jax.Array  # i32[n]
+    top_p: jax.Array  # f32[n]
+    min_p: jax.Array  # f32[n]
+    repetition_penalty: jax.Array  # f32[n]
+    presence_penalty: jax.Array  # f32[n]
+    frequency_penalty: jax.Array  # f32[n]
+    seeds: jax.Array  # u32[n]
+    prompt_lens: jax.Array  # i32[n]
+    min_tokens: jax.Array  # i32[n]
+    logprobs: jax.Array  # i32[n]
+    stop_ids: jax.Array  # i32[n, E]: banned while min_tokens is not reached; -1 padding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchState:
+    """Per-slot rows on the device, N + 1 of each (the last one padding)."""
+
+    page_table: jax.Array  # i32[N + 1, pages_per_seq]
+    history: jax.Array  # i32[N + 1, max_model_len]: token ids by position
+    last_token: jax.Array  # i32[N + 1]: the token the slot sampled last
+    rows: SlotRows  # [N + 1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepDelta:
+    """One step's host inputs (T tokens, S requests, Q sampled positions each)."""
+
+    token_ids: jax.Array  # i32[T]: -1 = the token the slot sampled last
+    positions: jax.Array  # i32[T]
+    token_slots: jax.Array  # i32[T]: each token's slot; N for padding
+    seq_slots: jax.Array  # i32[S]: each request's slot; N for padding
+    kv_lens: jax.Array  # i32[S]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    logits_indices: jax.Array  # i32[S * Q]: token row of each sampled position
+    sample_slots: jax.Array  # i32[S * Q]: slot whose settings sample it; N: not sampled
+    proposed_ids: jax.Array  # i32[S, Q]: token to verify; -1 = none
+    page_writes: jax.Array  # i32[U, 3]: (slot, page index, page id); slot N + 1 = none
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Rows of newly placed requests, and writes too many for a step's delta."""
+
+    slots: jax.Array  # i32[A]: slot of each row; N + 1 = none
+    rows: SlotRows  # [A]
+    page_writes: jax.Array  # i32[W, 3]: (slot, page index, page id)
+    history_writes: jax.Array  # i32[W, 3]: (slot, position, token id)
+
+
+def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
+         num_stop_ids: int) -> BatchState:
+    """N = `num_slots` empty slots and the padding one, all neutral."""
+    n = num_slots + 1
+    return BatchState(
+        page_table=jnp.zeros((n, pages_per_seq), jnp.int32),
+        history=jnp.full((n, max_model_len), -1, jnp.int32),
+        last_token=jnp.zeros((n,), jnp.int32),
+        rows=neutral_rows(n, num_stop_ids))
+
+
+def neutral_rows(n: int, num_stop_ids: int) -> SlotRows:
+    """Greedy rows without penalties, logprobs or stop ids."""
+    f32, i32 = jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.int32)
+    return SlotRows(temperature=f32, top_k=i32, top_p=f32 + 1, min_p=f32,
+                    repetition_penalty=f32 + 1, presence_penalty=f32, frequency_penalty=f32,
+                    seeds=jnp.zeros((n,), jnp.uint32), prompt_lens=i32, min_tokens=i32,
+                    logprobs=i32, stop_ids=jnp.full((n, num_stop_ids), -1, jnp.int32))
+
+
+def admit(state: BatchState, admission: Admission) -> BatchState:
+    """`state` with the admitted rows, pages and history written (out-of-range slots:
+    padding, dropped)."""
+    slots = admission.slots
+    rows = jax.tree.map(lambda table, new: table.at[slots].set(new, mode="drop"),
+                        state.rows, admission.rows)
+    return dataclasses.replace(
+        state, rows=rows, page_table=_write(state.page_table, admission.page_writes),
+        history=_write(state.history, admission.history_writes))
+
+
+def _write(table: jax.Array, writes: jax.Array) -> jax.Array:
+    """`table` with (row, column, value) triples set; rows out of range dropped."""
+    return table.at[writes[:, 0], writes[:, 1]].set(writes[:, 2], mode="drop")
+
+
+def expand(state: BatchState, delta: StepDelta, *, page_size: int
+           ) -> tuple[BatchState, StepInputs]:
+    """The step's full inputs from the state and the delta; the state with the delta's
+    pages and fed tokens written."""
+    page_table = _write(state.page_table, delta.page_writes)
+    slots, positions = delta.token_slots, delta.positions
+    token_ids = jnp.where(delta.token_ids >= 0, delta.token_ids, state.last_token[slots])
+    history = state.history.at[slots, positions].set(token_ids, mode="drop")
+    pages = page_table[slots, positions // page_size]
+    md = AttentionMetadata(
+        positions=positions, slot_mapping=pages * page_size + positions % page_size,
+        page_indices=page_table[delta.seq_slots], kv_lens=delta.kv_lens,
+        cu_q_lens=delta.cu_q_lens, num_seqs=delta.num_seqs,
+        logits_indices=delta.logits_indices)
+    state = dataclasses.replace(state, page_table=page_table, history=history)
+    sampling = _sampling(state, delta, positions[delta.logits_indices])
+    return state, StepInputs(token_ids=token_ids, md=md, sampling=sampling,
+                             proposed_ids=delta.proposed_ids)
+
+
+def _sampling(state: BatchState, delta: StepDelta, sampled_at: jax.Array) -> SamplingInputs:
+    """Each sampled position's settings: its slot's rows, and what its position implies
+    (the tokens before it, and how many of them the request generated)."""
+    slots = delta.sample_slots
+    row = jax.tree.map(lambda table: table[slots], state.rows)
+    history_lens = sampled_at + 1
+    generated = jnp.maximum(history_lens - row.prompt_lens, 0)
+    return SamplingInputs(
+        temperature=row.temperature, top_k=row.top_k, top_p=row.top_p, min_p=row.min_p,
+        repetition_penalty=row.repetition_penalty, presence_penalty=row.presence_penalty,
+        frequency_penalty=row.frequency_penalty, seeds=row.seeds, counters=generated,
+        history=state.history, history_rows=slots, prompt_lens=row.prompt_lens,
+        history_lens=history_lens, ban_stop=generated < row.min_tokens,
+        stop_ids=row.stop_ids, logprobs=row.logprobs)
+
+
+def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> BatchState:
+    """`state` with each slot's token sampled at its one position (a step of Q = 1; a
+    verify step's tokens reach the host before the next step)."""
+    if packed.shape[1] != 1:
+        return state
+    tokens = packed[:, 0, 0]  # i32[S]: sampler.pack puts the token id first
+    return dataclasses.replace(
+        state, last_token=state.last_token.at[delta.sample_slots].set(tokens, mode="drop"))
+
+
+def stateful(step_fn, *, page_size: int):
+    """A model step `(params, kv_cache, inputs, *extra) -> (kv_cache, packed, *more)`
+    as the runner compiles it: `(params, kv_cache, state, delta, *extra) -> (kv_cache,
+    state, packed, *more)`."""
+
+    def run(params, kv_cache, state: BatchState, delta: StepDelta, *extra):
+        state, inputs = expand(state, delta, page_size=page_size)
+        kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra)
+        return (kv_cache, record_samples(state, delta, packed), packed, *more)
+
+    return run
