@@ -28,11 +28,10 @@ from jaxinfer.engine import loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
-from jaxinfer.engine.output import TextState, output_logprobs
+from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
 from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import (
     CompletionOutput,
-    Logprob,
     PreparedRequest,
     Request,
     RequestOutput,
@@ -288,7 +287,7 @@ class Engine:
         ready = time.perf_counter()
         if self._in_flight is None:
             self._device_free_at = ready
-        self._record_prompt_scores(plan, prompt_scores)
+        record_prompt_scores(plan.chunks, prompt_scores, self._token_text)
         discarded = sum(c.num_tokens for c in plan.chunks if c.request.finished)
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         for chunk in plan.chunks:
@@ -340,29 +339,6 @@ class Engine:
                     break
             changed[request.parent_id] = None
         return list(changed)
-
-    def _record_prompt_scores(self, plan: StepPlan,
-                              prompt_scores: list[runner_lib.PromptScores | None]) -> None:
-        """Append each chunk's scored prompt positions to its request's prompt_logprobs:
-        {prompt token: Logprob} plus the top k, vLLM's dict."""
-        for chunk, scores in zip(plan.chunks, prompt_scores, strict=True):
-            request = chunk.request
-            if scores is None or request.prompt_logprobs is None or request.finished:
-                continue
-            if scores.first != len(request.prompt_logprobs):
-                raise RuntimeError(f"{request.request_id}: prompt position {scores.first} "
-                                   f"scored after {len(request.prompt_logprobs)}")
-            k = request.params.prompt_logprobs or 0
-            prompt = request.prompt_token_ids
-            for i in range(len(scores.logprobs)):
-                token = prompt[scores.first + i + 1]
-                entry = {token: Logprob(float(scores.logprobs[i]), int(scores.ranks[i]),
-                                        self._token_text(token))}
-                for rank, (top, logprob) in enumerate(zip(
-                        scores.top_ids[i, :k].tolist(), scores.top_logprobs[i, :k].tolist(),
-                        strict=True), start=1):
-                    entry.setdefault(top, Logprob(logprob, rank, self._token_text(top)))
-                request.prompt_logprobs.append(entry)
 
     def _token_text(self, token: int) -> str | None:
         """A token's own text (special tokens kept), as vLLM's `decoded_token`."""

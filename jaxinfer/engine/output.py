@@ -70,3 +70,27 @@ def output_logprobs(sample: Any, k: int, greedy: bool,
     chosen = entry.get(sample.token_id) or Logprob(sample.logprob, rank,
                                                     token_text(sample.token_id))
     return {sample.token_id: chosen} | entry
+
+
+def record_prompt_scores(chunks: Sequence, prompt_scores: Sequence,
+                         token_text: Callable[[int], str | None]) -> None:
+    """Append each chunk's scored prompt positions (runner PromptScores, or None) to its
+    request's prompt_logprobs: {prompt token: Logprob} plus the top k, vLLM's dict."""
+    for chunk, scores in zip(chunks, prompt_scores, strict=True):
+        request = chunk.request
+        if scores is None or request.prompt_logprobs is None or request.finished:
+            continue
+        if scores.first != len(request.prompt_logprobs):
+            raise RuntimeError(f"{request.request_id}: prompt position {scores.first} "
+                               f"scored after {len(request.prompt_logprobs)}")
+        k = request.params.prompt_logprobs or 0
+        prompt = request.prompt_token_ids
+        for i in range(len(scores.logprobs)):
+            token = prompt[scores.first + i + 1]
+            entry = {token: Logprob(float(scores.logprobs[i]), int(scores.ranks[i]),
+                                    token_text(token))}
+            for rank, (top, logprob) in enumerate(zip(
+                    scores.top_ids[i, :k].tolist(), scores.top_logprobs[i, :k].tolist(),
+                    strict=True), start=1):
+                entry.setdefault(top, Logprob(logprob, rank, token_text(top)))
+            request.prompt_logprobs.append(entry)

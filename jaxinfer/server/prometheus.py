@@ -104,6 +104,8 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("compilations_after_warmup", "XLA compilations after warm-up",
                    summary["compiles_after_warmup"])
     yield _counter("engine_steps", "device steps run", snap["steps"])
+    yield _counter("host_to_device_bytes", "bytes of step inputs sent to the device",
+                   summary["host_to_device_bytes"])
     yield _counter("scheduled_requests", "completions summed over steps (over engine_steps: "
                    "the mean batch size)", snap["scheduled"])
     success = CounterMetricFamily(PREFIX + "request_success", "finished completions by "

@@ -64,6 +64,7 @@ class MemoryPlan:
     # own cache of num_pages pages (page_bytes and kv_cache_bytes count both caches).
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
+    batch_state_bytes: int = 0  # the per-slot rows kept on the device (batch_state_bytes)
 
     def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
         """(memory, compute) seconds of a decode step of `batch` requests at `context`
@@ -125,8 +126,9 @@ class MemoryPlan:
             "page_bytes": self.page_bytes, "num_pages": self.num_pages,
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_cache_gb": round(self.kv_cache_bytes / GB, 3),
+            "batch_state_bytes": self.batch_state_bytes,
             "total_gb": round((self.weight_bytes + self.draft_weight_bytes
-                               + self.kv_cache_bytes) / GB, 3),
+                               + self.batch_state_bytes + self.kv_cache_bytes) / GB, 3),
             "kv_tokens": (self.num_pages - 1) * self.page_size,
             "max_model_len": self.max_model_len,
             "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
@@ -223,22 +225,30 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tensor_parallel_size: in
     return (combined * cfg.head_dim * dtype.itemsize + scales) * cfg.num_layers
 
 
+def batch_state_bytes(max_num_seqs: int, max_model_len: int, page_size: int) -> int:
+    """Bytes of the rows each slot keeps on the device across steps (model/batch_state.py):
+    its token history and page-table row, its last token, its sampling settings and
+    16 stop ids; one more row for padding."""
+    return (max_num_seqs + 1) * 4 * (max_model_len + -(-max_model_len // page_size) + 28)
+
+
 def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model_len: int,
-               pages_per_request: int, page_bytes: int, tp: int) -> int:
-    """The KV bytes left in `memory_bytes` per device after the weights; ValueError saying
-    by how much it falls short of one request."""
-    kv_cache_bytes = memory_bytes - weights
+               pages_per_request: int, page_bytes: int, tp: int, state: int) -> int:
+    """The KV bytes left in `memory_bytes` per device after the weights and the batch
+    state; ValueError saying by how much it falls short of one request."""
+    kv_cache_bytes = memory_bytes - weights - state
     if kv_cache_bytes >= need:
         return kv_cache_bytes
     where = "" if tp == 1 else f" per device (tensor_parallel_size={tp})"
     larger_tp = "" if tp == 1 and weights < memory_bytes else ", raise tensor_parallel_size"
     raise ValueError(
         f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} "
-        f"weights and {max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
+        f"weights, {state / GB:.3f} GB of per-request state and "
+        f"{max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
         f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV "
         f"({pages_per_request} pages of {page_bytes} bytes plus the trash page), "
-        f"{(weights + need - memory_bytes) / GB:.3f} GB short: give at least "
-        f"{(weights + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
+        f"{(weights + state + need - memory_bytes) / GB:.3f} GB short: give at least "
+        f"{(weights + state + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
 
 
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,
@@ -272,9 +282,10 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     page_bytes = page_size * (per_token + draft_per_token)
     pages_per_request = -(-max_model_len // page_size)
     need = (pages_per_request + 1) * page_bytes
+    state = batch_state_bytes(max_num_seqs, max_model_len, page_size)
     if memory_bytes is not None:
         kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
-                                    max_model_len, pages_per_request, page_bytes, tp)
+                                    max_model_len, pages_per_request, page_bytes, tp, state)
     num_pages = kv_cache_bytes // page_bytes
     if num_pages - 1 < pages_per_request:
         raise ValueError(
@@ -295,4 +306,4 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
-                      draft_kv_bytes_per_token=draft_per_token)
+                      draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state)

@@ -93,7 +93,8 @@ def test_sampling_flags_override_only_their_field():
     (["generat"], "'generat' is not a command (did you mean 'generate'?)", 2),
     (["plan", "--model=qwen3-0.6b"], "plan needs --memory_gb=GB", 2),
     (["plan", "--model=llama3.1-8b", "--device=v5e-1", "--dtype=bfloat16"],
-     "plan: 15.220 GB holds the 16.061 GB of bfloat16 weights", 1),
+     "plan: 15.220 GB holds the 16.061 GB of bfloat16 weights, 0.018 GB of per-request "
+     "state", 1),
     (["plan", "--model=smollm-135m", "--device=v6e-8"], "tensor_parallel_size=8 must divide "
      "the 9 query heads (by default every device of --device=v6e-8; give "
      "--tensor_parallel_size)", 1),

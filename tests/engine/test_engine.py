@@ -24,11 +24,13 @@ SMALL = dict(page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_l
 PAGE_BYTES = 4 * 512  # tiny llama: 2 layers x K,V x 2 kv heads x 16 dims x 4 bytes per token
 
 
-@pytest.fixture(scope="module")
-def engine(hf_model_dirs):
-    """Small token budget and a 24-page pool, so prefill is chunked and requests preempt."""
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def engine(hf_model_dirs, request):
+    """Small token budget and a 24-page pool, so prefill is chunked and requests preempt;
+    asynchronous scheduling on and off (every test using it runs both ways)."""
     return Engine(hf_model_dirs["llama"],
-                  EngineConfig(**SMALL, kv_cache_memory_bytes=24 * PAGE_BYTES))
+                  EngineConfig(**SMALL, kv_cache_memory_bytes=24 * PAGE_BYTES,
+                               async_scheduling=request.param))
 
 
 def _run(engine, prompts, params):

@@ -164,3 +164,30 @@ def test_async_scheduling_gives_what_synchronous_steps_give(hf_model_dirs):
     # Stops read one step late cost positions computed and discarded, never returned.
     assert sync_m["discarded_tokens"] == 0 < async_m["discarded_tokens"]
     assert async_m["generated_tokens"] == sync_m["generated_tokens"]
+
+
+def test_penalized_request_on_a_long_prefix_hit_equals_one_computed_whole(hf_model_dirs):
+    """A penalized request placed on a 300-token prefix hit gets its history from
+    admission calls (more than one: 300 positions) and samples what it samples with
+    the prefix computed in its own steps."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 256, 300).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.8,
+                            frequency_penalty=0.7, presence_penalty=0.4, ignore_eos=True)
+    outputs, hits = [], []
+    for caching in (True, False):
+        engine = Engine(hf_model_dirs["llama"], EngineConfig(
+            page_size=4, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=512,
+            compilation_cache_dir="", enable_prefix_caching=caching), warm_up=False)
+        engine.add_request("first", prefix + [7], SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request("penalized", prefix + [1, 2, 3], params)
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.release("penalized")
+        outputs.append(out.token_ids)
+        hits.append(out.num_cached_tokens)
+    assert hits == [300, 0]
+    assert outputs[0] == outputs[1]
+    assert len(set(outputs[0])) > 6  # the penalties at work: no loop of one token

@@ -3,12 +3,14 @@ log-softmax of the logits the forward pass gives for the same tokens."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
 from jaxinfer import checkpoint
 from jaxinfer.engine.request import MAX_LOGPROBS, Request, SamplingParams
-from jaxinfer.engine.runner import Chunk, Runner, build_metadata, sampling_inputs, step_function
+from jaxinfer.engine.runner import Chunk, Runner, build_metadata, sampling_inputs
 from jaxinfer.engine.runner.inputs import proposed_ids, sample_rows
 from jaxinfer.model import sampler
 from jaxinfer.model import step as model_step
@@ -44,7 +46,8 @@ def test_step_samples_and_scores_proposals_at_two_positions(hf_model_dirs):
                                  eos_token_ids=frozenset()),
         proposed_ids=proposed_ids(chunks, num_slots=4, num_positions=Q))
     assert inputs.proposed_ids.tolist() == [[prompts[0][5], -1]] + [[-1, -1]] * 3
-    _, packed = jax.jit(step_function(cfg))(runner.params, runner.kv_cache, inputs)
+    step = functools.partial(model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS)
+    _, packed = jax.jit(step)(runner.params, runner.kv_cache, inputs)
     assert packed.shape == (4, Q, 3 + 2 * MAX_LOGPROBS) and packed.dtype == np.int32
     out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)
 

@@ -23,15 +23,15 @@ from jaxinfer.server.engine_loop import EngineLoop
 @pytest.fixture(scope="module")
 def failing_server():
     llm = LLM(DEFAULT_MODEL, **ENGINE_FLAGS)
-    execute, calls = llm.engine.runner.execute, []
+    collect, calls = llm.engine.runner.collect, []
 
-    def execute_then_fail(plan, *args):
-        calls.append(plan)
-        if len(calls) >= 5:
+    def collect_then_fail(step):
+        calls.append(step)
+        if len(calls) >= 5:  # a device failure surfaces when a step is read back
             raise RuntimeError("device lost")
-        return execute(plan, *args)
+        return collect(step)
 
-    llm.engine.runner.execute = execute_then_fail
+    llm.engine.runner.collect = collect_then_fail
     loop = EngineLoop(llm.engine, max_waiting_requests=16)
     state = ServerState(loop=loop, config=ServerConfig(), model_name="demo",
                         model_root=str(DEFAULT_MODEL), max_model_len=llm.max_model_len,

@@ -50,6 +50,9 @@ def test_64_concurrent_streams_are_batched_and_exact(server, demo_llm):
                  - before["jaxinfer:scheduled_requests_total"])
     assert scheduled / steps > 8  # requests per step: they ran together (16 slots)
     assert after["jaxinfer:compilations_after_warmup_total"] == 0
+    sent = (after["jaxinfer:host_to_device_bytes_total"]
+            - before["jaxinfer:host_to_device_bytes_total"])
+    assert 0 < sent / steps < 16 * 1024  # a delta per step, no context resent
 
 
 def _pages_in_use(server, deadline_s: float = 30) -> float:

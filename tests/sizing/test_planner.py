@@ -47,8 +47,8 @@ def test_plan_for_a_memory_budget_counts_weights_pages_and_requests():
 
 def test_plan_refuses_a_budget_without_room_for_one_request():
     cfg = load_preset("llama3.1-8b")
-    with pytest.raises(ValueError, match=r"holds the 16.061 GB of bfloat16 weights.*"
-                                         r"give at least 17.136 GB"):
+    with pytest.raises(ValueError, match=r"holds the 16.061 GB of bfloat16 weights, 0.001 GB "
+                                         r"of per-request state.*give at least 17.138 GB"):
         planner.plan(cfg, dtype="bfloat16", max_model_len=8192, memory_bytes=16 * 10**9)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes >= "):
         planner.plan(cfg, max_model_len=64, kv_cache_bytes=1000)
@@ -90,7 +90,8 @@ def test_plan_command_on_a_device_reports_per_device_bytes_roofline_and_cost():
     assert summary["unsharded_weight_bytes"] == 8_030_261_248 * 2
     assert summary["kv_bytes_per_token"] == 2 * 32 * 1 * 128 * 2  # one KV head per chip
     budget = int(accelerators.get("v5e-8").chip.usable_hbm_bytes * 0.9)
-    assert summary["num_pages"] == (budget - summary["weight_bytes"]) // summary["page_bytes"]
+    assert summary["num_pages"] == (budget - summary["weight_bytes"] - summary[
+        "batch_state_bytes"]) // summary["page_bytes"]
     assert summary["bandwidth_gb_per_s"] == 819.0 and summary["peak_flops_per_s"] == 197e12
     rows = summary["decode_roofline"]
     assert [row["batch"] for row in rows] == [1, 8, 32]  # max_num_seqs=32
@@ -195,8 +196,8 @@ def test_gpu_memory_utilization_sets_the_device_budget():
              for share in (0.5, 0.9)}
     usable = acc.chip.usable_hbm_bytes
     for share, plan in plans.items():
-        assert plan.weight_bytes + plan.kv_cache_bytes <= share * usable
-        assert plan.weight_bytes + plan.kv_cache_bytes + plan.page_bytes > share * usable
+        held = plan.weight_bytes + plan.batch_state_bytes + plan.kv_cache_bytes
+        assert held <= share * usable < held + plan.page_bytes
     assert plans[0.5].num_pages < plans[0.9].num_pages
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5 must be in"):
         EngineConfig(gpu_memory_utilization=1.5)

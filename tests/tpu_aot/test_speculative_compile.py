@@ -19,12 +19,16 @@ import pytest
 from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.buckets import BucketSet
-from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import sampling_inputs
-from jaxinfer.engine.runner.programs import input_spec, on_shardings, step_shardings
+from jaxinfer.engine.runner.programs import (
+    input_spec,
+    on_shardings,
+    state_spec,
+    step_shardings,
+    verify_step_function,
+)
 from jaxinfer.model import draft as draft_model
 from jaxinfer.model import sharding
-from jaxinfer.model import step as model_step
 from jaxinfer.sizing import accelerators
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
@@ -53,16 +57,16 @@ def test_verify_step_compiles_with_the_mosaic_kernel(which):
     bucket = BucketSet(max_num_batched_tokens=SETTINGS.max_num_batched_tokens,
                        max_num_seqs=SETTINGS.max_num_seqs, verify_positions=Q).verify()[which]
     inputs = on_shardings(input_spec(bucket, page_size=SETTINGS.page_size,
-                                     max_model_len=SETTINGS.max_model_len,
                                      num_positions=Q), whole)
+    state = on_shardings(state_spec(SETTINGS.max_num_seqs, page_size=SETTINGS.page_size,
+                                    max_model_len=SETTINGS.max_model_len), whole)
     probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
                                  sharding=whole)
-    verify = jax.jit(functools.partial(model_step.verify_step, cfg=cfg,
-                                       num_logprobs=MAX_LOGPROBS),
-                     in_shardings=(param_sh, kv_sh, whole, whole),
-                     out_shardings=(kv_sh, whole), donate_argnums=(1,))
+    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size),
+                     in_shardings=(param_sh, kv_sh, whole, whole, whole),
+                     out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     with jax.set_mesh(mesh):
-        compiled = verify.lower(params, kv, inputs, probs).compile()
+        compiled = verify.lower(params, kv, state, inputs, probs).compile()
     text = compiled.as_text()
     assert text.count("tpu_custom_call") == 2 * cfg.num_layers  # the kernel's two passes
     assert compiled.memory_analysis().argument_size_in_bytes > 0
