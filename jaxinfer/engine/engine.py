@@ -7,8 +7,9 @@ schedules, runs one device call, and returns a RequestOutput (with this step's
 deltas) for every prompt that moved. With `async_scheduling` (the default without
 speculative decoding) `step()` dispatches the step it plans, then reads back the one
 the previous call dispatched: the device runs step t + 1 while the host turns step
-t's tokens into outputs (docs/architecture.md, "The host loop"). Bad requests are refused in `add_request`
-with a specific error; the engine keeps serving the others. Never imports jax,
+t's tokens into outputs (docs/architecture.md, "The host loop"). Bad requests are
+refused in `add_request` with a specific error; the engine keeps serving the others.
+Never imports jax,
 numpy, the model or checkpoint (pyproject.toml's contract): it reaches the device
 through the runner package and `loading` only.
 """

@@ -20,11 +20,12 @@ a separate program run only in steps that place a request.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.attention import AttentionMetadata
+from jaxinfer.model.attention import AttentionMetadata, KVCache
 from jaxinfer.model.sampler import SamplingInputs
 from jaxinfer.model.step import StepInputs
 
@@ -170,12 +171,13 @@ def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> Ba
         state, last_token=state.last_token.at[delta.sample_slots].set(tokens, mode="drop"))
 
 
-def stateful(step_fn, *, page_size: int):
+def stateful(step_fn: Callable[..., tuple], *, page_size: int) -> Callable[..., tuple]:
     """A model step `(params, kv_cache, inputs, *extra) -> (kv_cache, packed, *more)`
     as the runner compiles it: `(params, kv_cache, state, delta, *extra) -> (kv_cache,
     state, packed, *more)`."""
 
-    def run(params, kv_cache, state: BatchState, delta: StepDelta, *extra):
+    def run(params: dict, kv_cache: KVCache, state: BatchState, delta: StepDelta,
+            *extra: jax.Array) -> tuple:
         state, inputs = expand(state, delta, page_size=page_size)
         kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra)
         return (kv_cache, record_samples(state, delta, packed), packed, *more)

@@ -21,8 +21,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner.programs import (
     input_spec,
-    state_spec,
     on_shardings,
+    state_spec,
     step_function,
     step_shardings,
 )

@@ -48,7 +48,8 @@ from jaxinfer.engine.runner.runner import (
 
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
-    "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata", "compile_steps_for",
+    "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata",
+    "compile_steps_for",
     "device_memory_limit", "input_spec", "quantize_at_load",
     "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
     "next_power_of_two",
