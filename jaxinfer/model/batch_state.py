@@ -20,10 +20,12 @@ a separate program run only in steps that place a request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 from jaxinfer.model.sampler import SamplingInputs
@@ -60,22 +62,63 @@ class BatchState:
     rows: SlotRows  # [N + 1]
 
 
-@jax.tree_util.register_dataclass
+# A step delta's fields, in the order the host packs them, and their sizes given
+# T tokens, S requests, Q sampled positions each and U page-id writes.
+_DELTA_FIELDS = (
+    ("token_ids", "T"),  # -1 = the token the slot sampled last
+    ("positions", "T"),
+    ("token_slots", "T"),  # each token's slot; N for padding
+    ("seq_slots", "S"),  # each request's slot; N for padding
+    ("kv_lens", "S"),
+    ("cu_q_lens", "S+1"),
+    ("num_seqs", "1"),
+    ("logits_indices", "SQ"),  # token row of each sampled position
+    ("sample_slots", "SQ"),  # slot whose settings sample it; N: not sampled
+    ("proposed_ids", "SQ"),  # [S, Q]: token to verify; -1 = none
+    ("page_writes", "3U"),  # [U, 3]: (slot, page index, page id); slot N + 1 = none
+)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["flat"],
+                   meta_fields=["num_tokens", "num_slots", "num_positions",
+                                "num_page_writes"])
 @dataclasses.dataclass(frozen=True)
 class StepDelta:
-    """One step's host inputs (T tokens, S requests, Q sampled positions each)."""
+    """One step's host inputs, packed in one int32 array (one transfer, not eleven);
+    the shapes are static, so each field is a fixed slice of it."""
 
-    token_ids: jax.Array  # i32[T]: -1 = the token the slot sampled last
-    positions: jax.Array  # i32[T]
-    token_slots: jax.Array  # i32[T]: each token's slot; N for padding
-    seq_slots: jax.Array  # i32[S]: each request's slot; N for padding
-    kv_lens: jax.Array  # i32[S]
-    cu_q_lens: jax.Array  # i32[S + 1]
-    num_seqs: jax.Array  # i32[1]
-    logits_indices: jax.Array  # i32[S * Q]: token row of each sampled position
-    sample_slots: jax.Array  # i32[S * Q]: slot whose settings sample it; N: not sampled
-    proposed_ids: jax.Array  # i32[S, Q]: token to verify; -1 = none
-    page_writes: jax.Array  # i32[U, 3]: (slot, page index, page id); slot N + 1 = none
+    flat: jax.Array  # i32[n]: the _DELTA_FIELDS, concatenated
+    num_tokens: int  # T
+    num_slots: int  # S
+    num_positions: int  # Q
+    num_page_writes: int  # U
+
+    @classmethod
+    def pack(cls, **fields: np.ndarray | list[int]) -> StepDelta:
+        """The delta of `fields` (every name of _DELTA_FIELDS, shaped as documented
+        there: numpy `proposed_ids` [S, Q] and `page_writes` [U, 3], lists or arrays)."""
+        num_slots, num_positions = fields["proposed_ids"].shape
+        flat = np.concatenate([np.asarray(fields[name], np.int32).reshape(-1)
+                               for name, _ in _DELTA_FIELDS])
+        return cls(flat, len(fields["token_ids"]), num_slots, num_positions,
+                   len(fields["page_writes"]))
+
+    def __getattr__(self, name: str) -> jax.Array:
+        offset = 0
+        for field, size in _DELTA_FIELDS:
+            count = self._size(size)
+            if field == name:
+                part = self.flat[offset:offset + count]
+                if name == "proposed_ids":
+                    return part.reshape(self.num_slots, self.num_positions)
+                return part.reshape(-1, 3) if name == "page_writes" else part
+            offset += count
+        raise AttributeError(name)
+
+    def _size(self, size: str) -> int:
+        return {"T": self.num_tokens, "S": self.num_slots, "S+1": self.num_slots + 1,
+                "1": 1, "SQ": self.num_slots * self.num_positions,
+                "3U": 3 * self.num_page_writes}[size]
 
 
 @jax.tree_util.register_dataclass

@@ -49,9 +49,11 @@ def samples(packed: np.ndarray, chunks: Sequence) -> list[list[Sample]]:
     """Per chunk, a Sample for each of its `num_samples` positions of the step's packed
     i32[S, Q, 3 + 2k] output."""
     out = sampler.unpack(packed, MAX_LOGPROBS)  # fields [S, Q, ...]
-    return [[Sample(int(out.token_ids[i, q]), float(out.logprobs[i, q]),
-                    out.top_ids[i, q], out.top_logprobs[i, q],
-                    float(out.proposed_logprobs[i, q]))
+    # Python scalars in one conversion each, not one numpy scalar per sample.
+    token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+    proposed = out.proposed_logprobs.tolist()
+    return [[Sample(token_ids[i][q], logprobs[i][q], out.top_ids[i, q], out.top_logprobs[i, q],
+                    proposed[i][q])
              for q in range(chunk.num_samples)] for i, chunk in enumerate(chunks)]
 
 

@@ -254,7 +254,7 @@ class Runner:
         for admission in admissions:
             sent += sum(x.nbytes for x in jax.tree.leaves(admission))
             self.state = self._admission_program()(self.state, admission)
-        self.last_step_bytes = sent + sum(x.nbytes for x in jax.tree.leaves(delta))
+        self.last_step_bytes = sent + delta.flat.nbytes
         return delta
 
     def collect(self, step: InFlight) -> StepResult:

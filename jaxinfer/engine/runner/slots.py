@@ -61,20 +61,20 @@ class SlotTable:
                 self._free.append(slot)
 
     def delta(self, chunks: Sequence, bucket: Bucket) -> tuple[StepDelta, list[Admission]]:
-        """A step's delta and the admission calls to run before it, numpy."""
+        """A step's delta and the admission calls to run before it, numpy. Built in
+        Python lists, converted once: per-element numpy writes cost more."""
         self.release_done()
-        n, q = self.num_slots, bucket.num_positions
+        n, q, num_slots = self.num_slots, bucket.num_positions, bucket.num_slots
+        if len(chunks) > num_slots:
+            raise ValueError(f"{len(chunks)} requests exceed the bucket's {num_slots} slots")
         placed: list[tuple[int, Request, int]] = []
         writes: list[tuple[int, int, int]] = []
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
-        seq_slots = np.full(bucket.num_slots, n, np.int32)
-        kv_lens = np.zeros(bucket.num_slots, np.int32)
-        cu_q_lens = np.zeros(bucket.num_slots + 1, np.int32)
-        logits_indices = np.zeros((bucket.num_slots, q), np.int32)
-        sample_slots = np.full((bucket.num_slots, q), n, np.int32)
-        proposed = np.full((bucket.num_slots, q), -1, np.int32)
+        seq_slots, kv_lens, cu_q_lens = [n] * num_slots, [0] * num_slots, [0]
+        rows, sample_slots, proposed = [0] * (num_slots * q), [n] * (num_slots * q), \
+            [-1] * (num_slots * q)
         for i, chunk in enumerate(chunks):
             request = chunk.request
             slot = self._slot_of.get(request)
@@ -88,27 +88,25 @@ class SlotTable:
             positions += range(chunk.start, end)
             token_slots += [slot] * len(fed)
             seq_slots[i], kv_lens[i] = slot, end
-            cu_q_lens[i + 1:] = len(tokens)
+            cu_q_lens.append(len(tokens))
             m = chunk.num_samples
             if m > q:
                 raise ValueError(f"request {i}: {m} samples, at most {q} per request")
-            logits_indices[i, :m] = np.arange(len(tokens) - m, len(tokens))
-            sample_slots[i, :m] = slot
-            proposed[i, :max(m - 1, 0)] = fed[len(fed) - m + 1:]
-        if len(tokens) > bucket.num_tokens or len(chunks) > bucket.num_slots:
-            raise ValueError(f"{len(tokens)} tokens / {len(chunks)} requests exceed the "
-                             f"bucket ({bucket.num_tokens}, {bucket.num_slots})")
+            rows[i * q:i * q + m] = range(len(tokens) - m, len(tokens))
+            sample_slots[i * q:i * q + m] = [slot] * m
+            proposed[i * q:i * q + max(m - 1, 0)] = fed[len(fed) - m + 1:]
+        if len(tokens) > bucket.num_tokens:
+            raise ValueError(f"{len(tokens)} tokens exceed the bucket's {bucket.num_tokens}")
         capacity = page_write_capacity(bucket, self.page_size)
         in_step, overflow = writes[:capacity], writes[capacity:]
         pad = bucket.num_tokens - len(tokens)
-        delta = StepDelta(
-            token_ids=np.array(tokens + [0] * pad, np.int32),
-            positions=np.array(positions + [0] * pad, np.int32),
-            token_slots=np.array(token_slots + [n] * pad, np.int32),
-            seq_slots=seq_slots, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-            num_seqs=np.array([len(chunks)], np.int32),
-            logits_indices=logits_indices.reshape(-1), sample_slots=sample_slots.reshape(-1),
-            proposed_ids=proposed, page_writes=_triples(in_step, capacity, n + 1))
+        delta = StepDelta.pack(
+            token_ids=tokens + [0] * pad, positions=positions + [0] * pad,
+            token_slots=token_slots + [n] * pad, seq_slots=seq_slots, kv_lens=kv_lens,
+            cu_q_lens=cu_q_lens + [len(tokens)] * (num_slots + 1 - len(cu_q_lens)),
+            num_seqs=[len(chunks)], logits_indices=rows, sample_slots=sample_slots,
+            proposed_ids=np.array(proposed, np.int32).reshape(num_slots, q),
+            page_writes=_triples(in_step, capacity, n + 1))
         return delta, self._admissions(placed, overflow)
 
     def _place(self, request: Request) -> int:
@@ -125,10 +123,9 @@ class SlotTable:
         device row lacks; pages past the mirror's common tail are rewritten."""
         mirror, ids = self._slots[slot].pages, request.page_ids
         common = min(len(mirror), len(ids))
-        for index in range(max(0, common - TAIL), common):
-            if mirror[index] != ids[index]:
-                common = index
-                break
+        low = max(0, common - TAIL)
+        if mirror[low:common] != ids[low:common]:
+            common = next(k for k in range(low, common) if mirror[k] != ids[k])
         del mirror[common:]
         needed = min(-(-end // self.page_size), len(ids))
         new = ids[len(mirror):needed]
