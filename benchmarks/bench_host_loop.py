@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import tempfile
 import time
 
@@ -186,7 +187,8 @@ def long_context() -> dict:
 
 def main(_: list[str]) -> None:
     _patch_compiled_calls()
-    result = {"mode": FLAGS.mode, "jax": jax.__version__, "backend": jax.default_backend()}
+    result = {"mode": FLAGS.mode, "jax": jax.__version__, "backend": jax.default_backend(),
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     result |= loop() if FLAGS.mode == "loop" else long_context()
     print(json.dumps(result, indent=1))
 
