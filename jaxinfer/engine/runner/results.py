@@ -14,9 +14,9 @@ from jaxinfer.engine.runner.inputs import ScoreSpan
 from jaxinfer.model import sampler, scoring
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """A token sampled at one position of a request in one step, with its logprobs."""
+class Sample(typing.NamedTuple):
+    """A token sampled at one position of a request in one step, with its logprobs (a
+    tuple: a step makes one per request, on the host's critical path)."""
 
     token_id: int
     logprob: float

@@ -100,13 +100,15 @@ class SlotTable:
         capacity = page_write_capacity(bucket, self.page_size)
         in_step, overflow = writes[:capacity], writes[capacity:]
         pad = bucket.num_tokens - len(tokens)
-        delta = StepDelta.pack(
-            token_ids=tokens + [0] * pad, positions=positions + [0] * pad,
-            token_slots=token_slots + [n] * pad, seq_slots=seq_slots, kv_lens=kv_lens,
-            cu_q_lens=cu_q_lens + [len(tokens)] * (num_slots + 1 - len(cu_q_lens)),
-            num_seqs=[len(chunks)], logits_indices=rows, sample_slots=sample_slots,
-            proposed_ids=np.array(proposed, np.int32).reshape(num_slots, q),
-            page_writes=_triples(in_step, capacity, n + 1))
+        values = (tokens + [0] * pad + positions + [0] * pad + token_slots + [n] * pad
+                  + seq_slots + kv_lens
+                  + cu_q_lens + [len(tokens)] * (num_slots + 1 - len(cu_q_lens))
+                  + [len(chunks)] + rows + sample_slots + proposed)
+        for write in in_step:
+            values += write
+        values += [n + 1, 0, 0] * (capacity - len(in_step))
+        delta = StepDelta.from_list(values, num_tokens=bucket.num_tokens, num_slots=num_slots,
+                                    num_positions=q, num_page_writes=capacity)
         return delta, self._admissions(placed, overflow)
 
     def _place(self, request: Request) -> int:
