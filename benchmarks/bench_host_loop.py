@@ -1,14 +1,15 @@
 """The host loop: synchronous vs asynchronous scheduling, and host time at long context.
 
 `--mode=loop` (default): per model (the tiny test model, whose steps take a few ms
-so host time shows, and a random model of `--preset`'s shape), one mixed workload
-through the engine with `async_scheduling` off, then on, same settings, same run.
-For each: wall seconds, steps, generated tokens/s, the engine's own host-loop metrics,
-and the gap: wall time per step minus the device time per step of the same compiled
-calls replayed back to back on device-resident inputs (every call the run made,
-recorded, its inputs put on the device first, run in order, timed to the last
-result; the fastest of three replays). Prints the ratios async/sync of the gap and of
-the throughput. On a CPU the "device" is XLA:CPU on the host's own cores: with
+so host time shows, and a random model of `--preset`'s shape), one engine runs a mixed
+workload `--rounds` times with `async_scheduling` off and on (alternating which goes
+first; the same compiled programs). For each pass: wall seconds, steps, generated
+tokens/s, the engine's own host-loop metrics, and the gap: wall time per step minus
+the device time per step of the same compiled calls replayed back to back on
+device-resident inputs (every call the pass made, recorded, its inputs put on the
+device first, run in order, timed to the last result). Prints the medians over the
+rounds and the ratios async/sync of the gap and of the throughput. On a CPU the
+"device" is XLA:CPU on the host's own cores: with
 `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false` the step runs on one core and leaves
 the other to the host, as an accelerator would.
 
@@ -47,6 +48,8 @@ flags.DEFINE_integer("num_requests", 64, "loop: requests in the mixed workload")
 flags.DEFINE_integer("max_num_seqs", 16, "loop: requests in flight")
 flags.DEFINE_integer("decode_steps", 64, "long_context: decode steps timed")
 flags.DEFINE_integer("seed", 0, "workload seed")
+flags.DEFINE_integer("rounds", 3, "loop: sync and async passes per model (medians given)")
+flags.DEFINE_integer("replays", 1, "loop: replays of a pass's calls (the fastest counts)")
 FLAGS = flags.FLAGS
 _CALLS: list | None = None  # (compiled, args) of every compiled call, while recording
 _WAIT = [False, 0.0]  # long_context: wait for each compiled call; seconds spent in them
@@ -93,37 +96,41 @@ def _workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], SamplingPa
     return out
 
 
-def _run_loop(model: str, async_scheduling: bool, work: list) -> dict:
+_COUNTERS = ("steps", "generated_tokens", "host_seconds", "host_steps",
+             "device_idle_seconds", "host_to_device_bytes", "discarded_tokens")
+
+
+def _run_loop(engine: Engine, async_scheduling: bool, work: list) -> dict:
+    """One pass of the workload with the engine's loop set to sync or async (the same
+    compiled programs either way), and its replay."""
     global _CALLS
-    config = EngineConfig(max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=256,
-                          max_model_len=512, compilation_cache_dir="",
-                          async_scheduling=async_scheduling)
-    engine = Engine(model, config)
+    engine.async_scheduling = async_scheduling
+    before = {k: getattr(engine.metrics, k) for k in _COUNTERS}
     for i, (prompt, params) in enumerate(work):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(f"{async_scheduling}-{i}", prompt, params)
     _CALLS = []
     began = time.perf_counter()
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            if out.finished:
+                engine.release(out.request_id)
     wall = time.perf_counter() - began
     calls, _CALLS = _CALLS, None
-    metrics = engine.metrics.summary()
-    device = _replay(engine.runner, calls)
-    steps = metrics["steps"]
-    result = {"wall_s": round(wall, 3), "steps": steps,
-              "generated_tokens_per_s": round(metrics["generated_tokens"] / wall, 1),
-              "wall_ms_per_step": round(1e3 * wall / steps, 3),
-              "device_ms_per_step": round(1e3 * device / steps, 3),
-              "gap_ms_per_step": round(1e3 * (wall - device) / steps, 3)}
-    for key in ("host_ms_per_step", "device_idle_ms_per_step",
-                "host_to_device_bytes_per_step", "discarded_tokens"):
-        result[key] = metrics[key]
-    del engine
-    gc.collect()
-    return result
+    m = {k: getattr(engine.metrics, k) - before[k] for k in _COUNTERS}
+    device = _replay(engine.runner, calls, FLAGS.replays)
+    steps = m["steps"]
+    return {"wall_s": round(wall, 3), "steps": steps,
+            "generated_tokens_per_s": round(m["generated_tokens"] / wall, 1),
+            "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "device_ms_per_step": round(1e3 * device / steps, 3),
+            "gap_ms_per_step": round(1e3 * (wall - device) / steps, 3),
+            "host_ms_per_step": round(1e3 * m["host_seconds"] / m["host_steps"], 3),
+            "device_idle_ms_per_step": round(1e3 * m["device_idle_seconds"] / steps, 3),
+            "host_to_device_bytes_per_step": round(m["host_to_device_bytes"] / steps, 1),
+            "discarded_tokens": m["discarded_tokens"]}
 
 
-def _replay(runner: object, calls: list, repeats: int = 3) -> float:
+def _replay(runner: object, calls: list, repeats: int) -> float:
     """Seconds of the recorded calls run back to back on device-resident inputs (the
     fastest of `repeats` replays)."""
     placed = [(c, jax.device_put(host), n) for c, host, n in calls]
@@ -144,22 +151,36 @@ def _replay(runner: object, calls: list, repeats: int = 3) -> float:
 
 
 def loop() -> dict:
+    """Per model: `--rounds` rounds of a sync pass and an async pass (alternating which
+    goes first) on one engine; the median of each figure over the rounds."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny": _make_model(f"{tmp}/tiny", None)}
         if FLAGS.preset:
             models[FLAGS.preset] = _make_model(f"{tmp}/preset", FLAGS.preset)
+        work = _workload(FLAGS.num_requests, 256, FLAGS.seed)
         for name, path in models.items():
-            vocab = 256
-            work = _workload(FLAGS.num_requests, vocab, FLAGS.seed)
-            sync, async_ = (_run_loop(path, flag, work) for flag in (False, True))
-            out[name] = {"sync": sync, "async": async_,
+            engine = Engine(path, EngineConfig(
+                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=256,
+                max_model_len=512, compilation_cache_dir=""))
+            runs: dict[bool, list[dict]] = {False: [], True: []}
+            for r in range(FLAGS.rounds):
+                for flag in (False, True) if r % 2 == 0 else (True, False):
+                    runs[flag].append(_run_loop(engine, flag, work))
+            sync, async_ = (_medians(runs[flag]) for flag in (False, True))
+            out[name] = {"rounds": FLAGS.rounds, "sync": sync, "async": async_,
                          "gap_async_over_sync": round(
-                             async_["gap_ms_per_step"] / max(sync["gap_ms_per_step"], 1e-9), 3),
+                             async_["gap_ms_per_step"] / sync["gap_ms_per_step"], 3),
                          "throughput_async_over_sync": round(
                              async_["generated_tokens_per_s"] / sync["generated_tokens_per_s"],
                              3)}
+            del engine
+            gc.collect()
     return out
+
+
+def _medians(runs: list[dict]) -> dict:
+    return {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
 
 
 def long_context() -> dict:
