@@ -16,7 +16,8 @@ the other to the host, as an accelerator would.
 `--mode=long_context`: 16 requests with 8k-token prompts, `max_model_len` 16k, the
 tiny model; after every prompt is prefilled, times `--decode_steps` decode steps:
 host time per step = the step's wall time less its compiled calls' time, each call
-waited for (wrapping the compiled calls, so an older commit measures the same way:
+waited for; the runner's host time = the time in the engine's calls into the runner
+less the same (wrapping the calls, so an older commit measures the same way:
 `BENCH=benchmarks/bench_host_loop.py benchmarks/compare_commits.sh BASE
 --mode=long_context`).
 
@@ -53,6 +54,31 @@ flags.DEFINE_integer("replays", 1, "loop: replays of a pass's calls (the fastest
 FLAGS = flags.FLAGS
 _CALLS: list | None = None  # (compiled, args) of every compiled call, while recording
 _WAIT = [False, 0.0]  # long_context: wait for each compiled call; seconds spent in them
+_RUNNER = [0, 0.0]  # long_context: call depth inside the runner; seconds spent there
+
+
+def _patch_runner_calls() -> None:
+    """Time the engine's calls into the runner: `execute` (an older commit's engine) or
+    `dispatch` and `collect` (asynchronous scheduling's halves), outermost calls only."""
+    from jaxinfer.engine import runner as runner_pkg
+
+    cls = runner_pkg.Runner
+    for name in ("execute", "dispatch", "collect"):
+        if not hasattr(cls, name):
+            continue
+        original = getattr(cls, name)
+
+        def timed(self, *args, _original=original, **kwargs):
+            _RUNNER[0] += 1
+            began = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                _RUNNER[0] -= 1
+                if _RUNNER[0] == 0:
+                    _RUNNER[1] += time.perf_counter() - began
+
+        setattr(cls, name, timed)
 
 
 def _patch_compiled_calls() -> None:
@@ -200,7 +226,7 @@ def long_context() -> dict:
             engine.step()
         for _ in range(2):
             engine.step()
-        _WAIT[0], _WAIT[1] = True, 0.0
+        _WAIT[0], _WAIT[1], _RUNNER[1] = True, 0.0, 0.0
         began = time.perf_counter()
         for _ in range(FLAGS.decode_steps):
             engine.step()
@@ -210,11 +236,13 @@ def long_context() -> dict:
     return {"decode_steps": steps, "requests": 16, "context": 8192,
             "wall_ms_per_step": round(1e3 * wall / steps, 3),
             "device_ms_per_step": round(1e3 * device / steps, 3),
-            "host_ms_per_step": round(1e3 * (wall - device) / steps, 3)}
+            "host_ms_per_step": round(1e3 * (wall - device) / steps, 3),
+            "runner_host_ms_per_step": round(1e3 * (_RUNNER[1] - device) / steps, 3)}
 
 
 def main(_: list[str]) -> None:
     _patch_compiled_calls()
+    _patch_runner_calls()
     result = {"mode": FLAGS.mode, "jax": jax.__version__, "backend": jax.default_backend(),
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     result |= loop() if FLAGS.mode == "loop" else long_context()

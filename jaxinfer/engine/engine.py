@@ -264,6 +264,8 @@ class Engine:
             previous, self._in_flight = self._in_flight, dispatched
         outputs = self._complete(previous, started) if previous is not None else []
         self._check_compiles(compiles)
+        if not self.has_unfinished():
+            self._device_free_at = None  # idle for want of work: not a gap between steps
         return outputs
 
     def _dispatch(self, plan: StepPlan) -> _Dispatched:
