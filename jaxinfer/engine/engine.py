@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import loading
 from jaxinfer.engine import runner as runner_lib
-from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
 from jaxinfer.engine.page_pool import PagePool
@@ -304,7 +303,12 @@ class Engine:
         seconds = time.perf_counter() - started
         self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes,
                                  discarded_tokens=discarded)
-        self._record_metrics(plan, bucket, lengths, seconds, discarded)
+        self.metrics.preemptions = self.scheduler.num_preemptions
+        self.metrics.record_plan(
+            plan.chunks, lengths, bucket.num_tokens, bucket.num_slots, seconds=seconds,
+            discarded=discarded, pages_in_use=self.scheduler.pool.num_used,
+            weight_bytes=self.memory_plan.weight_bytes,
+            kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
         return outputs
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
@@ -375,30 +379,6 @@ class Engine:
             if completion.logprobs is not None:
                 completion.logprobs.extend(request.output_logprobs[done:])
         return out
-
-    def _record_metrics(self, plan: StepPlan, bucket: Bucket, lengths: list[int],
-                        seconds: float, discarded: int = 0) -> None:
-        """Count the step: tokens generated are those appended to outputs (after stops);
-        a request's prompt counts once, at its first token, split into the tokens
-        computed and those the prefix cache served (see metrics.py)."""
-        attended = sum(c.start + c.num_tokens for c in plan.chunks)
-        generated = computed = cached = 0
-        for chunk, before in zip(plan.chunks, lengths, strict=True):
-            request = chunk.request
-            added = len(request.output_token_ids) - before
-            generated += max(added, 0)
-            if before == 0 and added > 0:
-                hits = request.num_cached_tokens or 0
-                computed += len(request.prompt_token_ids) - hits
-                cached += hits
-        self.metrics.preemptions = self.scheduler.num_preemptions
-        self.metrics.record_step(
-            real_tokens=plan.num_tokens - discarded, padded_tokens=bucket.num_tokens,
-            requests=len(plan.chunks), slots=bucket.num_slots, prompt_tokens=computed,
-            prompt_tokens_cached=cached, generated=generated,
-            pages_in_use=self.scheduler.pool.num_used, seconds=seconds,
-            bytes_read=self.memory_plan.weight_bytes
-            + attended * self.memory_plan.kv_bytes_per_token)
 
 
 @dataclasses.dataclass(frozen=True)

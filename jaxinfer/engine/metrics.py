@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jaxinfer.engine.latency import Latency
 
@@ -84,6 +84,30 @@ class Metrics:
         self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
         self.step_seconds += seconds
         self.bytes_read += bytes_read
+
+    def record_plan(self, chunks: Sequence, lengths: Sequence[int], padded_tokens: int,
+                    slots: int, *, seconds: float, discarded: int, pages_in_use: int,
+                    weight_bytes: int, kv_bytes_per_token: int) -> None:
+        """Count a step from its chunks (`lengths`: each request's output count before
+        the step's tokens were appended): tokens generated are those appended (after
+        stops); a request's prompt counts once, at its first token, split into the
+        tokens computed and those the prefix cache served."""
+        attended = sum(c.start + c.num_tokens for c in chunks)
+        generated = computed = cached = 0
+        for chunk, before in zip(chunks, lengths, strict=True):
+            request = chunk.request
+            added = len(request.output_token_ids) - before
+            generated += max(added, 0)
+            if before == 0 and added > 0:
+                hits = request.num_cached_tokens or 0
+                computed += len(request.prompt_token_ids) - hits
+                cached += hits
+        self.record_step(
+            real_tokens=sum(c.num_tokens for c in chunks) - discarded,
+            padded_tokens=padded_tokens, requests=len(chunks), slots=slots,
+            prompt_tokens=computed, prompt_tokens_cached=cached, generated=generated,
+            pages_in_use=pages_in_use, seconds=seconds,
+            bytes_read=weight_bytes + attended * kv_bytes_per_token)
 
     def record_host(self, *, seconds: float, bytes_sent: int, discarded_tokens: int) -> None:
         self.host_steps += 1

@@ -13,7 +13,6 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from jaxinfer.engine.runner import Sample
@@ -248,7 +247,8 @@ def test_engine_records_several_tokens_per_step_up_to_a_stop_string(hf_model_dir
     lengths = [0, 0, 0]
     engine.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
     assert engine._record_tokens(plan, samples, lengths) == ["s", "z", "l"]
-    engine._record_metrics(plan, Bucket(16, 4), lengths, 0.1)
+    engine.metrics.record_plan(plan.chunks, lengths, 16, 4, seconds=0.1, discarded=0,
+                               pages_in_use=0, weight_bytes=0, kv_bytes_per_token=0)
     s, z, l = (engine._sync(rid) for rid in "szl")
     # The token completing the stop string ends it; the tokens after it are dropped.
     assert (s.token_ids, s.text, s.finish_reason, s.outputs[0].stop_reason) == (
