@@ -122,8 +122,8 @@ def _workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], SamplingPa
     return out
 
 
-_COUNTERS = ("steps", "generated_tokens", "host_seconds", "host_steps",
-             "device_idle_seconds", "host_to_device_bytes", "discarded_tokens")
+_COUNTERS = ("steps", "generated_tokens", "host_seconds", "device_idle_seconds",
+             "host_to_device_bytes", "discarded_tokens")
 
 
 def _run_loop(engine: Engine, async_scheduling: bool, work: list) -> dict:
@@ -150,7 +150,7 @@ def _run_loop(engine: Engine, async_scheduling: bool, work: list) -> dict:
             "wall_ms_per_step": round(1e3 * wall / steps, 3),
             "device_ms_per_step": round(1e3 * device / steps, 3),
             "gap_ms_per_step": round(1e3 * (wall - device) / steps, 3),
-            "host_ms_per_step": round(1e3 * m["host_seconds"] / m["host_steps"], 3),
+            "host_ms_per_step": round(1e3 * m["host_seconds"] / steps, 3),
             "device_idle_ms_per_step": round(1e3 * m["device_idle_seconds"] / steps, 3),
             "host_to_device_bytes_per_step": round(m["host_to_device_bytes"] / steps, 1),
             "discarded_tokens": m["discarded_tokens"]}

@@ -61,7 +61,6 @@ class Metrics:
     host_seconds: float = 0.0  # the host's work per step: schedule, inputs, outputs
     device_idle_seconds: float = 0.0  # the device had no step queued (seen from the host)
     host_to_device_bytes: int = 0  # step inputs sent, admission calls included
-    host_steps: int = 0
     discarded_tokens: int = 0  # positions computed for requests that had stopped
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
     # speculative decoding's counts given the step seconds (engine/speculation.py)
@@ -110,7 +109,6 @@ class Metrics:
             bytes_read=weight_bytes + attended * kv_bytes_per_token)
 
     def record_host(self, *, seconds: float, bytes_sent: int, discarded_tokens: int) -> None:
-        self.host_steps += 1
         self.discarded_tokens += discarded_tokens
         self.host_seconds += seconds
         self.host_to_device_bytes += bytes_sent
@@ -142,10 +140,10 @@ class Metrics:
             "discarded_tokens": self.discarded_tokens,
             "host_to_device_bytes": self.host_to_device_bytes,
             "host_to_device_bytes_per_step": round(
-                self.host_to_device_bytes / max(self.host_steps, 1), 1),
-            "host_ms_per_step": round(1e3 * self.host_seconds / max(self.host_steps, 1), 3),
+                self.host_to_device_bytes / steps, 1),
+            "host_ms_per_step": round(1e3 * self.host_seconds / steps, 3),
             "device_idle_ms_per_step": round(
-                1e3 * self.device_idle_seconds / max(self.host_steps, 1), 3),
+                1e3 * self.device_idle_seconds / steps, 3),
             "bytes_read_per_s_gb": round(achieved, 2),
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)

@@ -24,14 +24,13 @@ samples agree with plus the target's own next token, rolls the request's compute
 length back to the accepted tokens (so only they are registered in the prefix cache)
 and frees the pages that held only rejected ones.
 
-A request's computed count moves on when its tokens are scheduled (vLLM's rule), and
-the full pages of known tokens it covers are registered then, so the next step can be
-planned while this one runs (asynchronous scheduling) and sees the same cache: a
-sampled token not yet read back is a placeholder (`num_output_placeholders`), which
-the next step feeds from the device. `update` appends the tokens one step late; a
-request whose placeholders will reach `max_tokens` or `max_model_len` is not
-scheduled again, so only an EOS, stop token or stop string can leave one extra
-position computed, which `update` discards.
+A request's computed count moves on, and the full pages of known tokens it covers are
+registered, when its tokens are scheduled (vLLM's rule), so the next step can be planned
+while this one runs (asynchronous scheduling) and sees the same cache. A sampled token
+not yet read back is a placeholder (`num_output_placeholders`) the next step feeds from
+the device; `update` appends it one step late. A request whose placeholders reach
+`max_tokens` or `max_model_len` is not scheduled again: only an EOS, stop token or stop
+string leaves an extra position computed, which `update` discards.
 """
 
 from __future__ import annotations

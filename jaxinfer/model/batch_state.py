@@ -94,16 +94,6 @@ class StepDelta:
     num_page_writes: int  # U
 
     @classmethod
-    def pack(cls, **fields: np.ndarray | list[int]) -> StepDelta:
-        """The delta of `fields` (every name of _DELTA_FIELDS, shaped as documented
-        there: numpy `proposed_ids` [S, Q] and `page_writes` [U, 3], lists or arrays)."""
-        num_slots, num_positions = np.shape(fields["proposed_ids"])
-        flat = np.concatenate([np.asarray(fields[name], np.int32).reshape(-1)
-                               for name, _ in _DELTA_FIELDS])
-        return cls(flat, len(fields["token_ids"]), num_slots, num_positions,
-                   len(fields["page_writes"]))
-
-    @classmethod
     def from_list(cls, values: list[int], *, num_tokens: int, num_slots: int,
                   num_positions: int, num_page_writes: int) -> StepDelta:
         """The delta of the _DELTA_FIELDS already concatenated in one list (the host's

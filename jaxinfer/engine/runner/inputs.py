@@ -125,9 +125,22 @@ def next_power_of_two(n: int, floor: int = 1) -> int:
 
 # The SamplingParams fields the device reads as they are (floats, then ints), and what a
 # greedy padding row holds: SamplingParams' own neutral defaults.
-_PARAM_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
-_PADDING = SamplingParams(temperature=0.0)
+PARAM_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
+PADDING_PARAMS = SamplingParams(temperature=0.0)
+
+
+def device_temperature(params: SamplingParams) -> float:
+    """The temperature the device samples with: 0 (greedy) below GREEDY_TEMPERATURE."""
+    return 0.0 if params.greedy else params.temperature
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """The ids banned while a request has fewer than `min_tokens` outputs (at most
+    STOP_WIDTH): its stop token ids, then the EOS ids unless it ignores EOS."""
+    stops = list(params.stop_token_ids)
+    stops += [] if params.ignore_eos else sorted(eos_token_ids)
+    return stops[:STOP_WIDTH]
 
 
 def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
@@ -135,7 +148,7 @@ def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
     """Per-row sampling arrays; None rows and rows past the given ones are greedy padding."""
     rows = list(rows) + [None] * (num_rows - len(rows))
     history = np.full((num_rows, history_width), -1, np.int32)
-    stop_ids = np.full((num_rows, STOP_WIDTH), -1, np.int32)
+    banned = np.full((num_rows, STOP_WIDTH), -1, np.int32)
     values = [_row(row) for row in rows]
     for i, row in enumerate(rows):
         if row is None:
@@ -143,22 +156,21 @@ def sampling_inputs(rows: Sequence[SampleRow | None], *, num_rows: int,
         request, tokens = row.request, row.token_ids
         history[i, :len(tokens)] = tokens
         if values[i]["ban_stop"]:
-            stops = list(request.params.stop_token_ids)
-            stops += [] if request.params.ignore_eos else sorted(eos_token_ids)
-            stop_ids[i, :len(stops)] = stops[:STOP_WIDTH]
-    arrays = {k: np.asarray([v[k] for v in values], np.float32 if k in _PARAM_FLOATS
+            stops = stop_ids(request.params, eos_token_ids)
+            banned[i, :len(stops)] = stops
+    arrays = {k: np.asarray([v[k] for v in values], np.float32 if k in PARAM_FLOATS
                             else np.int32) for k in values[0]}
     arrays["seeds"] = arrays["seeds"].astype(np.uint32)
     arrays["ban_stop"] = arrays["ban_stop"].astype(bool)
     return SamplingInputs(history=history, history_rows=np.arange(num_rows, dtype=np.int32),
-                          stop_ids=stop_ids, **arrays)
+                          stop_ids=banned, **arrays)
 
 
 def _row(row: SampleRow | None) -> dict[str, float | int | bool]:
     """One row's SamplingInputs values (history and stop ids apart)."""
-    p = _PADDING if row is None else row.request.params
-    values = {name: getattr(p, name) for name in (*_PARAM_FLOATS, "top_k")}
-    values["temperature"] = 0.0 if p.greedy else p.temperature
+    p = PADDING_PARAMS if row is None else row.request.params
+    values = {name: getattr(p, name) for name in (*PARAM_FLOATS, "top_k")}
+    values["temperature"] = device_temperature(p)
     if row is None:
         return values | {"seeds": 0, "counters": 0, "prompt_lens": 0, "history_lens": 0,
                          "ban_stop": False, "logprobs": 0}
@@ -182,24 +194,24 @@ class ScoreSpan:
     row: int
 
 
-def score_spans(requests: Sequence[Request], chunks: Sequence[Chunk]
+def score_spans(requests: Sequence[Request], chunks: Sequence[tuple[int, int]]
                 ) -> list[ScoreSpan | None]:
-    """Per chunk, the prompt positions it scores, or None: those of a request collecting
+    """Per chunk, given as (start, number of tokens), the prompt positions it scores, or
+    None: those of a request collecting
     prompt logprobs that are in the chunk, not scored yet (a recompute after preemption
     scores nothing twice) and followed by a prompt token (a chunk's last position scores
     the first token of the next chunk, known from the prompt)."""
     spans: list[ScoreSpan | None] = []
     row = 0
-    for request, chunk in zip(requests, chunks, strict=True):
-        end = chunk.start + len(chunk.token_ids)
+    for request, (start, count) in zip(requests, chunks, strict=True):
         span = None
         if request.prompt_logprobs is not None:
-            first = max(chunk.start, len(request.prompt_logprobs))
-            last = min(end, len(request.prompt_token_ids) - 1)  # one past the last scored
+            first = max(start, len(request.prompt_logprobs))
+            last = min(start + count, len(request.prompt_token_ids) - 1)  # one past the last
             if first < last:
-                span = ScoreSpan(first=first, count=last - first, row=row + first - chunk.start)
+                span = ScoreSpan(first=first, count=last - first, row=row + first - start)
         spans.append(span)
-        row += len(chunk.token_ids)
+        row += count
     return spans
 
 

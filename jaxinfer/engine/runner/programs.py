@@ -82,11 +82,10 @@ def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
     return layers.min_matmul_rows(jnp.dtype(dtype), quantization)
 
 
-def input_spec(bucket: Bucket, *, page_size: int, max_model_len: int = 0,
+def input_spec(bucket: Bucket, *, page_size: int,
                num_positions: int = NUM_SAMPLE_POSITIONS) -> batch_state.StepDelta:
     """ShapeDtypeStructs of a bucket's step delta (an empty plan, padded), sampling
     `num_positions` (Q) positions per request; its shapes depend on the bucket alone."""
-    del max_model_len  # the delta's size never depends on the context
     bucket = dataclasses.replace(bucket, num_positions=max(bucket.num_positions,
                                                            num_positions))
     delta, _ = SlotTable(bucket.num_slots, page_size=page_size).delta([], bucket)

@@ -214,8 +214,7 @@ class Runner:
         runs in a verify bucket; `draft_probs` f32[S, Q, V] (S its slots) are their q
         when the runner takes them (`draft_probs=True`)."""
         requests = [c.request for c in plan.chunks]
-        spans = score_spans(requests, [Chunk((0,) * c.num_tokens, c.start, ())
-                                       for c in plan.chunks])
+        spans = score_spans(requests, [(c.start, c.num_tokens) for c in plan.chunks])
         scores = any(span is not None for span in spans)
         if scores and not self.enable_prompt_logprobs:
             raise ValueError("a request asks for prompt_logprobs but this runner was made "

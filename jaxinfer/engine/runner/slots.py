@@ -18,15 +18,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxinfer.engine.buckets import Bucket
-from jaxinfer.engine.request import Request, SamplingParams, Status
-from jaxinfer.engine.runner.inputs import STOP_WIDTH
+from jaxinfer.engine.request import Request, Status
+from jaxinfer.engine.runner.inputs import (
+    PADDING_PARAMS,
+    PARAM_FLOATS,
+    STOP_WIDTH,
+    device_temperature,
+    stop_ids,
+)
 from jaxinfer.model.batch_state import Admission, SlotRows, StepDelta
 
 ADMIT_ROWS = 8  # slots one admission call writes
 WRITE_WIDTH = 256  # page or history writes one admission call carries
 TAIL = 8  # a slot's last page ids compared with the request's each step
-_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty")
 
 
 @dataclasses.dataclass
@@ -169,26 +173,21 @@ class SlotTable:
 
     def _rows(self, requests: Sequence[Request]) -> SlotRows:
         """SlotRows of ADMIT_ROWS rows: the requests', then greedy padding."""
-        params = [r.params for r in requests] + [_PADDING] * (ADMIT_ROWS - len(requests))
+        params = [r.params for r in requests] + [PADDING_PARAMS] * (ADMIT_ROWS - len(requests))
         values = {name: np.array([getattr(p, name) for p in params], np.float32)
-                  for name in _FLOATS}
-        values["temperature"] = np.array([0.0 if p.greedy else p.temperature
-                                          for p in params], np.float32)
-        stop_ids = np.full((ADMIT_ROWS, STOP_WIDTH), -1, np.int32)
+                  for name in PARAM_FLOATS}
+        values["temperature"] = np.array([device_temperature(p) for p in params], np.float32)
+        banned = np.full((ADMIT_ROWS, STOP_WIDTH), -1, np.int32)
         for i, p in enumerate(params[:len(requests)]):
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos
-                                              else sorted(self.eos_token_ids))
-            stop_ids[i, :min(len(stops), STOP_WIDTH)] = stops[:STOP_WIDTH]
+            stops = stop_ids(p, self.eos_token_ids)
+            banned[i, :len(stops)] = stops
         pad = [0] * (ADMIT_ROWS - len(requests))
         return SlotRows(
             **values, top_k=np.array([p.top_k for p in params], np.int32),
             seeds=np.array([r.seed for r in requests] + pad, np.uint32),
             prompt_lens=np.array([len(r.prompt_token_ids) for r in requests] + pad, np.int32),
             min_tokens=np.array([p.min_tokens for p in params], np.int32),
-            logprobs=np.array([p.logprobs or 0 for p in params], np.int32), stop_ids=stop_ids)
-
-
-_PADDING = SamplingParams(temperature=0.0)
+            logprobs=np.array([p.logprobs or 0 for p in params], np.int32), stop_ids=banned)
 
 
 def page_write_capacity(bucket: Bucket, page_size: int) -> int:
