@@ -8,10 +8,13 @@ tokens/s, the engine's own host-loop metrics, and the gap: wall time per step mi
 the device time per step of the same compiled calls replayed back to back on
 device-resident inputs (every call the pass made, recorded, its inputs put on the
 device first, run in order, timed to the last result). Prints the medians over the
-rounds and the ratios async/sync of the gap and of the throughput. On a CPU the
-"device" is XLA:CPU on the host's own cores: with
-`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false` the step runs on one core and leaves
-the other to the host, as an accelerator would.
+rounds and the ratios async/sync of the gap and of the throughput, and the overlap
+bound: the replay with the host thread busy for the pass's host time per step after
+each dispatch (what a loop with that much host work gets from perfect overlap). On a
+CPU the "device" is XLA:CPU on the host's own cores; by default (`--host_core=0`) its
+threads run on the other cores and the host thread on core 0, as with an accelerator.
+`--host_core=-1` lets them share every core: host work then slows the step it
+overlaps, and the gap that is left is that contention, not idle device time.
 
 `--mode=long_context`: 16 requests with 8k-token prompts, `max_model_len` 16k, the
 tiny model; after every prompt is prefilled, times `--decode_steps` decode steps:
@@ -32,6 +35,7 @@ import gc
 import json
 import os
 import tempfile
+import threading
 import time
 
 import jax
@@ -51,6 +55,9 @@ flags.DEFINE_integer("decode_steps", 64, "long_context: decode steps timed")
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_integer("rounds", 3, "loop: sync and async passes per model (medians given)")
 flags.DEFINE_integer("replays", 1, "loop: replays of a pass's calls (the fastest counts)")
+flags.DEFINE_integer("host_core", 0, "run the host thread on this CPU core and XLA:CPU's "
+                     "threads (the 'device') on the others, as with an accelerator; "
+                     "-1: no pinning (host and device share every core)")
 FLAGS = flags.FLAGS
 _CALLS: list | None = None  # (compiled, args) of every compiled call, while recording
 _WAIT = [False, 0.0]  # long_context: wait for each compiled call; seconds spent in them
@@ -145,20 +152,25 @@ def _run_loop(engine: Engine, async_scheduling: bool, work: list) -> dict:
     m = {k: getattr(engine.metrics, k) - before[k] for k in _COUNTERS}
     device = _replay(engine.runner, calls, FLAGS.replays)
     steps = m["steps"]
+    host_s = m["host_seconds"] / steps
+    overlapped = _replay(engine.runner, calls, FLAGS.replays, spin_s=host_s)
     return {"wall_s": round(wall, 3), "steps": steps,
             "generated_tokens_per_s": round(m["generated_tokens"] / wall, 1),
             "wall_ms_per_step": round(1e3 * wall / steps, 3),
             "device_ms_per_step": round(1e3 * device / steps, 3),
             "gap_ms_per_step": round(1e3 * (wall - device) / steps, 3),
+            "overlap_bound_ms_per_step": round(1e3 * overlapped / steps, 3),
             "host_ms_per_step": round(1e3 * m["host_seconds"] / steps, 3),
             "device_idle_ms_per_step": round(1e3 * m["device_idle_seconds"] / steps, 3),
             "host_to_device_bytes_per_step": round(m["host_to_device_bytes"] / steps, 1),
             "discarded_tokens": m["discarded_tokens"]}
 
 
-def _replay(runner: object, calls: list, repeats: int) -> float:
+def _replay(runner: object, calls: list, repeats: int, spin_s: float = 0.0) -> float:
     """Seconds of the recorded calls run back to back on device-resident inputs (the
-    fastest of `repeats` replays)."""
+    fastest of `repeats` replays). With `spin_s`, the host thread busy-waits that long
+    after dispatching each step, while the step runs: the best a loop whose host work
+    takes `spin_s` per step can do when it overlaps the device perfectly."""
     placed = [(c, jax.device_put(host), n) for c, host, n in calls]
     jax.block_until_ready([h for _, h, _ in placed])
     params, kv, state = runner.params, runner.kv_cache, runner.state
@@ -170,10 +182,17 @@ def _replay(runner: object, calls: list, repeats: int) -> float:
                 state = compiled(state, *host)
             else:  # a step: (params, kv, state, delta, ...) -> (kv, state, packed, ...)
                 kv, state, *_ = compiled(params, kv, state, *host)
+                _spin(spin_s)
         jax.block_until_ready((kv, state))
         best = min(best, time.perf_counter() - began)
     runner.kv_cache, runner.state = kv, state
     return best
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def loop() -> dict:
@@ -240,11 +259,25 @@ def long_context() -> dict:
             "runner_host_ms_per_step": round(1e3 * (_RUNNER[1] - device) / steps, 3)}
 
 
+def _pin_host(core: int) -> dict:
+    """Put XLA:CPU's threads, made when the backend starts, on every core but `core`,
+    then the calling (host) thread on `core`. Linux only; needs two cores or more."""
+    cores = sorted(os.sched_getaffinity(0))
+    if core < 0 or len(cores) < 2 or core not in cores:
+        return {"host_core": None, "device_cores": cores}
+    device = [c for c in cores if c != core]
+    os.sched_setaffinity(0, device)
+    jax.block_until_ready(jax.numpy.zeros(1))  # the backend and its threads start here
+    os.sched_setaffinity(threading.get_native_id(), {core})
+    return {"host_core": core, "device_cores": device}
+
+
 def main(_: list[str]) -> None:
+    pinning = _pin_host(FLAGS.host_core)
     _patch_compiled_calls()
     _patch_runner_calls()
     result = {"mode": FLAGS.mode, "jax": jax.__version__, "backend": jax.default_backend(),
-              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+              "xla_flags": os.environ.get("XLA_FLAGS", "")} | pinning
     result |= loop() if FLAGS.mode == "loop" else long_context()
     print(json.dumps(result, indent=1))
 
