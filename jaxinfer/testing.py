@@ -23,7 +23,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=24),
     "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
     "qwen3": dict(num_attention_heads=8, tie_word_embeddings=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[1],
+                      norm_topk_prob=False),
+    "qwen3_moe": dict(num_attention_heads=8, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, norm_topk_prob=True),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_config(family: str, **overrides: Any) -> Any:
@@ -31,7 +38,9 @@ def hf_config(family: str, **overrides: Any) -> Any:
     import transformers
 
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
     kwargs = TINY | FAMILIES[family] | overrides
     return classes[family](**kwargs)
 

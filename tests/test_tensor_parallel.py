@@ -23,7 +23,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
-from jaxinfer.model.transformer import param_partition_specs
+from jaxinfer.model.params_table import param_partition_specs
 
 TP_FAMILIES = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),
                "qwen2": dict(num_attention_heads=8, num_key_value_heads=1),

@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.checkpoint import shard_source
+from jaxinfer.model import params_table
 
 METHOD = "compressed-tensors"
 MODE = "fp8"  # the quantization.py mode these checkpoints load as
@@ -51,8 +52,8 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"
 ZERO_POINTS = (".weight_zero_point", ".input_zero_point")
-FP8_PARTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # of quantization.py's
-# QUANTIZED_WEIGHTS, as checkpoint.names.LAYER_NAMES names their unfused parts
+FP8_PARTS = tuple(part.key for param in params_table.LAYER if param.quantized
+                  for part in param.parts)  # the HF tensors of the quantized weights
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.output_scale",
              "v_proj.output_scale")
 

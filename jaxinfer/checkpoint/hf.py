@@ -24,10 +24,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.checkpoint import compressed_tensors, safetensors_file, shard_source
-from jaxinfer.checkpoint.names import get_leaf, hf_names, hf_shapes, leaf_layouts, leaf_name
+from jaxinfer.checkpoint.names import (
+    get_leaf,
+    hf_names,
+    hf_shape,
+    hf_shapes,
+    leaf_layouts,
+    leaf_name,
+)
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, quantization, sharding
-from jaxinfer.model.transformer import Params, param_partition_specs, param_shapes
+from jaxinfer.model.params_table import param_partition_specs, param_shapes
+from jaxinfer.model.transformer import Params
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +121,8 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
     tensors = _read_tensors(root)
     fp8_names, scales = set(), {}
     if scheme is not None:
-        fp8_names = {n for n, (path, _) in hf_names(cfg).items()  # layer projections
-                     if path[-1] in compressed_tensors.FP8_PARTS}
+        fp8_names = {n for n, tensor in hf_names(cfg).items()  # layer projections
+                     if tensor.path[-1] in compressed_tensors.FP8_PARTS}
         scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
         for note in scheme.notes():
             log.warning("%s: loading fp8 weights as they are, but %s", root, note)
@@ -128,12 +136,12 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
         raise ValueError(f"{root}: unexpected tensor(s) {unexpected[:5]}; the config "
                          f"does not describe this checkpoint")
     shapes = hf_shapes(cfg)
-    for name, (path, transposed) in expected.items():
+    for name, tensor in expected.items():
         array = tensors[name]
-        want = get_leaf(shapes, path)
-        got = tuple(array.shape[::-1] if transposed else array.shape)
+        want = hf_shape(shapes, tensor)
+        got = tuple(array.shape[::-1] if tensor.transposed else array.shape)
         if got != want:
-            hf_want = want[::-1] if transposed else want
+            hf_want = want[::-1] if tensor.transposed else want
             raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
                              f"expected {hf_want} from config.json")
         if array.dtype.name not in FLOAT_DTYPES and name not in fp8_names:
@@ -174,9 +182,10 @@ def save_hf(model_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
     tensors = {}
     params = params | {"layers": [fusion.unfuse_layer(jax.device_get(layer), cfg)
                                   for layer in params["layers"]]}
-    for name, (path, transposed) in hf_names(cfg).items():
-        value = np.asarray(jax.device_get(get_leaf(params, path)).astype(dtype))
-        tensors[name] = value.T if transposed else value
+    for name, tensor in hf_names(cfg).items():
+        value = np.asarray(jax.device_get(get_leaf(params, tensor.path)).astype(dtype))
+        value = value if tensor.expert is None else value[tensor.expert]
+        tensors[name] = value.T if tensor.transposed else value
     safetensors_file.save(tensors, root / "model.safetensors", {"format": "pt"})
     hf = cfg.to_hf() | {"dtype": dtype} | (extra_config or {})
     (root / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -1,54 +1,61 @@
 """Name maps between HF checkpoint tensors and the params pytree.
 
 HF checkpoints keep q/k/v and gate/up as separate tensors, [out, in]; params hold
-them fused (model/fusion.py) and [in, out]. `hf_names` maps each HF tensor to its
-place in the unfused params (`hf_shapes`), `leaf_layouts` each fused params leaf to
-the HF tensors it is made of (what `shard_source` reads per device). Reads no files.
+them fused (model/fusion.py) and [in, out]. Both sides come from the parameter table
+(model/params_table.py): `hf_names` maps each HF tensor to its place in the unfused
+params (`hf_shapes`), `leaf_layouts` each fused params leaf to the HF tensors it is
+made of (what `shard_source` reads per device). Reads no files.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from jaxinfer.checkpoint import shard_source
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion
-from jaxinfer.model.transformer import Params, hf_layer_shapes, param_shapes
+from jaxinfer.model import fusion, params_table
+from jaxinfer.model.transformer import Params
 
-LAYER_NAMES = {  # our name -> (HF name under model.layers.{i}., transposed?)
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
-FUSED = {"wqkv": ("qkv", ("wq", "wk", "wv")), "bqkv": ("qkv", ("bq", "bk", "bv")),
-         "w_gate_up": ("gate_up", ("w_gate", "w_up"))}  # fused leaf -> its HF parts
-TOP_NAMES = {"embed": ("model.embed_tokens.weight", False),
-             "final_norm": ("model.norm.weight", False), "lm_head": ("lm_head.weight", True)}
+LAYER_PREFIX = "model.layers.{}."
 
 
-def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
-    """HF tensor name -> (path into the unfused params (`hf_shapes`), transposed?)."""
+class HFTensor(NamedTuple):
+    """Where one HF tensor goes in the unfused params."""
+
+    path: tuple  # into `hf_shapes`' tree
+    transposed: bool  # HF stores it [out, in], params [in, out]
+    expert: int | None = None  # an experts leaf's index on its first axis
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
+    """HF tensor name -> its place in the unfused params (`hf_shapes`)."""
     out = {}
-    shapes = hf_shapes(cfg)
-    for key in ("embed", "final_norm", "lm_head"):
-        if key in shapes:
-            name, transposed = TOP_NAMES[key]
-            out[name] = ((key,), transposed)
-    for i, layer in enumerate(shapes["layers"]):
-        for key in layer:
-            name, transposed = LAYER_NAMES[key]
-            out[f"model.layers.{i}.{name}"] = (("layers", i, key), transposed)
+    for param in params_table.top_params(cfg):
+        for part in param.parts:
+            out[part.hf] = HFTensor((part.key,), part.transposed)
+    for i in range(cfg.num_layers):
+        prefix = LAYER_PREFIX.format(i)
+        for param in params_table.layer_params(cfg, i):
+            for part in param.parts:
+                path = ("layers", i, part.key)
+                if not param.experts:
+                    out[prefix + part.hf] = HFTensor(path, part.transposed)
+                    continue
+                for e in range(cfg.moe.num_experts):
+                    out[prefix + part.hf.format(e=e)] = HFTensor(path, part.transposed, e)
     return out
 
 
+def hf_shape(shapes: Params, tensor: HFTensor) -> tuple[int, ...]:
+    """The shape of one HF tensor as params hold it ([in, out]), from `hf_shapes`."""
+    shape = get_leaf(shapes, tensor.path)
+    return shape if tensor.expert is None else shape[1:]
+
+
 def hf_shapes(cfg: ModelConfig) -> Params:
-    """`param_shapes` with each layer's projections apart, as checkpoints store them."""
-    return param_shapes(cfg) | {"layers": [hf_layer_shapes(cfg)
-                                           for _ in range(cfg.num_layers)]}
+    """The params' shapes with each layer's fused leaves apart, as checkpoints store them."""
+    return params_table.param_shapes(cfg) | {
+        "layers": [params_table.hf_layer_shapes(cfg, i) for i in range(cfg.num_layers)]}
 
 
 def fuse(params: Params, cfg: ModelConfig) -> Params:
@@ -64,20 +71,14 @@ def leaf_name(path: tuple) -> str:
 def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
     """leaf_name of each params leaf -> the HF tensors it is made of, and how."""
     out = {}
-    for name, (path, transposed) in hf_names(cfg).items():
-        if path[0] != "layers":
-            out[leaf_name(path)] = shard_source.Layout(
-                "transposed" if transposed else "plain", (name,))
-    for i, layer in enumerate(param_shapes(cfg)["layers"]):
-        prefix = f"model.layers.{i}."
-        for key in layer:
-            if key in FUSED:
-                kind, parts = FUSED[key]
-                names = tuple(prefix + LAYER_NAMES[p][0] for p in parts)
-            else:
-                hf, transposed = LAYER_NAMES[key]
-                kind, names = "transposed" if transposed else "plain", (prefix + hf,)
-            out[leaf_name(("layers", i, key))] = shard_source.Layout(kind, names)
+    for param in params_table.top_params(cfg):
+        out[param.key] = shard_source.Layout(param.kind, tuple(p.hf for p in param.parts))
+    for i in range(cfg.num_layers):
+        prefix = LAYER_PREFIX.format(i)
+        for param in params_table.layer_params(cfg, i):
+            out[leaf_name(("layers", i, param.key))] = shard_source.Layout(
+                param.kind, tuple(prefix + p.hf for p in param.parts),
+                cfg.moe.num_experts if param.experts else 0)
     return out
 
 

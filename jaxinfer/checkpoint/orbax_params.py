@@ -25,7 +25,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.checkpoint import awq, shard_source
 from jaxinfer.checkpoint.hf import check_dtype, load_config, load_hf_params, model_dir_path
-from jaxinfer.checkpoint.names import FUSED
 from jaxinfer.checkpoint.quantized import (
     QUANTIZATION_FILE,
     checkpoint_quantization,
@@ -34,7 +33,8 @@ from jaxinfer.checkpoint.quantized import (
 )
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, quantization, sharding
-from jaxinfer.model.transformer import Params, param_partition_specs, param_shapes
+from jaxinfer.model.params_table import LAYER, param_partition_specs, param_shapes
+from jaxinfer.model.transformer import Params
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
                          "built for quantized weights yet): quantize at load instead")
     if served != cfg:  # q/k/v cannot split G groups over more devices: whole, for now
         for layer in specs["layers"]:
-            layer.update({k: PartitionSpec() for k in FUSED if k in layer and k != "w_gate_up"})
+            layer.update({p.key: PartitionSpec() for p in LAYER
+                          if p.layout == "qkv" and p.key in layer})
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     if mode is not None:  # the quantized tree: int8/fp8 values and f32 scales

@@ -12,7 +12,9 @@ touched. Fused leaves are built from the HF tensors on the fly, in the layout of
 heads than devices, `sharding.served_config`), group g' of the served model takes the
 k and v rows of original head g' // replicas. The 1-D float32 scales of a
 compressed-tensors FP8 checkpoint's weights (compressed_tensors.py) are read through the
-same layouts, as the weights' output columns.
+same layouts, as the weights' output columns. An experts leaf [E, ...] is a stack of
+per-expert leaves: a device reads the tensors of its own experts only (expert
+parallelism) or its slice of every expert's.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
 device read only its share.
@@ -50,6 +52,7 @@ class Layout:
 
     kind: str  # "plain" (same axes), "transposed", "qkv", "gate_up"
     names: tuple[str, ...]  # HF tensors: one, or (q, k, v), or (gate, up)
+    experts: int = 0  # > 0: a stack of that many experts' leaves, `names` with "{e}"
 
 
 def _bounds(index: slice, size: int) -> tuple[int, int]:
@@ -83,7 +86,13 @@ class Reader:
             "gate_up": self._gate_up}
         if layout.kind not in builders:
             raise ValueError(f"{path}: unknown layout kind {layout.kind!r}")
-        out = builders[layout.kind](layout.names, shape, index).astype(dtype)
+        if layout.experts:  # the first axis picks experts: read only those
+            start, stop = _bounds(index[0], shape[0])
+            out = np.stack([builders[layout.kind](
+                tuple(n.format(e=e) for n in layout.names), shape[1:], index[1:]
+            ).astype(dtype) for e in range(start, stop)])
+        else:
+            out = builders[layout.kind](layout.names, shape, index).astype(dtype)
         if self.log is not None:
             self.log.record(path, index, self._read_bytes)
         return out
@@ -122,8 +131,8 @@ class Reader:
 
     def _gate_up(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
                  ) -> np.ndarray:
-        block = fusion.mlp_block(self.served.intermediate_size)
         axis = len(shape) - 1  # 2-D [D, 2F], or 1-D [2F] (a fp8 weight's scales)
+        block = fusion.mlp_block(shape[axis] // 2)  # F of this leaf: dense, expert, shared
         start, stop = _bounds(index[axis], shape[axis])
         if start % (2 * block) or stop % (2 * block):
             raise ValueError(f"a gate/up shard [{start}, {stop}) must hold whole block "

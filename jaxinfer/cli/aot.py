@@ -42,7 +42,7 @@ from jaxinfer.engine import runner
 from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
-from jaxinfer.model.transformer import param_shapes
+from jaxinfer.model.params_table import param_shapes
 from jaxinfer.sizing import accelerators, planner
 from jaxinfer.sizing.accelerators import GIB
 

@@ -1,6 +1,7 @@
 """Every config as a frozen, kw-only, hashable dataclass, and TOML presets.
 
-`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets); `engine.py`:
+`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets), `moe.py` its
+experts (`MoEConfig`); `engine.py`:
 how the engine runs (`EngineConfig`, `SpeculativeConfig`); `faces.py`: multi-host and
 the server (`DistributedConfig`, `ServerConfig`).
 """
@@ -27,10 +28,12 @@ from jaxinfer.config.model import (
     load_preset,
     preset_names,
 )
+from jaxinfer.config.moe import MOE_ARCHITECTURES, MoEConfig
 
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",
-    "MAX_SPECULATIVE_TOKENS", "PRESET_DIR", "QUANTIZATION_MODES", "ROPE_TYPES", "SCHEDULERS",
-    "SPECULATIVE_METHODS", "DistributedConfig", "EngineConfig", "ModelConfig", "RopeScaling",
-    "ServerConfig", "SpeculativeConfig", "load_preset", "preset_names",
+    "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PRESET_DIR", "QUANTIZATION_MODES",
+    "ROPE_TYPES", "SCHEDULERS", "SPECULATIVE_METHODS", "DistributedConfig", "EngineConfig",
+    "MoEConfig", "ModelConfig", "RopeScaling", "ServerConfig", "SpeculativeConfig",
+    "load_preset", "preset_names",
 ]

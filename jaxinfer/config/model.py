@@ -1,8 +1,9 @@
 """The model's shape and numerics: `ModelConfig`, HF `config.json` reading, TOML presets.
 
 `ModelConfig.from_hf` reads the dict of an HF `config.json` for the decoder family we
-serve (Llama 2/3, Mistral, Qwen2, Qwen3); anything else is refused with a message
-naming the field.
+serve (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE: config/moe.py); anything else is refused with a message naming
+the field.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import pathlib
 import tomllib
 from typing import Any
 
+from jaxinfer.config.moe import MoEConfig, moe_from_hf
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
@@ -64,6 +70,11 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     max_position_embeddings: int = 2048
+    moe: MoEConfig | None = None  # experts in place of the MLP (config/moe.py)
+    expert_parallel: bool = False
+    """Each device holds whole experts (E / tensor_parallel_size of them) instead of a
+    slice of every expert. The engine sets it from `EngineConfig.enable_expert_parallel`;
+    checkpoints never do."""
     attention_impl: str = "auto"
     """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
     it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
@@ -87,8 +98,15 @@ class ModelConfig:
             raise ValueError(f"{self.sliding_window=} must be > 0 or None")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
+        if self.expert_parallel and self.moe is None:
+            raise ValueError(f"expert_parallel=True needs a mixture-of-experts model; "
+                             f"{self.architecture} has no experts")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts in place of its MLP."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -118,8 +136,10 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.qkv_bias,
         }
-        if self.architecture == "mistral":
+        if self.architecture in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.moe is not None:
+            out |= self.moe.to_hf(self.architecture)
         return out
 
 
@@ -155,10 +175,11 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_scaling": scaling,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": arch == "qwen2" or bool(hf.get("attention_bias", False)),
-        "qk_norm": arch == "qwen3",
+        "qkv_bias": arch in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+        "qk_norm": arch in ("qwen3", "qwen3_moe"),
         "sliding_window": _sliding_window_from_hf(arch, hf),
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "moe": moe_from_hf(arch, hf),
     }
 
 
@@ -183,9 +204,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
     window = hf.get("sliding_window")
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         return window
-    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ValueError("config.json use_sliding_window=true (per-layer windows) is "
                          "not supported for Qwen models")
     return None
@@ -208,4 +229,6 @@ def load_preset(name_or_path: str) -> ModelConfig:
     model = dict(data.get("model", data))
     if "rope_scaling" in model:
         model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
+    if "moe" in model:
+        model["moe"] = MoEConfig(**model["moe"])
     return ModelConfig(**model)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import params_table
 
 MAX_MLP_BLOCK = 128  # gate/up columns per interleaved block, at most
 MLP_SHARD_COUNTS = (24, 8, 1)  # block counts preferred, in order: see mlp_block
@@ -79,27 +80,30 @@ def split_gate_up(gate_up: object) -> tuple[object, object]:
 
 
 def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
-    """A layer with HF's separate projections (wq, wk, wv, bq, bk, bv, w_gate, w_up;
-    weights [in, out]) -> the fused layer of the params pytree."""
-    out = {k: v for k, v in layer.items()
-           if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
-    out["wqkv"] = fuse_qkv(layer["wq"], layer["wk"], layer["wv"], cfg)
-    if "bq" in layer:
-        out["bqkv"] = fuse_qkv(layer["bq"], layer["bk"], layer["bv"], cfg)
-    out["w_gate_up"] = fuse_gate_up(layer["w_gate"], layer["w_up"])
+    """A layer with HF's separate parts (weights [in, out]) -> the fused layer of the
+    params pytree: each fused row of the parameter table built from its parts."""
+    out = dict(layer)
+    for param in params_table.LAYER:
+        keys = [part.key for part in param.parts]
+        if param.fused and keys[0] in layer:
+            parts = [out.pop(key) for key in keys]
+            out[param.key] = (fuse_qkv(*parts, cfg) if param.layout == "qkv"
+                              else fuse_gate_up(*parts))
     return out
 
 
 def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     """The inverse of `fuse_layer`."""
-    out = {k: v for k, v in layer.items() if k not in ("wqkv", "bqkv", "w_gate_up")}
-    d = layer["wqkv"].shape[0]
-    q, k, v = split_qkv(layer["wqkv"], cfg)
-    out |= {"wq": q.reshape(d, -1), "wk": k.reshape(d, -1), "wv": v.reshape(d, -1)}
-    if "bqkv" in layer:
-        q, k, v = split_qkv(layer["bqkv"], cfg)
-        out |= {"bq": q.reshape(-1), "bk": k.reshape(-1), "bv": v.reshape(-1)}
-    out["w_gate"], out["w_up"] = split_gate_up(layer["w_gate_up"])
+    out = dict(layer)
+    for param in params_table.LAYER:
+        if param.fused and param.key in layer:
+            fused = out.pop(param.key)
+            if param.layout == "qkv":
+                lead = fused.shape[:-1]
+                parts = [x.reshape(*lead, -1) for x in split_qkv(fused, cfg)]
+            else:
+                parts = split_gate_up(fused)
+            out |= {part.key: x for part, x in zip(param.parts, parts, strict=True)}
     return out
 
 

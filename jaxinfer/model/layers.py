@@ -51,13 +51,19 @@ def embed(table: jax.Array, token_ids: jax.Array) -> jax.Array:
 
 
 def mlp(layer: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one fused matmul whose
-    columns interleave them in blocks (model/fusion.py): [..., F / B, 2, B]."""
-    f = layer["w_down"].shape[0]
+    """A dense layer's SwiGLU MLP."""
+    return swiglu(x, layer["w_gate_up"], layer["w_down"])
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array | QuantizedWeight,
+           w_down: jax.Array | QuantizedWeight) -> jax.Array:
+    """down(silu(gate(x)) * up(x)), gate and up from one fused matmul whose columns
+    interleave them in blocks (model/fusion.py): [..., F / B, 2, B]."""
+    f = w_down.shape[0]
     block = fusion.mlp_block(f)
-    gate_up = linear(x, layer["w_gate_up"]).reshape(*x.shape[:-1], f // block, 2, block)
+    gate_up = linear(x, w_gate_up).reshape(*x.shape[:-1], f // block, 2, block)
     hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    return linear(hidden.reshape(*x.shape[:-1], f), layer["w_down"])
+    return linear(hidden.reshape(*x.shape[:-1], f), w_down)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

@@ -75,9 +75,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import QUANTIZATION_MODES
+from jaxinfer.model import params_table
 
 MODES = QUANTIZATION_MODES
-QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+QUANTIZED_WEIGHTS = params_table.QUANTIZED
 HEAD = "lm_head"  # quantized in every mode, a copy of a tied embedding table
 LAYOUT_VERSION = 2  # 2: values [O, I] and a quantized head; written beside orbax params
 STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
@@ -215,7 +216,7 @@ def _dequantize_int4_with(xp: Any, value: Any, scale: Any) -> Any:
 def quantized_bytes(name: str, shape: tuple[int, int], spec: P, mode: str,
                     tensor_parallel_size: int = 1) -> int:
     """Bytes on one of `tensor_parallel_size` devices of the float weight `name` of
-    `shape`, split by `spec` (transformer.param_partition_specs), quantized in `mode`.
+    `shape`, split by `spec` (model/params_table.py), quantized in `mode`.
     int4: a weight split by input rows must give each device whole groups."""
     rows, columns = shape
     tp = tensor_parallel_size
@@ -257,7 +258,7 @@ def head_mode(mode: str) -> str:
 
 
 def partition_specs(specs: dict, mode: str | None, head: bool = True) -> dict:
-    """The float params' specs (transformer.param_partition_specs) for quantized params:
+    """The float params' specs (params_table.param_partition_specs) for quantized params:
     a quantized weight's value [O, I] is split as the weight transposed, its scale as
     the weight's columns. `head=False`: the LM head left as the float params have it
     (see `quantize_params`)."""

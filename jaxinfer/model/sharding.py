@@ -2,7 +2,7 @@
 
 One mesh axis, `MODEL_AXIS` ("model"), over `tensor_parallel_size` devices, with
 GSPMD's automatic propagation (`AxisType.Auto`): the params carry Megatron shardings
-(`model.transformer.param_partition_specs`, the one table), XLA inserts the
+(`model.params_table`, one row per kind of parameter), XLA inserts the
 all-reduces after the row-parallel matmuls (o and down), and attention runs per device
 on its own KV heads inside `shard_map` (`model.attention`), with no communication.
 
@@ -30,8 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
-
-MODEL_AXIS = "model"
+from jaxinfer.model.params_table import MODEL_AXIS
 
 
 def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int) -> None:
@@ -55,12 +54,27 @@ def check_split(cfg: ModelConfig, tensor_parallel_size: int) -> None:
     if kv_heads % n and n % kv_heads:
         raise ValueError(f"tensor_parallel_size={n} must divide the {kv_heads} KV heads "
                          f"or be a multiple of them (then KV heads are replicated)")
-    blocks = cfg.intermediate_size // fusion.mlp_block(cfg.intermediate_size)
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        _check_blocks(n, cfg.intermediate_size, "intermediate_size")
+    if cfg.moe is None:
+        return
+    if cfg.expert_parallel and cfg.moe.num_experts % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the {cfg.moe.num_experts} "
+                         "experts (enable_expert_parallel=True gives each device whole "
+                         "experts)")
+    if not cfg.expert_parallel:
+        _check_blocks(n, cfg.moe.intermediate_size, "moe_intermediate_size")
+    if cfg.moe.shared_expert_intermediate_size:
+        _check_blocks(n, cfg.moe.shared_expert_intermediate_size,
+                      "shared_expert_intermediate_size")
+
+
+def _check_blocks(n: int, size: int, name: str) -> None:
+    """Whole gate/up column-block pairs (model/fusion.py) on each of n devices."""
+    blocks = size // fusion.mlp_block(size)
     if blocks % n:
-        raise ValueError(
-            f"tensor_parallel_size={n} must divide the {blocks} gate/up column blocks of "
-            f"{fusion.mlp_block(cfg.intermediate_size)} (intermediate_size="
-            f"{cfg.intermediate_size})")
+        raise ValueError(f"tensor_parallel_size={n} must divide the {blocks} gate/up "
+                         f"column blocks of {fusion.mlp_block(size)} ({name}={size})")
 
 
 def kv_replicas(cfg: ModelConfig, tensor_parallel_size: int) -> int:

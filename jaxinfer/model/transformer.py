@@ -1,91 +1,40 @@
-"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions.
+"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE and
+Qwen3-MoE with model/moe.py) as pure functions.
 
 Params are a dict pytree whose structure is fixed by the `ModelConfig`:
   embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
   layers: L dicts of attn_norm [D], wqkv [D, (N + 2G) * H], wo [N*H, D],
   bqkv [(N + 2G) * H] (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
-  w_gate_up [D, 2F], w_down [F, D].
+  w_gate_up [D, 2F], w_down [F, D]; a MoE layer has w_router [D, E],
+  we_gate_up [E, D, 2F'], we_down [E, F', D] in place of the MLP (and Qwen2-MoE's
+  shared expert ws_gate_up, ws_down, w_shared_gate [D, 1]).
 Linear weights are stored [in, out]. q/k/v and gate/up are fused, so a layer runs four
 matmuls: `wqkv` is grouped by KV head (each KV head's query heads, then its k, then its
 v) and `w_gate_up` interleaves gate and up in blocks, so a tensor-parallel split of the
-fused axis takes whole groups (model/fusion.py). Checkpoints keep HF's separate names
-(`hf_layer_shapes`); the loader fuses. The layers are an unrolled Python loop: a
-`lax.scan` over stacked layers compiles the matmuls no faster and steps 1.1-1.4x
-(f32) to 4-12x (bf16) slower on XLA:CPU, which copies each layer's weight slice
-before its dot (measured: benchmarks/bench_layer_loop.py).
+fused axis takes whole groups (model/fusion.py). Checkpoints keep HF's separate names;
+the loader fuses. Shapes, splits and names come from one table (model/params_table.py).
+The layers are an unrolled Python loop: a `lax.scan` over stacked layers compiles the
+matmuls no faster and steps 1.1-1.4x (f32) to 4-12x (bf16) slower on XLA:CPU, which
+copies each layer's weight slice before its dot (measured:
+benchmarks/bench_layer_loop.py).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import layers, sharding
+from jaxinfer.model import layers, moe, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
     KVCache,
     attention_block,
     dense_causal_attention,
 )
+from jaxinfer.model.params_table import param_shapes
 
 Params = dict
-
-
-def hf_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """One layer's parameters as checkpoints name them (q/k/v, gate/up apart)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
-    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-             "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    if cfg.qkv_bias:
-        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
-    if cfg.qk_norm:
-        layer |= {"q_norm": (h,), "k_norm": (h,)}
-    return layer
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The shape of every parameter, in the params pytree structure (fused)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * h
-    layer = {"attn_norm": (d,), "wqkv": (d, qkv), "wo": (cfg.num_heads * h, d),
-             "mlp_norm": (d,), "w_gate_up": (d, 2 * f), "w_down": (f, d)}
-    if cfg.qkv_bias:
-        layer["bqkv"] = (qkv,)
-    if cfg.qk_norm:
-        layer |= {"q_norm": (h,), "k_norm": (h,)}
-    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
-              "layers": [dict(layer) for _ in range(cfg.num_layers)]}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
-
-
-def param_partition_specs(cfg: ModelConfig, tensor_parallel_size: int = 1) -> Params:
-    """The PartitionSpec of every parameter over the mesh's model axis (Megatron): q/k/v
-    and gate/up split by output columns (whole KV-head groups, whole gate/up block
-    pairs: model/fusion.py), o and down by input rows, so each layer needs two
-    all-reduces; norms replicated. The embedding and the LM head split along the
-    vocabulary: a vocab-split LM head gives each device whole logit columns (gathered
-    once before sampling) where a hidden split would all-reduce V floats per row, and
-    the tied table serves both. A vocabulary the devices do not divide stays
-    replicated."""
-    model = sharding.MODEL_AXIS
-    column, row, whole = P(None, model), P(model, None), P()
-    layer = {"attn_norm": whole, "wqkv": column, "wo": row, "mlp_norm": whole,
-             "w_gate_up": column, "w_down": row}
-    if cfg.qkv_bias:
-        layer["bqkv"] = P(model)
-    if cfg.qk_norm:
-        layer |= {"q_norm": whole, "k_norm": whole}
-    split_vocab = cfg.vocab_size % tensor_parallel_size == 0
-    specs = {"embed": row if split_vocab else whole, "final_norm": whole,
-             "layers": [dict(layer) for _ in range(cfg.num_layers)]}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = column if split_vocab else whole
-    return specs
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
@@ -127,7 +76,7 @@ def forward(
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
                                          max_q_len=max_q_len)
         x = x + attn
-        x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        x = x + mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
         new_cache.append(kv_pages)
     return new_cache, compute_logits(params, x[md.logits_indices], cfg)
 
@@ -138,8 +87,13 @@ def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> 
     for layer in params["layers"]:
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         x = x + dense_causal_attention(layer, h, cfg)
-        x = x + layers.mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        x = x + mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
     return compute_logits(params, x, cfg)
+
+
+def mlp(layer: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The layer's MLP: its experts in a MoE layer (model/moe.py), else dense SwiGLU."""
+    return moe.moe_block(layer, x, cfg) if "w_router" in layer else layers.mlp(layer, x)
 
 
 def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:

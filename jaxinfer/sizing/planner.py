@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sharding
+from jaxinfer.model.params_table import param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
-from jaxinfer.model.transformer import param_partition_specs, param_shapes
 from jaxinfer.pallas import kv_layout, kv_quant
 
 GB = 1e9
@@ -165,7 +165,7 @@ def _device_shapes(cfg: ModelConfig, tp: int
                    ) -> list[tuple[str, tuple[int, ...], int, PartitionSpec]]:
     """(name, shape, elements on one device, spec) of every parameter, as the engine places
     them: the served model (KV heads copied when fewer than devices) split by the
-    one spec table, `transformer.param_partition_specs`."""
+    parameter table (model/params_table.py)."""
     served = sharding.served_config(cfg, tp)
     flat, _ = jax.tree_util.tree_flatten_with_path(
         param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))

@@ -16,9 +16,9 @@ import torch
 
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import compressed_tensors
-from jaxinfer.checkpoint.names import FUSED
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine.runner import Chunk, Runner, tree_bytes
-from jaxinfer.model import fusion, quantization
+from jaxinfer.model import fusion, params_table, quantization
 
 SMALL = dict(page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -330,9 +330,11 @@ def test_scheme_reports_what_is_not_used():
     weight_only["config_groups"]["group_0"]["input_activations"] = None
     assert compressed_tensors.scheme_of({"quantization_config": weight_only}, "x").notes() == []
     assert compressed_tensors.scheme_of({}, "x") is None
-    parts = {p for key in quantization.QUANTIZED_WEIGHTS  # what fp8 params quantize
-             for p in (FUSED[key][1] if key in FUSED else (key,))}
-    assert parts == set(compressed_tensors.FP8_PARTS)
+    matrices = {key for key, shape in params_table.hf_layer_shapes(  # every layer matrix
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=True, qk_norm=True)).items()
+        if len(shape) == 2}
+    assert matrices == set(compressed_tensors.FP8_PARTS)
     mixed = quantization_config("channel", format="mixed-precision")  # groups name theirs
     mixed["config_groups"]["group_1"] = mixed["config_groups"]["group_0"] | {
         "weights": weight_args("tensor"), "targets": ["re:.*down_proj"]}

@@ -17,7 +17,7 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner import compile_steps_for
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec
-from jaxinfer.model.transformer import param_shapes
+from jaxinfer.model.params_table import param_shapes
 
 TP, PAGES = 4, 33
 GATHERED = re.compile(r"= (\w+\[[\d,]+\])\S* all-gather(?:-start)?\(")

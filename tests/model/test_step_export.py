@@ -28,8 +28,8 @@ from jaxinfer.engine.runner.programs import (
 )
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec
+from jaxinfer.model.params_table import param_shapes
 from jaxinfer.model.quantization import quantize_params
-from jaxinfer.model.transformer import param_shapes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128

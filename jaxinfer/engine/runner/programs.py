@@ -26,7 +26,7 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
-from jaxinfer.model import batch_state, layers, scoring, sharding, transformer
+from jaxinfer.model import batch_state, layers, params_table, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
@@ -158,7 +158,7 @@ def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None
     8-bit `kv_dtype` ("int8", "fp8"): each layer's pages and scales split by KV head;
     `quantized_head=False`: a quantized model's LM head kept float."""
     shards = mesh.shape[sharding.MODEL_AXIS]
-    specs = quantization_lib.partition_specs(transformer.param_partition_specs(cfg, shards),
+    specs = quantization_lib.partition_specs(params_table.param_partition_specs(cfg, shards),
                                              quantization, head=quantized_head)
     params = sharding.named(mesh, specs)
     layer = NamedSharding(mesh, KV_PAGES_SPEC)

@@ -1,0 +1,89 @@
+"""Mixture-of-experts shape and routing: `MoEConfig`, read from an HF `config.json`.
+
+A MoE layer replaces the MLP with `num_experts` expert MLPs of `intermediate_size`
+each and a float32 router; each token takes the `num_experts_per_tok` experts of
+highest softmax probability, weighted by those probabilities, renormalised to sum to 1
+when `norm_topk_prob` (Mixtral always; Qwen2-MoE and Qwen3-MoE as their config says).
+Qwen2-MoE adds a shared expert MLP of `shared_expert_intermediate_size` that every
+token takes, scaled by a sigmoid gate. Which layers are MoE: every
+`decoder_sparse_step`-th one, except `mlp_only_layers` (those keep a dense MLP of the
+model's `intermediate_size`). There is no capacity factor: no token is ever dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """The experts of a mixture-of-experts model."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "intermediate_size",
+                     "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe.{name}={value!r} must be a positive int")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} must be "
+                             f"at most moe.num_experts={self.num_experts}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"moe.shared_expert_intermediate_size="
+                             f"{self.shared_expert_intermediate_size} must be >= 0")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has experts (transformers' rule)."""
+        return (layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def to_hf(self, architecture: str) -> dict[str, Any]:
+        """The config.json fields `moe_from_hf` reads back to this config."""
+        if architecture == "mixtral":
+            return {"num_local_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_experts_per_tok}
+        out = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+               "moe_intermediate_size": self.intermediate_size,
+               "norm_topk_prob": self.norm_topk_prob,
+               "decoder_sparse_step": self.decoder_sparse_step,
+               "mlp_only_layers": list(self.mlp_only_layers)}
+        if architecture == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return out
+
+
+def moe_from_hf(architecture: str, hf: dict[str, Any]) -> MoEConfig | None:
+    """The MoEConfig of a config.json dict; None for a dense architecture."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise ValueError(f"config.json of a {architecture} model has no 'num_experts' "
+                         "(or 'num_local_experts')")
+    if "num_experts_per_tok" not in hf:
+        raise ValueError("config.json has no 'num_experts_per_tok'")
+    if architecture == "mixtral":  # experts of `intermediate_size`, always renormalised
+        return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                         intermediate_size=hf["intermediate_size"])
+    if "moe_intermediate_size" not in hf:
+        raise ValueError(f"config.json of a {architecture} model has no "
+                         "'moe_intermediate_size'")
+    shared = hf.get("shared_expert_intermediate_size", 0) if architecture == "qwen2_moe" else 0
+    return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                     intermediate_size=hf["moe_intermediate_size"],
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                     shared_expert_intermediate_size=shared or 0,
+                     decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+                     mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))

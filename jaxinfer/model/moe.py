@@ -1,0 +1,152 @@
+"""Mixture-of-experts layers: a float32 router, then only the chosen experts' weights.
+
+`moe_block` replaces the MLP in a MoE layer (config/moe.py). The router's logits,
+softmax and top-k run in float32; `jax.lax.top_k` breaks ties by the lower expert
+index, as `torch.topk` does. The experts' SwiGLU MLPs are computed one of two ways,
+picked from static shapes so nothing recompiles whatever the routing:
+
+- gathered (`T * k` token choices fewer than the experts a device holds: decode-sized
+  buckets): each choice gathers its expert's gate/up and down weights and runs a
+  batched matmul, so a step reads the weights of at most `T * k` experts;
+- grouped (larger buckets): choices sorted by expert and `jax.lax.ragged_dot`, the
+  grouped matmul that TPU and GPU lower to per-group tiles. On XLA:CPU (and on GPU
+  without its Triton path) JAX lowers it to a dot over every group, masked; every
+  expert is then read, which a bucket of that many choices does anyway.
+
+Experts live on the model axis one of two ways (`ModelConfig.expert_parallel`): whole
+experts per device (E / n each), or a slice of every expert as for a dense MLP
+(gate/up by whole column-block pairs, down by rows). Either way each device computes
+its share for every token inside `shard_map` and one all-reduce (`psum`) sums the
+shares, the one the dense MLP's row-parallel down projection needs as well. No token
+is ever dropped: there is no capacity factor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import fusion, layers, sharding
+
+
+def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig
+          ) -> tuple[jax.Array, jax.Array]:
+    """(weights f32[T, k], experts i32[T, k]) for tokens x f[T, D]: softmax over all
+    experts' logits in float32, the top k, renormalised when the family does."""
+    logits = jnp.matmul(x.astype(jnp.float32), w_router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.moe.num_experts_per_tok)
+    if cfg.moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The MoE MLP of x f32[..., D] (already normed) -> f32[..., D]."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, d)
+    weights, experts = route(x, layer["w_router"], cfg)
+    y = expert_mlps(x, layer["we_gate_up"], layer["we_down"], weights, experts, cfg)
+    if "ws_gate_up" in layer:  # Qwen2-MoE's shared expert, behind a sigmoid gate
+        gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
+        y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
+    return y.reshape(*lead, d)
+
+
+def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                weights: jax.Array, experts: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D]; on a mesh, each
+    device its experts (or its slice of each) and one psum."""
+    shards = sharding.model_axis_size()
+    block = fusion.mlp_block(cfg.moe.intermediate_size)
+    local = functools.partial(_local_experts, block=block, shards=shards,
+                              expert_parallel=cfg.expert_parallel)
+    if shards == 1:
+        return local(x, w_gate_up, w_down, weights, experts)
+    axis = sharding.MODEL_AXIS
+    if cfg.expert_parallel:
+        gate_up_spec = down_spec = P(axis, None, None)
+    else:
+        gate_up_spec, down_spec = P(None, None, axis), P(None, axis, None)
+    mapped = jax.shard_map(local, in_specs=(P(), gate_up_spec, down_spec, P(), P()),
+                           out_specs=P(), check_vma=False)
+    return mapped(x, w_gate_up, w_down, weights, experts)
+
+
+def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                   weights: jax.Array, experts: jax.Array, *, block: int, shards: int,
+                   expert_parallel: bool) -> jax.Array:
+    """One device's share: its experts [E_local, D, 2F_local], [E_local, F_local, D]."""
+    held = w_gate_up.shape[0]
+    if expert_parallel and shards > 1:  # global ids -> this device's, others weigh 0
+        first = jax.lax.axis_index(sharding.MODEL_AXIS) * held
+        experts = experts - first
+        mine = (experts >= 0) & (experts < held)
+        weights = jnp.where(mine, weights, 0.0)
+        experts = jnp.where(mine, experts, held)  # past the last group: sorted last
+    tokens, k = experts.shape
+    compute = _gathered if tokens * k < held else _grouped
+    y = compute(x, w_gate_up, w_down, weights, experts, block)
+    return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
+
+
+def _swiglu_rows(h: jax.Array, block: int) -> jax.Array:
+    """silu(gate) * up of gate/up columns interleaved in blocks (model/fusion.py)."""
+    f = h.shape[-1] // 2
+    pair = h.reshape(*h.shape[:-1], f // block, 2, block)
+    return (jax.nn.silu(pair[..., 0, :]) * pair[..., 1, :]).reshape(*h.shape[:-1], f)
+
+
+def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
+              experts: jax.Array, block: int) -> jax.Array:
+    """Each token choice gathers its expert's weights: reads T * k experts at most."""
+    held = w_gate_up.shape[0]
+    ids = jnp.minimum(experts, held - 1)  # another device's choice: any, weight 0
+    gate_up = w_gate_up[ids]  # [T, k, D, 2F]
+    h = jnp.einsum("td,tkdf->tkf", x.astype(gate_up.dtype), gate_up,
+                   preferred_element_type=jnp.float32)
+    hidden = _swiglu_rows(h, block)
+    down = w_down[ids]  # [T, k, F, D]
+    out = jnp.einsum("tkf,tkfd->tkd", hidden.astype(down.dtype), down,
+                     preferred_element_type=jnp.float32)
+    return jnp.einsum("tkd,tk->td", out, weights)
+
+
+def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
+             experts: jax.Array, block: int) -> jax.Array:
+    """Token choices sorted by expert, a grouped matmul per projection, scattered back
+    weighted. Choices of another device's experts sort last, outside every group
+    (ragged_dot leaves those rows zero)."""
+    held = w_gate_up.shape[0]
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // k
+    sizes = jnp.bincount(flat, length=held + 1)[:held].astype(jnp.int32)
+    rows = x[token_of].astype(w_gate_up.dtype)  # [T * k, D]
+    h = jax.lax.ragged_dot(rows, w_gate_up, sizes, preferred_element_type=jnp.float32)
+    hidden = _swiglu_rows(h, block).astype(w_down.dtype)
+    out = jax.lax.ragged_dot(hidden, w_down, sizes, preferred_element_type=jnp.float32)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+
+def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Every expert for every token, weighted by the routing (zero where not chosen):
+    the reference the tests compare the fast paths with."""
+    weights, experts = route(x, layer["w_router"], cfg)
+    full = jnp.zeros((x.shape[0], cfg.moe.num_experts), jnp.float32)
+    full = full.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
+    block = fusion.mlp_block(cfg.moe.intermediate_size)
+    h = jnp.einsum("td,edf->tef", x, layer["we_gate_up"].astype(jnp.float32))
+    out = jnp.einsum("tef,efd->ted", _swiglu_rows(h, block),
+                     layer["we_down"].astype(jnp.float32))
+    y = jnp.einsum("ted,te->td", out, full)
+    if "ws_gate_up" in layer:
+        gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
+        y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
+    return y
