@@ -15,7 +15,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 def llms(hf_model_dirs):
     return {f: LLM(model=d, page_size=8, max_model_len=96, max_num_seqs=4,
                    max_num_batched_tokens=32, compilation_cache_dir="")
-            for f, d in hf_model_dirs.items()}
+            for f, d in hf_model_dirs.items() if f in FAMILIES}
 
 
 def _hf_generate(model, ids, max_new_tokens):

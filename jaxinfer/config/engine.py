@@ -153,6 +153,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices the model is split over (tensor parallelism); must divide the query "
         "heads, and divide the KV heads or be a multiple of them")
+    enable_expert_parallel: bool = setting(
+        False, "mixture-of-experts models: each of the tensor_parallel_size devices holds "
+        "whole experts (it must divide their number) instead of a slice of every expert; "
+        "attention stays tensor parallel")
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\" or "
         "\"draft_model\", \"num_speculative_tokens\": k, \"model\": draft directory, "

@@ -99,8 +99,8 @@ class ModelConfig:
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
         if self.expert_parallel and self.moe is None:
-            raise ValueError(f"expert_parallel=True needs a mixture-of-experts model; "
-                             f"{self.architecture} has no experts")
+            raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts "
+                             f"model; {self.architecture} has no experts")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
 

@@ -66,7 +66,8 @@ class LoadedModel:
 def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     """Read the checkpoint at `model_dir` and build its runner as `config` says."""
     root = pathlib.Path(model_dir)
-    model_config = checkpoint.load_config(root)
+    model_config = dataclasses.replace(checkpoint.load_config(root),
+                                       expert_parallel=config.enable_expert_parallel)
     tokenizer = load_tokenizer(root, skip=config.skip_tokenizer_init)
     eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
                      else eos_token_ids_from_configs(root))

@@ -1,0 +1,147 @@
+"""Mixture-of-experts models against transformers, and the expert paths against the
+dense reference (every expert for every token)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
+from jaxinfer.config import MoEConfig, ModelConfig
+from jaxinfer.engine.runner import Chunk, Runner
+from jaxinfer.model import moe, transformer
+
+MOE = testing.MOE_FAMILIES
+TOL = 1e-4
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, size=length).tolist()
+
+
+def _hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)[None]).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_paged_forward_matches_transformers(family, hf_model_dirs, hf_models):
+    """A whole prompt, then single-token steps (decode-sized buckets)."""
+    cfg = checkpoint.load_config(hf_model_dirs[family])
+    assert cfg.moe is not None
+    runner = Runner(cfg, checkpoint.load_params(hf_model_dirs[family], cfg), num_pages=16,
+                    page_size=8, max_model_len=64)
+    ids = _prompt(1, 24)
+    pages = [5, 2, 11, 7]
+    pieces = [runner.logits([Chunk(ids[:20], 0, pages)])]
+    pieces += [runner.logits([Chunk(ids[i:i + 1], i, pages)]) for i in range(20, 24)]
+    diff = np.abs(np.concatenate(pieces) - _hf_logits(hf_models[family], ids)).max()
+    print(f"{family}: max abs logit diff {diff:.2e}")
+    assert diff < TOL
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_dense_forward_matches_transformers(family, hf_model_dirs, hf_models):
+    cfg = checkpoint.load_config(hf_model_dirs[family])
+    params = checkpoint.load_params(hf_model_dirs[family], cfg)
+    ids = _prompt(2, 33)
+    ours = transformer.forward_dense(params, jnp.asarray(ids)[None], cfg=cfg)[0]
+    assert np.abs(np.asarray(ours) - _hf_logits(hf_models[family], ids)).max() < TOL
+
+
+def test_qwen2_moe_layers_follow_mlp_only_layers_and_the_shared_expert(hf_model_dirs):
+    cfg = checkpoint.load_config(hf_model_dirs["qwen2_moe"])
+    params = checkpoint.load_params(hf_model_dirs["qwen2_moe"], cfg)
+    moe_layer, dense_layer = params["layers"]
+    assert cfg.moe.mlp_only_layers == (1,) and not cfg.moe.norm_topk_prob
+    assert {"w_router", "we_gate_up", "we_down", "ws_gate_up", "ws_down",
+            "w_shared_gate"} <= set(moe_layer) and "w_gate_up" not in moe_layer
+    assert "w_router" not in dense_layer and dense_layer["w_down"].shape == (128, 64)
+    assert moe_layer["we_gate_up"].shape == (8, 64, 64)
+
+
+def test_router_ties_take_the_lower_expert_and_match_transformers(tmp_path):
+    """Two identical router rows: the two experts' probabilities are exactly equal for
+    every token. jaxinfer gives a tie at the top-k boundary to the lower index
+    (`jax.lax.top_k`, on every backend); torch's CPU top-k picks by its selection
+    algorithm's order, so the two experts' weights are made equal too: the logits then
+    match whichever one each side takes."""
+    model = testing.make_hf_model(tmp_path, "mixtral", seed=5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[6] = layer.mlp.gate.weight[1]
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight[6] = weight[1]
+    model.save_pretrained(tmp_path)
+    cfg = checkpoint.load_config(tmp_path)
+    params = checkpoint.load_params(tmp_path, cfg)
+    ids = _prompt(3, 40)
+    x = params["embed"][jnp.asarray(ids)]
+    _, experts = moe.route(x, params["layers"][0]["w_router"], cfg)
+    chosen = np.asarray(experts)
+    one, six = (chosen == 1).any(-1), (chosen == 6).any(-1)
+    assert (one & ~six).any() and not (six & ~one).any()  # ties occur; 1 always wins
+    ours = transformer.forward_dense(params, jnp.asarray(ids)[None], cfg=cfg)[0]
+    assert np.abs(np.asarray(ours) - _hf_logits(model, ids)).max() < TOL
+
+
+def _random_layer(cfg: ModelConfig, seed: int) -> dict:
+    params = transformer.init_params(cfg, jax.random.key(seed), std=0.3)
+    return params["layers"][0]
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])
+@pytest.mark.parametrize("shared", [0, 24])
+def test_expert_paths_match_the_dense_reference(tokens, shared):
+    """Gathered (tokens * k < E) and grouped paths give every expert's weighted sum."""
+    cfg = ModelConfig(architecture="qwen2_moe", vocab_size=32, hidden_size=16,
+                      intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, moe=MoEConfig(num_experts=16, num_experts_per_tok=3,
+                                                intermediate_size=24, norm_topk_prob=False,
+                                                shared_expert_intermediate_size=shared))
+    layer = _random_layer(cfg, tokens)
+    x = jax.random.normal(jax.random.key(7), (tokens, 16))
+    got = np.asarray(moe.moe_block(layer, x, cfg))
+    want = np.asarray(moe.dense_reference(layer, x, cfg))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
+    """transformers' greedy tokens, EOS included (as `ignore_eos` generates them)."""
+    ids = list(ids)
+    for _ in range(steps):
+        ids.append(int(_hf_logits(model, ids)[-1].argmax()))
+    return ids[-steps:]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe_llm(request, hf_model_dirs):
+    """Chunked prefill (16-token steps) and a KV pool of 14 pages of 8 tokens: the
+    four requests below need 24, so some are preempted and resumed."""
+    return request.param, LLM(model=hf_model_dirs[request.param], page_size=8, max_model_len=96, max_num_seqs=4,
+               max_num_batched_tokens=16, kv_cache_memory_bytes=14 * 8 * 512,
+               compilation_cache_dir="", strict_compile=True)
+
+
+def test_generate_greedy_matches_transformers_with_batching(moe_llm, hf_models):
+    family, llm = moe_llm
+    shared = _prompt(4, 19)  # two prompts share 16 tokens: a prefix hit
+    prompts = [shared + _prompt(5, 4), shared + _prompt(6, 7), _prompt(7, 11), _prompt(8, 30)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(hf_models[family], prompt, 20)
+    metrics = llm.metrics()
+    assert metrics["preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] >= 16
+    assert metrics["compiles_after_warmup"] == 0
+
+
+def test_expert_parallel_needs_experts(hf_model_dirs):
+    cfg = checkpoint.load_config(hf_model_dirs["llama"])
+    with pytest.raises(ValueError, match="enable_expert_parallel=True needs a mixture"):
+        dataclasses.replace(cfg, expert_parallel=True)
