@@ -142,7 +142,7 @@ def _held_out_windows(tokenizer, count=4, length=128):
 
 def _fake_int4(layer: dict) -> dict:
     return layer | {name: awq.fake_int4(np.asarray(layer[name], np.float32))
-                    for name in quantization.QUANTIZED_WEIGHTS}
+                    for name in awq.LINEARS}
 
 
 def test_awq_lowers_the_output_error_on_held_out_activations(demo):

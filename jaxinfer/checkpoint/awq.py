@@ -52,6 +52,8 @@ from jaxinfer.model.attention import project_qkv
 from jaxinfer.text import corpus
 from jaxinfer.text.tokenizer import Tokenizer
 
+LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")  # a dense layer's, each with its input
+
 log = logging.getLogger(__name__)
 ALPHAS = tuple(i / 10 for i in range(11))  # mean|x| exponents tried (0: no scaling)
 CLIP_RATIOS = tuple(1 - i / 20 for i in range(10))  # 1.0 down to 0.55
@@ -191,7 +193,7 @@ def _fold(layer: dict, s: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     """Scale each linear's rows by s and its feeding op's output by 1/s (in place)."""
     dtype = layer["wqkv"].dtype
     f32 = {k: np.array(v, np.float32) for k, v in layer.items()}  # copies
-    for name in quantization.QUANTIZED_WEIGHTS:
+    for name in LINEARS:
         f32[name] = f32[name] * s[name][:, None]
     f32["attn_norm"] = f32["attn_norm"] / s["wqkv"]
     f32["mlp_norm"] = f32["mlp_norm"] / s["w_gate_up"]
@@ -263,6 +265,9 @@ def calibrate_checkpoint(params: dict, cfg: ModelConfig, model_dir: str | os.Pat
                          calibration_data: str | os.PathLike | None) -> dict:
     """`calibrate` on windows tokenized by the checkpoint's own tokenizer."""
     root = pathlib.Path(model_dir)
+    if cfg.moe is not None:
+        raise ValueError(f"quantization='int4' is not supported for mixture-of-experts "
+                         f"models ({cfg.architecture}): use int8, w8a8 or fp8")
     if not (root / "tokenizer.json").is_file():
         raise ValueError(f"quantization='int4' calibrates on text: {root} has no "
                          "tokenizer.json to tokenize it")

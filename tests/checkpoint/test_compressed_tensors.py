@@ -214,7 +214,7 @@ def test_each_device_reads_only_its_slice_of_the_fp8_tensors(fp8):
     reads: dict[str, list[int]] = {}
     for name, _, nbytes in log.reads:
         reads.setdefault(name, []).append(nbytes)
-    for key in quantization.QUANTIZED_WEIGHTS:
+    for key in (k for k in params["layers"][1] if k in quantization.QUANTIZED_WEIGHTS):
         weight = params["layers"][1][key]
         for name, leaf in ((f"layers.1.{key}", weight.value), (f"layers.1.{key}.scale",
                                                                  weight.scale)):
@@ -334,7 +334,7 @@ def test_scheme_reports_what_is_not_used():
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=True, qk_norm=True)).items()
         if len(shape) == 2}
-    assert matrices == set(compressed_tensors.FP8_PARTS)
+    assert matrices <= set(compressed_tensors.FP8_PARTS)  # and a shared expert's
     mixed = quantization_config("channel", format="mixed-precision")  # groups name theirs
     mixed["config_groups"]["group_1"] = mixed["config_groups"]["group_0"] | {
         "weights": weight_args("tensor"), "targets": ["re:.*down_proj"]}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
-from jaxinfer.config import MoEConfig, ModelConfig
+from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import moe, transformer
 
@@ -123,9 +123,10 @@ def _hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 def moe_llm(request, hf_model_dirs):
     """Chunked prefill (16-token steps) and a KV pool of 14 pages of 8 tokens: the
     four requests below need 24, so some are preempted and resumed."""
-    return request.param, LLM(model=hf_model_dirs[request.param], page_size=8, max_model_len=96, max_num_seqs=4,
-               max_num_batched_tokens=16, kv_cache_memory_bytes=14 * 8 * 512,
-               compilation_cache_dir="", strict_compile=True)
+    llm = LLM(model=hf_model_dirs[request.param], page_size=8, max_model_len=96,
+              max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=14 * 8 * 512,
+              compilation_cache_dir="", strict_compile=True)
+    return request.param, llm
 
 
 def test_generate_greedy_matches_transformers_with_batching(moe_llm, hf_models):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import checkpoint, testing
 from jaxinfer.checkpoint import names, safetensors_file
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.model import fusion, params_table, quantization, transformer
 
 
@@ -71,15 +71,21 @@ def test_partition_specs_split_matrices_and_a_divisible_vocabulary():
     assert odd["embed"] == odd["lm_head"] == P()
 
 
-def test_quantized_weights_are_the_layer_matrices():
-    """Every 2-D leaf of a layer quantizes; nothing else does (norms, biases)."""
+@pytest.mark.parametrize("moe", [False, True])
+def test_quantized_weights_are_the_layer_matrices(moe):
+    """Every 2-D leaf of a layer quantizes but the routers (float, as the families run
+    them); norms, biases and, for now, the stacked experts stay float."""
     cfg = _cfg()
-    layer = params_table.param_shapes(cfg)["layers"][0]
-    assert set(quantization.QUANTIZED_WEIGHTS) == {k for k, s in layer.items() if len(s) == 2}
+    if moe:
+        cfg = _cfg(architecture="qwen2_moe", qk_norm=False, moe=MoEConfig(
+            num_experts=4, num_experts_per_tok=2, intermediate_size=24,
+            shared_expert_intermediate_size=24))
     params = transformer.init_params(cfg, jax.random.key(0))
     quantized = quantization.quantize_params(params, "int8")
-    for key, value in quantized["layers"][0].items():
-        assert quantization.is_quantized(value) == (key in quantization.QUANTIZED_WEIGHTS)
+    for layer, original in zip(quantized["layers"], params["layers"], strict=True):
+        want = {k for k, v in original.items() if v.ndim == 2} - {"w_router", "w_shared_gate"}
+        assert {k for k, v in layer.items() if quantization.is_quantized(v)} == want
+        assert want <= set(quantization.QUANTIZED_WEIGHTS)
 
 
 def test_leaf_layouts_read_the_parts_in_the_table_order():
