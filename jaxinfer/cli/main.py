@@ -57,7 +57,8 @@ class Command:
 
 
 _PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
-               "kv_cache_memory_bytes", "gpu_memory_utilization", "quantization")
+               "kv_cache_memory_bytes", "gpu_memory_utilization", "quantization",
+               "enable_expert_parallel")
 COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",

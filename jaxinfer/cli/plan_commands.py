@@ -30,14 +30,20 @@ AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
 
 
 def _model_config() -> object:
-    """The ModelConfig of --model: a model directory or a preset."""
+    """The ModelConfig of --model (a model directory or a preset), served with
+    --enable_expert_parallel."""
+    import dataclasses
     import pathlib
 
     from jaxinfer import checkpoint
     from jaxinfer.config import load_preset
 
     model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
-    return checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+    cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+    try:
+        return dataclasses.replace(cfg, expert_parallel=FLAGS.enable_expert_parallel)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def _model_dtype() -> str:

@@ -29,11 +29,12 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sharding
-from jaxinfer.model.params_table import param_partition_specs, param_shapes
+from jaxinfer.model.params_table import LAYER, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
 
 GB = 1e9
+EXPERT_WEIGHTS = tuple(dict.fromkeys(p.key for p in LAYER if p.experts))
 ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
 
 
@@ -65,6 +66,22 @@ class MemoryPlan:
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
     batch_state_bytes: int = 0  # the per-slot rows kept on the device (batch_state_bytes)
+    # Mixture of experts: the stacked experts' bytes on one device (within weight_bytes),
+    # and the routing that sets how many of them a decode step reads.
+    expert_weight_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    total_params: int = 0
+    active_params: int = 0  # per token: the dense parameters and k of the E experts
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """The weight bytes a decode step of `batch` requests reads on one device: every
+        dense weight, and of the experts those some token chose, expected under uniform
+        routing: a fraction 1 - (1 - k/E)^batch of them (`expected_distinct_experts`)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        hit = expected_distinct_experts(self.num_experts, self.experts_per_token, batch)
+        return self.weight_bytes - self.expert_weight_bytes * (1 - hit / self.num_experts)
 
     def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
         """(memory, compute) seconds of a decode step of `batch` requests at `context`
@@ -72,7 +89,7 @@ class MemoryPlan:
         (0 when the peak is unknown). None when the bandwidth is unknown."""
         if self.bandwidth_gb_per_s is None:
             return None
-        step_bytes = self.weight_bytes + batch * context * self.kv_bytes_per_token
+        step_bytes = self.step_weight_bytes(batch) + batch * context * self.kv_bytes_per_token
         flops = batch * (self.matmul_flops_per_token
                          + context * self.attention_flops_per_context_token)
         compute = flops / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
@@ -116,7 +133,16 @@ class MemoryPlan:
 
         rows = self.roofline_rows(price_per_hour)
         unsharded = self.unsharded_weight_bytes or self.weight_bytes
-        return {
+        moe = {} if not self.num_experts else {
+            "total_params": self.total_params, "active_params": self.active_params,
+            "expert_weight_bytes": self.expert_weight_bytes,
+            "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
+            "expected_distinct_experts_per_layer": {
+                f"batch_{b}": round(expected_distinct_experts(
+                    self.num_experts, self.experts_per_token, b), 2) for b in (1, batch)},
+            "step_weight_bytes": {f"batch_{b}": round(self.step_weight_bytes(b))
+                                  for b in (1, batch)}}
+        return moe | {
             "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
             "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
             "draft_weight_bytes": self.draft_weight_bytes,
@@ -142,6 +168,23 @@ class MemoryPlan:
             else rows[-1]["cost_per_million_output_tokens"],
             "decode_roofline": rows,
         }
+
+
+def expected_distinct_experts(num_experts: int, k: int, batch: int) -> float:
+    """Experts of one layer that `batch` tokens choose, expected when each token picks k
+    of E uniformly: E (1 - (1 - k/E)^batch)."""
+    return num_experts * (1 - (1 - k / num_experts) ** batch)
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters: active counts k of the E experts per MoE layer."""
+    flat = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    total = sum(math.prod(shape) for shape in flat)
+    if cfg.moe is None:
+        return total, total
+    experts = sum(math.prod(shape) for name, shape, _, _ in _device_shapes(cfg, 1)
+                  if name in EXPERT_WEIGHTS)
+    return total, total - experts + experts * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
 
 
 def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
@@ -207,6 +250,9 @@ def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, 
     The embedding lookup is no matmul; a tied embedding counts once, as the LM head."""
     shapes = _device_shapes(cfg, tensor_parallel_size)
     matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name != "embed")
+    if cfg.moe is not None:  # each token runs k of the E experts
+        matmul += sum(n for name, _, n, _ in shapes if name in EXPERT_WEIGHTS
+                      ) * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
     if cfg.tie_word_embeddings:
         matmul += next(n for name, _, n, _ in shapes if name == "embed")
     heads = cfg.num_heads // tensor_parallel_size
@@ -294,6 +340,9 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
             f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
             "max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
+    total_params, active_params = param_counts(cfg)
+    experts = sum(n for name, _, n, _ in _device_shapes(cfg, tp) if name in EXPERT_WEIGHTS)
+    moe = cfg.moe
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       page_bytes=page_bytes, num_pages=num_pages,
                       kv_cache_bytes=num_pages * page_bytes, max_model_len=max_model_len,
@@ -306,4 +355,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
-                      draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state)
+                      draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
+                      expert_weight_bytes=experts * jnp.dtype(dtype).itemsize,
+                      num_experts=moe.num_experts if moe else 0,
+                      experts_per_token=moe.num_experts_per_tok if moe else 0,
+                      total_params=total_params, active_params=active_params)

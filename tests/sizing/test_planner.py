@@ -171,7 +171,7 @@ def test_tensor_parallel_size_cannot_exceed_the_devices():
 
 def test_roofline_is_the_slower_of_bytes_and_flops_over_every_replica():
     cfg = load_preset("llama3.1-8b")
-    common = dict(dtype="bfloat16", max_model_len=1024, memory_bytes=20 * 10**9,
+    common = dict(dtype="bfloat16", max_model_len=1024, memory_bytes=40 * 10**9,
                   tensor_parallel_size=2, bandwidth_gb_per_s=1000.0)
     two = planner.plan(cfg, num_devices=2, **common)
     four = planner.plan(cfg, num_devices=4, **common)
@@ -256,3 +256,33 @@ def test_plan_defaults_to_the_models_dtype_and_prints_a_table(hf_model_dirs):
                             "--device=v5e-8"], capture_output=True, text=True, check=True).stdout
     assert "{" not in table and table.splitlines()[1].split() == ["dtype", "bfloat16"]
     assert any(line.split()[:2] == ["batch", "context"] for line in table.splitlines())
+
+
+@pytest.mark.parametrize("name, total, active", [("mixtral-8x7b", 46.70e9, 12.88e9),
+                                                 ("qwen3-30b-a3b", 30.53e9, 3.35e9)])
+def test_moe_presets_count_total_and_active_parameters(name, total, active):
+    """The published sizes: Mixtral 46.7B with 12.9B active, Qwen3-30B-A3B 30.5B / 3.3B."""
+    got_total, got_active = planner.param_counts(load_preset(name))
+    assert abs(got_total - total) < 0.01e9 and abs(got_active - active) < 0.01e9
+
+
+def test_moe_decode_reads_the_experts_its_batch_chooses():
+    cfg = load_preset("qwen3-30b-a3b")  # 128 experts, top 8
+    assert planner.expected_distinct_experts(128, 8, 1) == 8
+    assert planner.expected_distinct_experts(128, 8, 32) == pytest.approx(
+        128 * (1 - (120 / 128) ** 32))
+    one = planner.plan(cfg, dtype="bfloat16", memory_bytes=40 * 10**9, max_model_len=4096,
+                       tensor_parallel_size=2, bandwidth_gb_per_s=819)
+    ep = planner.plan(dataclasses.replace(cfg, expert_parallel=True), dtype="bfloat16",
+                      memory_bytes=40 * 10**9, max_model_len=4096, tensor_parallel_size=2,
+                      bandwidth_gb_per_s=819)
+    assert ep.weight_bytes == one.weight_bytes  # E/2 whole experts, or half of each
+    experts = one.expert_weight_bytes
+    assert 0.9 * one.weight_bytes < experts < one.weight_bytes
+    assert one.step_weight_bytes(1) == pytest.approx(one.weight_bytes - experts * 120 / 128)
+    assert one.step_weight_bytes(1) < one.step_weight_bytes(32) < one.weight_bytes
+    memory_s, _ = one.decode_seconds(1, 4096)
+    assert memory_s == pytest.approx((one.step_weight_bytes(1) + 4096 * one.kv_bytes_per_token)
+                                     / 819e9)
+    summary = one.summary()
+    assert summary["active_params"] < summary["total_params"] / 9
