@@ -95,11 +95,12 @@ def _byte_of(char: str) -> int:
     return missing[code - 256]
 
 
-def make_random_model(path: str | os.PathLike, preset: str, *, seed: int = 0,
+def make_random_model(path: str | os.PathLike, preset: Any, *, seed: int = 0,
                       max_position_embeddings: int | None = None,
                       dtype: str = "float32") -> pathlib.Path:
-    """An HF directory with random weights of a preset's shape (no torch needed), saved in
-    `dtype`, and a word-level tokenizer whose ids cover the vocabulary ("<17>" is id 17)."""
+    """An HF directory with random weights of a preset's shape (a name, or a ModelConfig;
+    no torch needed), saved in `dtype`, and a word-level tokenizer whose ids cover the
+    vocabulary ("<17>" is id 17)."""
     import dataclasses
     import json
 
@@ -110,7 +111,7 @@ def make_random_model(path: str | os.PathLike, preset: str, *, seed: int = 0,
     from jaxinfer.config import load_preset
     from jaxinfer.model import transformer
 
-    cfg = load_preset(preset)
+    cfg = load_preset(preset) if isinstance(preset, str) else preset
     if max_position_embeddings:
         cfg = dataclasses.replace(cfg, max_position_embeddings=max_position_embeddings)
     root = pathlib.Path(path)

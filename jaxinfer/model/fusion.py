@@ -85,7 +85,7 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     out = dict(layer)
     for param in params_table.LAYER:
         keys = [part.key for part in param.parts]
-        if param.fused and keys[0] in layer:
+        if param.fused and keys[0] in out:  # rows of other families share the key
             parts = [out.pop(key) for key in keys]
             out[param.key] = (fuse_qkv(*parts, cfg) if param.layout == "qkv"
                               else fuse_gate_up(*parts))
@@ -96,7 +96,7 @@ def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     """The inverse of `fuse_layer`."""
     out = dict(layer)
     for param in params_table.LAYER:
-        if param.fused and param.key in layer:
+        if param.fused and param.key in out:
             fused = out.pop(param.key)
             if param.layout == "qkv":
                 lead = fused.shape[:-1]

@@ -9,9 +9,12 @@ picked from static shapes so nothing recompiles whatever the routing:
   buckets): each choice gathers its expert's gate/up and down weights and runs a
   batched matmul, so a step reads the weights of at most `T * k` experts;
 - grouped (larger buckets): choices sorted by expert and `jax.lax.ragged_dot`, the
-  grouped matmul that TPU and GPU lower to per-group tiles. On XLA:CPU (and on GPU
-  without its Triton path) JAX lowers it to a dot over every group, masked; every
-  expert is then read, which a bucket of that many choices does anyway.
+  grouped matmul that TPU and GPU lower to XLA's ragged dot. On XLA:CPU JAX lowers
+  ragged_dot to a dot over every group for every choice, masked (k times the work of
+  every expert for every token), so on CPU (`jax.lax.platform_dependent`) such buckets
+  run every expert for every token, weighted by the routing (zero where not chosen):
+  one batched matmul per projection, reading every expert, which a bucket of that many
+  choices does anyway.
 
 Experts live on the model axis one of two ways (`ModelConfig.expert_parallel`): whole
 experts per device (E / n each), or a slice of every expert as for a dense MLP
@@ -89,8 +92,13 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
         weights = jnp.where(mine, weights, 0.0)
         experts = jnp.where(mine, experts, held)  # past the last group: sorted last
     tokens, k = experts.shape
-    compute = _gathered if tokens * k < held else _grouped
-    y = compute(x, w_gate_up, w_down, weights, experts, block)
+    if tokens * k < held:
+        y = _gathered(x, w_gate_up, w_down, weights, experts, block)
+    else:  # ragged_dot where it is grouped; on CPU its masked form costs k x all experts
+        y = jax.lax.platform_dependent(
+            x, w_gate_up, w_down, weights, experts,
+            cpu=functools.partial(_all_experts, block=block),
+            default=functools.partial(_grouped, block=block))
     return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
 
 
@@ -133,6 +141,20 @@ def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax
     out = jax.lax.ragged_dot(hidden, w_down, sizes, preferred_element_type=jnp.float32)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+
+def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
+                 experts: jax.Array, block: int) -> jax.Array:
+    """Every held expert for every token, weighted by the routing (0 where not chosen):
+    one batched matmul per projection, for buckets that read every expert anyway."""
+    held = w_gate_up.shape[0]
+    rows = jnp.arange(x.shape[0])[:, None]
+    full = jnp.zeros((x.shape[0], held + 1), jnp.float32).at[rows, experts].add(weights)
+    h = jnp.einsum("td,edf->tef", x.astype(w_gate_up.dtype), w_gate_up,
+                   preferred_element_type=jnp.float32)
+    hidden = _swiglu_rows(h, block) * full[:, :held, None]
+    return jnp.einsum("tef,efd->td", hidden.astype(w_down.dtype), w_down,
+                      preferred_element_type=jnp.float32)
 
 
 def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -14,7 +14,7 @@ import torch
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import moe, transformer
+from jaxinfer.model import fusion, moe, transformer
 
 MOE = testing.MOE_FAMILIES
 TOL = 1e-4
@@ -146,3 +146,28 @@ def test_expert_parallel_needs_experts(hf_model_dirs):
     cfg = checkpoint.load_config(hf_model_dirs["llama"])
     with pytest.raises(ValueError, match="enable_expert_parallel=True needs a mixture"):
         dataclasses.replace(cfg, expert_parallel=True)
+
+
+@pytest.mark.parametrize("path", ["_gathered", "_grouped", "_all_experts"])
+def test_each_expert_path_matches_the_reference_with_foreign_choices(path):
+    """Each path on its own (CPU picks `_all_experts` over `_grouped` for big buckets, so
+    the grouped matmul TPU and GPU run is checked here), with some choices naming
+    another device's experts (id `held`, weight 0) as expert parallelism passes them."""
+    held, tokens, k, d, f = 6, 5, 3, 16, 24
+    keys = jax.random.split(jax.random.key(3), 4)
+    w_gate_up = 0.3 * jax.random.normal(keys[0], (held, d, 2 * f))
+    w_down = 0.3 * jax.random.normal(keys[1], (held, f, d))
+    x = jax.random.normal(keys[2], (tokens, d))
+    experts = jax.random.randint(keys[3], (tokens, k), 0, held + 1)  # held: foreign
+    weights = jnp.where(experts < held, jax.random.uniform(keys[3], (tokens, k)), 0.0)
+    block = fusion.mlp_block(f)
+    want = np.zeros((tokens, d), np.float32)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(experts[t, j])
+            if e < held:
+                h = np.asarray(x[t] @ w_gate_up[e])
+                hidden = np.asarray(moe._swiglu_rows(jnp.asarray(h), block))
+                want[t] += float(weights[t, j]) * (hidden @ np.asarray(w_down[e]))
+    got = getattr(moe, path)(x, w_gate_up, w_down, weights, experts, block)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
