@@ -83,7 +83,7 @@ class Reader:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         builders: dict[str, Callable[..., np.ndarray]] = {
             "plain": self._plain, "transposed": self._transposed, "qkv": self._qkv,
-            "gate_up": self._gate_up}
+            "gate_up": self._gate_up, "gate_up_rows": self._gate_up_rows}
         if layout.kind not in builders:
             raise ValueError(f"{path}: unknown layout kind {layout.kind!r}")
         if layout.experts:  # the first axis picks experts: read only those
@@ -129,8 +129,13 @@ class Reader:
         fused = np.concatenate(parts, axis=0)  # [cols, D] or [cols]
         return fused.T if axis == 1 else fused
 
-    def _gate_up(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
-                 ) -> np.ndarray:
+    def _gate_up_rows(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index
+                      ) -> np.ndarray:
+        """[2F, I] from gate and up [F, I] as stored: their rows interleaved in blocks."""
+        return self._gate_up(names, shape[:1], index[:1], cols=index[1])
+
+    def _gate_up(self, names: tuple[str, ...], shape: tuple[int, ...], index: Index,
+                 cols: slice | None = None) -> np.ndarray:
         axis = len(shape) - 1  # 2-D [D, 2F], or 1-D [2F] (a fp8 weight's scales)
         block = fusion.mlp_block(shape[axis] // 2)  # F of this leaf: dense, expert, shared
         start, stop = _bounds(index[axis], shape[axis])
@@ -139,7 +144,7 @@ class Reader:
                              f"pairs of {2 * block} columns")
         gate, up = names
         first, last = start // 2, stop // 2  # gate and up rows [first, last)
-        rows = index[:1] if axis == 1 else ()
+        rows = index[:1] if axis == 1 else () if cols is None else (cols,)
         pair = np.stack([self._rows(gate, first, last, *rows),
                          self._rows(up, first, last, *rows)])  # [2, rows, D] or [2, rows]
         pair = pair.reshape(2, (last - first) // block, block, *pair.shape[2:]).swapaxes(0, 1)

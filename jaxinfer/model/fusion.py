@@ -87,8 +87,13 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
         keys = [part.key for part in param.parts]
         if param.fused and keys[0] in out:  # rows of other families share the key
             parts = [out.pop(key) for key in keys]
-            out[param.key] = (fuse_qkv(*parts, cfg) if param.layout == "qkv"
-                              else fuse_gate_up(*parts))
+            if param.layout == "qkv":
+                out[param.key] = fuse_qkv(*parts, cfg)
+            elif param.layout == "gate_up_rows":  # [..., F, I] twice -> [..., 2F, I]
+                gate, up = (x.swapaxes(-1, -2) for x in parts)
+                out[param.key] = fuse_gate_up(gate, up).swapaxes(-1, -2)
+            else:
+                out[param.key] = fuse_gate_up(*parts)
     return out
 
 
@@ -101,6 +106,8 @@ def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
             if param.layout == "qkv":
                 lead = fused.shape[:-1]
                 parts = [x.reshape(*lead, -1) for x in split_qkv(fused, cfg)]
+            elif param.layout == "gate_up_rows":
+                parts = [x.swapaxes(-1, -2) for x in split_gate_up(fused.swapaxes(-1, -2))]
             else:
                 parts = split_gate_up(fused)
             out |= {part.key: x for part, x in zip(param.parts, parts, strict=True)}

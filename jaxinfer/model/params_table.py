@@ -29,8 +29,9 @@ from jaxinfer.config import ModelConfig
 
 Shape = tuple[int, ...]
 SPLITS = ("whole", "columns", "rows", "vector", "vocab_rows", "vocab_columns",
-          "expert_columns", "expert_rows")
-LAYOUTS = ("plain", "transposed", "qkv", "gate_up")  # checkpoint/shard_source.py reads them
+          "expert_outputs", "expert_inputs")
+LAYOUTS = ("plain", "transposed", "qkv", "gate_up", "gate_up_rows")  # shard_source.py reads
+# them; gate_up_rows: gate and up fused along the rows of HF's [out, in] storage
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (model/sharding.py)
 
 
@@ -58,10 +59,12 @@ class Param:
     experts: bool = False  # [E, ...]: one leaf per expert, stacked
 
     def shape(self, cfg: ModelConfig) -> Shape:
-        """The leaf's shape: fused parts concatenate along their last axis; an experts
-        leaf stacks E of them."""
+        """The leaf's shape: fused parts concatenate along their output axis (the last,
+        or the one before it for `gate_up_rows`); an experts leaf stacks E of them."""
         shapes = [self.part_shape(part, cfg) for part in self.parts]
-        return (*shapes[0][:-1], sum(s[-1] for s in shapes))
+        axis = len(shapes[0]) - (2 if self.layout == "gate_up_rows" else 1)
+        fused = sum(s[axis] for s in shapes)
+        return (*shapes[0][:axis], fused, *shapes[0][axis + 1:])
 
     def part_shape(self, part: Part, cfg: ModelConfig) -> Shape:
         """A part's shape in the unfused params (E experts stacked)."""
@@ -80,18 +83,20 @@ class Param:
         return len(self.parts) > 1
 
     def spec(self, cfg: ModelConfig, tensor_parallel_size: int = 1) -> P:
-        """The leaf's PartitionSpec over the model axis. Experts split by expert with
-        `cfg.expert_parallel`, else inside each expert as a dense MLP."""
+        """The leaf's PartitionSpec over the model axis. Experts, stored [E, out, in] as
+        HF stores each (a decode step's gathered matvecs then read whole rows), split by
+        expert with `cfg.expert_parallel`, else inside each expert as a dense MLP: gate/up
+        by output rows, down by input columns."""
         vocab = cfg.vocab_size % tensor_parallel_size == 0
         by_expert = P(MODEL_AXIS, None, None)
         return {"whole": P(), "columns": P(None, MODEL_AXIS), "rows": P(MODEL_AXIS, None),
                 "vector": P(MODEL_AXIS),
                 "vocab_rows": P(MODEL_AXIS, None) if vocab else P(),
                 "vocab_columns": P(None, MODEL_AXIS) if vocab else P(),
-                "expert_columns": by_expert if cfg.expert_parallel
-                else P(None, None, MODEL_AXIS),
-                "expert_rows": by_expert if cfg.expert_parallel
-                else P(None, MODEL_AXIS, None)}[self.split]
+                "expert_outputs": by_expert if cfg.expert_parallel
+                else P(None, MODEL_AXIS, None),
+                "expert_inputs": by_expert if cfg.expert_parallel
+                else P(None, None, MODEL_AXIS)}[self.split]
 
 
 def _d(cfg: ModelConfig) -> int:
@@ -143,17 +148,17 @@ TOP = (
 
 
 def _experts(family: str, router: str, gate: str, up: str, down: str) -> tuple[Param, ...]:
-    """A family's MoE rows: router [D, E], experts' gate/up [E, D, 2F] and down
-    [E, F, D] (HF names per expert, "{e}")."""
+    """A family's MoE rows: router [D, E], experts' gate/up [E, 2F, D] and down
+    [E, D, F], each expert [out, in] as HF stores it (HF names per expert, "{e}")."""
     when = _moe(family)
     return (
         Param("w_router", (Part("w_router", router, lambda c: (_d(c), c.moe.num_experts),
                                 True),), "whole", when=when),
-        Param("we_gate_up", (Part("we_gate", gate, lambda c: (_d(c), _fe(c)), True),
-                             Part("we_up", up, lambda c: (_d(c), _fe(c)), True)),
-              "expert_columns", layout="gate_up", when=when, experts=True),
-        Param("we_down", (Part("we_down", down, lambda c: (_fe(c), _d(c)), True),),
-              "expert_rows", when=when, experts=True),
+        Param("we_gate_up", (Part("we_gate", gate, lambda c: (_fe(c), _d(c))),
+                             Part("we_up", up, lambda c: (_fe(c), _d(c)))),
+              "expert_outputs", layout="gate_up_rows", when=when, experts=True),
+        Param("we_down", (Part("we_down", down, lambda c: (_d(c), _fe(c))),),
+              "expert_inputs", when=when, experts=True),
     )
 
 

@@ -62,7 +62,8 @@ def test_qwen2_moe_layers_follow_mlp_only_layers_and_the_shared_expert(hf_model_
     assert {"w_router", "we_gate_up", "we_down", "ws_gate_up", "ws_down",
             "w_shared_gate"} <= set(moe_layer) and "w_gate_up" not in moe_layer
     assert "w_router" not in dense_layer and dense_layer["w_down"].shape == (128, 64)
-    assert moe_layer["we_gate_up"].shape == (8, 64, 64)
+    assert moe_layer["we_gate_up"].shape == (8, 64, 64) and moe_layer["we_down"].shape == (
+        8, 64, 32)  # [E, 2F, D] and [E, D, F], as HF stores each expert
 
 
 def test_router_ties_take_the_lower_expert_and_match_transformers(tmp_path):
@@ -155,8 +156,8 @@ def test_each_expert_path_matches_the_reference_with_foreign_choices(path):
     another device's experts (id `held`, weight 0) as expert parallelism passes them."""
     held, tokens, k, d, f = 6, 5, 3, 16, 24
     keys = jax.random.split(jax.random.key(3), 4)
-    w_gate_up = 0.3 * jax.random.normal(keys[0], (held, d, 2 * f))
-    w_down = 0.3 * jax.random.normal(keys[1], (held, f, d))
+    w_gate_up = 0.3 * jax.random.normal(keys[0], (held, 2 * f, d))
+    w_down = 0.3 * jax.random.normal(keys[1], (held, d, f))
     x = jax.random.normal(keys[2], (tokens, d))
     experts = jax.random.randint(keys[3], (tokens, k), 0, held + 1)  # held: foreign
     weights = jnp.where(experts < held, jax.random.uniform(keys[3], (tokens, k)), 0.0)
@@ -166,8 +167,8 @@ def test_each_expert_path_matches_the_reference_with_foreign_choices(path):
         for j in range(k):
             e = int(experts[t, j])
             if e < held:
-                h = np.asarray(x[t] @ w_gate_up[e])
+                h = np.asarray(w_gate_up[e] @ x[t])
                 hidden = np.asarray(moe._swiglu_rows(jnp.asarray(h), block))
-                want[t] += float(weights[t, j]) * (hidden @ np.asarray(w_down[e]))
+                want[t] += float(weights[t, j]) * (np.asarray(w_down[e]) @ hidden)
     got = getattr(moe, path)(x, w_gate_up, w_down, weights, experts, block)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
