@@ -35,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers, sharding
 
-
 EXPERT_MAJOR_TOKENS = 64  # up to this many tokens, the CPU path batches over experts
 # (a matmul per expert: 3-4x faster at 4-16 tokens on XLA:CPU); beyond, one dot over
 # (expert, column) pairs is faster (16 ms vs 22 at 256 tokens, the bench_moe shape)
