@@ -4,6 +4,7 @@ dense reference (every expert for every token)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +173,32 @@ def test_each_expert_path_matches_the_reference_with_foreign_choices(path):
                 want[t] += float(weights[t, j]) * (np.asarray(w_down[e]) @ hidden)
     got = getattr(moe, path)(x, w_gate_up, w_down, weights, experts, block)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_step_reads_only_the_chosen_experts_in_the_compiled_hlo():
+    """XLA:CPU's compiled MoE layer for 2 tokens of 64 experts (top-2): the experts are
+    touched only by gathers of 4 experts' rows; no dot, fusion or copy takes the whole
+    [64, ...] stacks. A bucket of 64 tokens reads them whole (every expert)."""
+    cfg = ModelConfig(architecture="qwen3_moe", vocab_size=32, hidden_size=32,
+                      intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=16, moe=MoEConfig(num_experts=64, num_experts_per_tok=2,
+                                                 intermediate_size=48))
+    layer = _random_layer(cfg, 0)
+
+    def compiled(tokens: int) -> str:
+        x = jnp.zeros((tokens, 32))
+        return jax.jit(lambda l, x: moe.moe_block(l, x, cfg)).lower(layer, x).compile(
+        ).as_text()
+
+    def results_of_expert_users(hlo: str) -> list[str]:
+        """The result shapes of the instructions that take a whole expert stack."""
+        names = re.findall(r"(%l__we_\w+\.\d+) = f32\[64,", hlo)
+        assert len(names) == 2, hlo[:500]
+        return [line.split("=", 1)[1].split()[0] for line in hlo.splitlines()
+                if " = " in line and "parameter(" not in line
+                and any(re.search(re.escape(n) + r"[,)]", line) for n in names)]
+
+    small = results_of_expert_users(compiled(2))  # 4 choices: a gather fusion each
+    assert sorted(small) == ["f32[4,32,48]{2,1,0}", "f32[4,96,32]{2,1,0}"], small
+    big = results_of_expert_users(compiled(64))  # 128 choices: every expert
+    assert big and not any(shape.startswith("f32[4,") for shape in big), big
