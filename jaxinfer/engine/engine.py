@@ -65,6 +65,8 @@ class Engine:
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s)
         if self.speculation is not None:
             self.metrics.speculation = self.speculation.stats.summary
+        if loaded.model_config.moe is not None:
+            self.metrics.expert_tokens = self.runner.expert_tokens
         num_pages = self.memory_plan.num_pages
         self.scheduler = Scheduler(
             PagePool(num_pages, enable_caching=config.enable_prefix_caching),

@@ -65,6 +65,8 @@ class Metrics:
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
     # speculative decoding's counts given the step seconds (engine/speculation.py)
     speculation: Callable[[float], dict[str, object]] | None = None
+    # a mixture of experts' tokens routed per expert, by MoE decoder layer, read live
+    expert_tokens: Callable[[], dict[int, list[int]]] | None = None
     latency: Latency = dataclasses.field(default_factory=Latency)  # per-request histograms
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -150,8 +152,23 @@ class Metrics:
             if self.bandwidth_gb_per_s else 0.0,
             **self.latency.summary(),
             **self._prefix_cache_summary(),
+            **self._expert_summary(),
             **(self.speculation(self.step_seconds) if self.speculation else {}),
         }
+
+    def _expert_summary(self) -> dict[str, object]:
+        """Tokens routed to each expert, per MoE layer (padding not counted), and the
+        load imbalance: the busiest expert's count over the mean, per layer and the
+        largest of them (1.0: even; E / k: every token to the same experts)."""
+        if self.expert_tokens is None:
+            return {}
+        by_layer = self.expert_tokens()
+        counts = list(by_layer.values())
+        per_layer = [round(max(row) * len(row) / sum(row), 3) if sum(row) else 1.0
+                     for row in counts]
+        return {"expert_tokens": counts, "expert_layers": list(by_layer),
+                "expert_load_imbalance_per_layer": per_layer,
+                "expert_load_imbalance": max(per_layer, default=1.0)}
 
     def _prefix_cache_summary(self) -> dict[str, float | int]:
         """Hit rate in prompt tokens; misses split by cause (nothing shared, or a shared

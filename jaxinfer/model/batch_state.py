@@ -60,6 +60,8 @@ class BatchState:
     history: jax.Array  # i32[N + 1, max_model_len]: token ids by position
     last_token: jax.Array  # i32[N + 1]: the token the slot sampled last
     rows: SlotRows  # [N + 1]
+    expert_tokens: jax.Array  # i32[L_moe, E]: tokens each MoE layer routed to each expert
+    # over the engine's life (a dense model: [0, 0])
 
 
 # A step delta's fields, in the order the host packs them, and their sizes given
@@ -135,14 +137,16 @@ class Admission:
 
 
 def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
-         num_stop_ids: int) -> BatchState:
-    """N = `num_slots` empty slots and the padding one, all neutral."""
+         num_stop_ids: int, experts: tuple[int, int] = (0, 0)) -> BatchState:
+    """N = `num_slots` empty slots and the padding one, all neutral; `experts`: (MoE
+    layers, experts) of the routing counts."""
     n = num_slots + 1
     return BatchState(
         page_table=jnp.zeros((n, pages_per_seq), jnp.int32),
         history=jnp.full((n, max_model_len), -1, jnp.int32),
         last_token=jnp.zeros((n,), jnp.int32),
-        rows=neutral_rows(n, num_stop_ids))
+        rows=neutral_rows(n, num_stop_ids),
+        expert_tokens=jnp.zeros(experts, jnp.int32))
 
 
 def neutral_rows(n: int, num_stop_ids: int) -> SlotRows:
@@ -216,15 +220,20 @@ def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> Ba
         state, last_token=state.last_token.at[delta.sample_slots].set(tokens, mode="drop"))
 
 
-def stateful(step_fn: Callable[..., tuple], *, page_size: int) -> Callable[..., tuple]:
+def stateful(step_fn: Callable[..., tuple], *, page_size: int, routing: bool = False
+             ) -> Callable[..., tuple]:
     """A model step `(params, kv_cache, inputs, *extra) -> (kv_cache, packed, *more)`
     as the runner compiles it: `(params, kv_cache, state, delta, *extra) -> (kv_cache,
-    state, packed, *more)`."""
+    state, packed, *more)`. `routing`: the step returns a MoE model's routing counts
+    last, which are added to `state.expert_tokens` (never sent to the host per step)."""
 
     def run(params: dict, kv_cache: KVCache, state: BatchState, delta: StepDelta,
             *extra: jax.Array) -> tuple:
         state, inputs = expand(state, delta, page_size=page_size)
         kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra)
+        if routing:
+            *more, routed = more
+            state = dataclasses.replace(state, expert_tokens=state.expert_tokens + routed)
         return (kv_cache, record_samples(state, delta, packed), packed, *more)
 
     return run

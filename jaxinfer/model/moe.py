@@ -40,6 +40,13 @@ EXPERT_MAJOR_TOKENS = 64  # up to this many tokens, the CPU path batches over ex
 # (expert, column) pairs is faster (16 ms vs 22 at 256 tokens, the bench_moe shape)
 
 
+def routing_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(MoE layers, experts) of a model's routing counts; (0, 0) for a dense model."""
+    if cfg.moe is None:
+        return (0, 0)
+    return (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.moe.num_experts)
+
+
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig
           ) -> tuple[jax.Array, jax.Array]:
     """(weights f32[T, k], experts i32[T, k]) for tokens x f[T, D]: softmax over all
@@ -52,8 +59,10 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig
     return weights, experts.astype(jnp.int32)
 
 
-def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The MoE MLP of x f32[..., D] (already normed) -> f32[..., D]."""
+def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, with_experts: bool = False
+              ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The MoE MLP of x f32[..., D] (already normed) -> f32[..., D]; `with_experts`: and
+    each token's chosen experts i32[T, k]."""
     lead, d = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, d)
     weights, experts = route(x, layer["w_router"], cfg)
@@ -61,7 +70,16 @@ def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if "ws_gate_up" in layer:  # Qwen2-MoE's shared expert, behind a sigmoid gate
         gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
         y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
-    return y.reshape(*lead, d)
+    y = y.reshape(*lead, d)
+    return (y, experts) if with_experts else y
+
+
+def expert_counts(experts: jax.Array, num_tokens: jax.Array, num_experts: int
+                  ) -> jax.Array:
+    """i32[E]: how many of the first `num_tokens` tokens chose each expert (the rest of
+    a bucket is padding)."""
+    real = (jnp.arange(experts.shape[0]) < num_tokens).astype(jnp.int32)
+    return jnp.zeros((num_experts,), jnp.int32).at[experts].add(real[:, None])
 
 
 def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,

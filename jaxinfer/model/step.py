@@ -31,6 +31,9 @@ probabilities of the proposed tokens, f32[S, Q, V], or none when the proposals a
 certain (n-gram lookup). `draft_prefill` only writes a draft model's K/V (its
 proposals are model/draft.py's).
 
+A mixture-of-experts model's steps also return, last, the tokens each MoE layer routed
+to each expert, i32[L_moe, E] (`batch_state.stateful` adds them to a running count).
+
 `score_step` is the same step plus prompt scoring (`SamplingParams.prompt_logprobs`):
 a second output i32[T, 2 + 2k] with, per token position, the raw logprob and rank of
 the next prompt token and the top k (model/scoring.py).
@@ -62,10 +65,11 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
          ) -> tuple[KVCache, jax.Array]:
     """Forward, then sample each position; returns (kv_cache, i32[S, Q, 3 + 2k]).
     `decode_only`: every request has one token (a decode bucket; see transformer)."""
-    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg, max_q_len=int(decode_only))  # f32[S * Q, V]
+    kv_cache, logits, *routed = transformer.forward(
+        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, max_q_len=int(decode_only),
+        routing=cfg.moe is not None)  # f32[S * Q, V]
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
-    return kv_cache, _sample_packed(logits, inputs, num_logprobs)
+    return kv_cache, _sample_packed(logits, inputs, num_logprobs), *routed
 
 
 def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
@@ -75,14 +79,15 @@ def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInput
     (kv_cache, i32[S, Q, 3 + 2k]) whose token at a position is the proposal where
     accepted. draft_probs f32[S, Q, V]: q of each position's proposal; None: certain."""
     num_slots, num_positions = inputs.proposed_ids.shape
-    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, inputs.md,
-                                           cfg=cfg, max_q_len=num_positions)  # f32[S * Q, V]
+    kv_cache, logits, *routed = transformer.forward(
+        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, max_q_len=num_positions,
+        routing=cfg.moe is not None)  # f32[S * Q, V]
     logits = sharding.replicate(logits)
     if draft_probs is not None:
         draft_probs = draft_probs.reshape(num_slots * num_positions, -1)
     out = rejection.verify(logits, inputs.sampling, inputs.proposed_ids.reshape(-1),
                            draft_probs, num_logprobs=num_logprobs)
-    return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1)
+    return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1), *routed
 
 
 def draft_prefill(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,
@@ -107,12 +112,13 @@ def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs
     num_tokens = inputs.token_ids.shape[0]
     every_token = dataclasses.replace(inputs.md, logits_indices=jnp.arange(
         num_tokens, dtype=jnp.int32))
-    kv_cache, logits = transformer.forward(params, kv_cache, inputs.token_ids, every_token,
-                                           cfg=cfg)  # f32[T, V]
+    kv_cache, logits, *routed = transformer.forward(
+        params, kv_cache, inputs.token_ids, every_token, cfg=cfg,
+        routing=cfg.moe is not None)  # f32[T, V]
     logits = sharding.replicate(logits)
     scores = scoring.pack(scoring.score(logits, score_inputs, num_logprobs=num_logprobs))
     sampled = _sample_packed(logits[inputs.md.logits_indices], inputs, num_logprobs)
-    return kv_cache, sampled, scores
+    return kv_cache, sampled, scores, *routed
 
 
 def _sample_packed(logits: jax.Array, inputs: StepInputs, num_logprobs: int) -> jax.Array:

@@ -64,21 +64,33 @@ def forward(
     *,
     cfg: ModelConfig,
     max_q_len: int = 0,
-) -> tuple[KVCache, jax.Array]:
-    """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]).
+    routing: bool = False,
+) -> tuple:
+    """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]), and with
+    `routing` the tokens each MoE layer sent to each expert, i32[L_moe, E].
     `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
     k + 1 in a verify bucket), so attention takes its slot-by-slot path alone."""
     x = layers.embed(params["embed"], token_ids)  # f32[T, D]
     rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
-    new_cache = []
+    real_tokens = md.cu_q_lens[md.num_seqs[0]]
+    new_cache, routed = [], []
     for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
                                          max_q_len=max_q_len)
         x = x + attn
-        x = x + mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
+        h = layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        if "w_router" in layer:
+            y, experts = moe.moe_block(layer, h, cfg, with_experts=True)
+            routed.append(moe.expert_counts(experts, real_tokens, cfg.moe.num_experts))
+        else:
+            y = layers.mlp(layer, h)
+        x = x + y
         new_cache.append(kv_pages)
-    return new_cache, compute_logits(params, x[md.logits_indices], cfg)
+    logits = compute_logits(params, x[md.logits_indices], cfg)
+    if not routing:
+        return new_cache, logits
+    return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)
 
 
 def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:

@@ -84,6 +84,9 @@ def _gauges(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge("roofline_fraction", "bytes a step must read over its time, as a fraction "
                  "of the measured memory bandwidth (mean over busy time)",
                  summary["roofline_fraction"])
+    if "expert_load_imbalance" in summary:
+        yield _gauge("expert_load_imbalance", "the busiest expert's routed tokens over the "
+                     "mean, largest over MoE layers", summary["expert_load_imbalance"])
     if snap["prefix_cache"] is not None:
         yield _gauge("prefix_cache_hit_rate", "prompt tokens served by the prefix cache over "
                      "prompt tokens looked up", summary["prefix_cache_hit_rate"])
@@ -106,6 +109,15 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("engine_steps", "device steps run", snap["steps"])
     yield _counter("host_to_device_bytes", "bytes of step inputs sent to the device",
                    summary["host_to_device_bytes"])
+    if "expert_tokens" in summary:
+        routed = CounterMetricFamily(PREFIX + "expert_tokens", "tokens routed to each "
+                                     "expert, per MoE decoder layer",
+                                     labels=["layer", "expert"])
+        for layer, row in zip(summary["expert_layers"], summary["expert_tokens"],
+                              strict=True):
+            for expert, count in enumerate(row):
+                routed.add_metric([str(layer), str(expert)], count)
+        yield routed
     yield _counter("scheduled_requests", "completions summed over steps (over engine_steps: "
                    "the mean batch size)", snap["scheduled"])
     success = CounterMetricFamily(PREFIX + "request_success", "finished completions by "

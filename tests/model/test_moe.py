@@ -202,3 +202,37 @@ def test_decode_step_reads_only_the_chosen_experts_in_the_compiled_hlo():
     assert sorted(small) == ["f32[4,32,48]{2,1,0}", "f32[4,96,32]{2,1,0}"], small
     big = results_of_expert_users(compiled(64))  # 128 choices: every expert
     assert big and not any(shape.startswith("f32[4,") for shape in big), big
+
+
+def test_a_router_biased_to_one_expert_shows_in_the_imbalance_metric(tmp_path, hf_model_dirs):
+    """Channel 0 of every token's embedding set to 3 (so it stays positive through the
+    norms) and layer 0's router row 3 reading only that channel: every token chooses
+    expert 3 there. Greedy tokens still match transformers; the routed counts cover every
+    real token k times (no padding) and reach the E / k = 4 ceiling in layer 0."""
+    model = testing.make_hf_model(tmp_path, "mixtral", seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        router = model.model.layers[0].mlp.gate.weight
+        router[3] = 0.0
+        router[3, 0] = 10.0
+    model.save_pretrained(tmp_path)
+    prompts = [_prompt(10, 12), _prompt(11, 25)]
+    counts, fed_tokens = {}, {}
+    for name, path in (("biased", tmp_path), ("plain", hf_model_dirs["mixtral"])):
+        llm = LLM(model=path, page_size=8, max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=16, compilation_cache_dir="", enable_prefix_caching=False)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                    ignore_eos=True))
+        metrics = llm.metrics()
+        counts[name] = metrics
+        if name == "biased":
+            for prompt, out in zip(prompts, outs, strict=True):
+                assert out.token_ids == _hf_greedy(model, prompt, 10)
+        fed = sum(len(p) for p in prompts) + 2 * 9 + metrics["discarded_tokens"]
+        fed_tokens[name] = fed
+        assert [sum(row) for row in metrics["expert_tokens"]] == [2 * fed] * 2
+    biased = counts["biased"]
+    assert max(range(8), key=lambda e: biased["expert_tokens"][0][e]) == 3
+    assert biased["expert_tokens"][0][3] == fed_tokens["biased"]  # every token, once
+    assert biased["expert_load_imbalance_per_layer"][0] == 4.0
+    assert biased["expert_load_imbalance"] > counts["plain"]["expert_load_imbalance"]

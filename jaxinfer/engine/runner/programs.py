@@ -26,7 +26,7 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
-from jaxinfer.model import batch_state, layers, params_table, scoring, sharding
+from jaxinfer.model import batch_state, layers, moe, params_table, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
@@ -46,7 +46,7 @@ def step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False
     state, packed); `decode_only` for decode buckets (one token per request)."""
     return batch_state.stateful(functools.partial(
         model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS, decode_only=decode_only),
-        page_size=page_size)
+        page_size=page_size, routing=cfg.moe is not None)
 
 
 def score_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
@@ -54,14 +54,16 @@ def score_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
     `enable_prompt_logprobs`: (params, kv_cache, state, delta, score_inputs) ->
     (kv_cache, state, packed samples, packed scores)."""
     return batch_state.stateful(functools.partial(
-        model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size)
+        model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
+        routing=cfg.moe is not None)
 
 
 def verify_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
     """The step of a verify bucket: (params, kv_cache, state, delta[, draft_probs]) ->
     (kv_cache, state, packed)."""
     return batch_state.stateful(functools.partial(
-        model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size)
+        model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
+        routing=cfg.moe is not None)
 
 
 def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
@@ -92,12 +94,13 @@ def input_spec(bucket: Bucket, *, page_size: int,
     return _specs(delta)
 
 
-def state_spec(num_slots: int, *, page_size: int, max_model_len: int
-               ) -> batch_state.BatchState:
-    """ShapeDtypeStructs of the batch state of `num_slots` slots (model/batch_state.py)."""
+def state_spec(num_slots: int, *, page_size: int, max_model_len: int,
+               experts: tuple[int, int] = (0, 0)) -> batch_state.BatchState:
+    """ShapeDtypeStructs of the batch state of `num_slots` slots (model/batch_state.py);
+    `experts`: `moe.routing_shape(cfg)`."""
     return jax.eval_shape(functools.partial(
         batch_state.init, num_slots, pages_per_seq=-(-max_model_len // page_size),
-        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH))
+        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, experts=experts))
 
 
 def _specs(tree: object) -> object:
@@ -136,7 +139,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                              donate_argnums=(1, 2))
              for decode in (False, True)}
     state = on_shardings(state_spec(max((b.num_slots for b in buckets), default=1),
-                                    page_size=page_size, max_model_len=max_model_len), whole)
+                                    page_size=page_size, max_model_len=max_model_len,
+                                    experts=moe.routing_shape(cfg)), whole)
     with jax.set_mesh(mesh):
         lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
             b, page_size=page_size), whole)) for b in buckets]

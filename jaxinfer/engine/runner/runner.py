@@ -68,7 +68,7 @@ from jaxinfer.engine.runner.programs import (
 from jaxinfer.engine.runner.results import PromptScores, Sample, StepResult
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.scheduler import StepPlan
-from jaxinfer.model import batch_state, scoring, sharding
+from jaxinfer.model import batch_state, moe, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
@@ -127,7 +127,8 @@ class Runner:
         self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids)
         self.state = jax.jit(functools.partial(
             batch_state.init, num_slots, pages_per_seq=self.pages_per_seq,
-            max_model_len=max_model_len, num_stop_ids=STOP_WIDTH), out_shardings=whole)()
+            max_model_len=max_model_len, num_stop_ids=STOP_WIDTH,
+            experts=moe.routing_shape(cfg)), out_shardings=whole)()
         ins, outs = (param_shardings, kv_shardings, whole, whole), (kv_shardings, whole, whole)
         self._steps = {decode: jax.jit(step_function(cfg, page_size=page_size,
                                                      decode_only=decode),
@@ -264,6 +265,12 @@ class Runner:
             prompt_scores = results.prompt_scores(np.asarray(step.packed_scores), step.spans)
         return StepResult(step.bucket, results.samples(np.asarray(step.packed), step.chunks),
                           prompt_scores)
+
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """A mixture of experts' tokens routed to each expert so far, by MoE decoder
+        layer (waits for the step in flight, which holds the count)."""
+        layers = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
+        return dict(zip(layers, np.asarray(self.state.expert_tokens).tolist(), strict=True))
 
     @staticmethod
     def is_done(step: InFlight) -> bool:
