@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, layers, sharding
+from jaxinfer.model import fusion, layers, quantization, sharding
+from jaxinfer.model.quantization import QuantizedWeight
 
 EXPERT_MAJOR_TOKENS = 64  # up to this many tokens, the CPU path batches over experts
 # (a matmul per expert: 3-4x faster at 4-16 tokens on XLA:CPU); beyond, one dot over
@@ -97,6 +98,9 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
         gate_up_spec = down_spec = P(axis, None, None)
     else:
         gate_up_spec, down_spec = P(None, axis, None), P(None, None, axis)
+    if quantization.is_quantized(w_gate_up):  # scales [E, O] split as the values' E, O
+        gate_up_spec = QuantizedWeight(gate_up_spec, P(*gate_up_spec[:2]), w_gate_up.mode)
+        down_spec = QuantizedWeight(down_spec, P(*down_spec[:2]), w_down.mode)
     mapped = jax.shard_map(local, in_specs=(P(), gate_up_spec, down_spec, P(), P()),
                            out_specs=P(), check_vma=False)
     return mapped(x, w_gate_up, w_down, weights, experts)
@@ -106,7 +110,7 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                    weights: jax.Array, experts: jax.Array, *, block: int, shards: int,
                    expert_parallel: bool) -> jax.Array:
     """One device's share: its experts [E_local, 2F_local, D], [E_local, D, F_local]."""
-    held = w_gate_up.shape[0]
+    held = _num_experts(w_gate_up)
     if expert_parallel and shards > 1:  # global ids -> this device's, others weigh 0
         first = jax.lax.axis_index(sharding.MODEL_AXIS) * held
         experts = experts - first
@@ -124,6 +128,10 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
 
 
+def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+    return (w.value if quantization.is_quantized(w) else w).shape[0]
+
+
 def _swiglu_rows(h: jax.Array, block: int) -> jax.Array:
     """silu(gate) * up of gate/up columns interleaved in blocks (model/fusion.py)."""
     f = h.shape[-1] // 2
@@ -134,15 +142,29 @@ def _swiglu_rows(h: jax.Array, block: int) -> jax.Array:
 def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
               experts: jax.Array, block: int) -> jax.Array:
     """Each token choice gathers its expert's weights: reads T * k experts at most."""
-    held = w_gate_up.shape[0]
+    held = _num_experts(w_gate_up)
     tokens, k = experts.shape
     ids = jnp.minimum(experts, held - 1).reshape(-1)  # another device's: any, weight 0
-    rows = jnp.repeat(x, k, axis=0).astype(w_gate_up.dtype)  # [T * k, D], one per choice
-    gate_up = w_gate_up[ids]  # [T * k, 2F, D]: whole rows, read in order
-    h = jnp.einsum("nd,nfd->nf", rows, gate_up, preferred_element_type=jnp.float32)
-    hidden = _swiglu_rows(h, block).astype(w_down.dtype)
-    out = jnp.einsum("nf,ndf->nd", hidden, w_down[ids], preferred_element_type=jnp.float32)
+    rows = jnp.repeat(x, k, axis=0)  # [T * k, D], one per choice
+    h = _gathered_dot(rows, w_gate_up, ids)  # experts' [2F, D] rows, read in order
+    out = _gathered_dot(_swiglu_rows(h, block), w_down, ids)
     return jnp.einsum("tkd,tk->td", out.reshape(tokens, k, -1), weights)
+
+
+def _gathered_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Array
+                  ) -> jax.Array:
+    """rows f[n, I], each through its expert ids[n] of w [E, O, I] -> f32[n, O]."""
+    if not quantization.is_quantized(w):
+        return jnp.einsum("nd,nfd->nf", rows.astype(w.dtype), w[ids],
+                          preferred_element_type=jnp.float32)
+    value, scale = w.value[ids], w.scale[ids]
+    if w.mode == "w8a8":  # int8 x int8 -> int32, as quantization.linear
+        xq, x_scale = quantization.quantize_rows(rows)
+        y = jnp.einsum("nd,nfd->nf", xq, value, preferred_element_type=jnp.int32)
+        return y.astype(jnp.float32) * x_scale * scale
+    y = jnp.einsum("nd,nfd->nf", rows.astype(jnp.bfloat16), value.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+    return y * scale
 
 
 def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
@@ -150,47 +172,65 @@ def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax
     """Token choices sorted by expert, a grouped matmul per projection, scattered back
     weighted. Choices of another device's experts sort last, outside every group
     (ragged_dot leaves those rows zero)."""
-    held = w_gate_up.shape[0]
+    held = _num_experts(w_gate_up)
     tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
     sizes = jnp.bincount(flat, length=held + 1)[:held].astype(jnp.int32)
-    rows = x[token_of].astype(w_gate_up.dtype)  # [T * k, D]
-    h = _ragged_dot(rows, w_gate_up, sizes)
-    hidden = _swiglu_rows(h, block).astype(w_down.dtype)
-    out = _ragged_dot(hidden, w_down, sizes)
+    group = jnp.minimum(flat[order], held - 1)  # each sorted row's expert
+    h = _ragged_dot(x[token_of], w_gate_up, sizes, group)  # [T * k, 2F]
+    out = _ragged_dot(_swiglu_rows(h, block), w_down, sizes, group)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
 
-def _ragged_dot(rows: jax.Array, weights: jax.Array, sizes: jax.Array) -> jax.Array:
-    """rows [M, I] (sorted by group) times their group's weights [G, O, I] -> f32[M, O]."""
+def _ragged_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, sizes: jax.Array,
+                group: jax.Array) -> jax.Array:
+    """rows [M, I] (sorted by group; `group` i32[M] each one's) times their group's
+    weights [G, O, I] -> f32[M, O]. Quantized weights are converted to bfloat16 for the
+    grouped matmul (w8a8 too: weight-only here) and their scales applied per row."""
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(rows, weights, sizes, numbers,
-                                      preferred_element_type=jnp.float32)
+    quantized = quantization.is_quantized(w)
+    weights = w.value.astype(jnp.bfloat16) if quantized else w
+    y = jax.lax.ragged_dot_general(rows.astype(weights.dtype), weights, sizes, numbers,
+                                   preferred_element_type=jnp.float32)
+    return y * w.scale[group] if quantized else y
 
 
 def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
                  experts: jax.Array, block: int) -> jax.Array:
     """Every held expert for every token, weighted by the routing (0 where not chosen):
     one batched matmul per projection, for buckets that read every expert anyway."""
-    held = w_gate_up.shape[0]
+    held = _num_experts(w_gate_up)
     rows = jnp.arange(x.shape[0])[:, None]
     full = jnp.zeros((x.shape[0], held + 1), jnp.float32).at[rows, experts].add(weights)
-    x = x.astype(w_gate_up.dtype)
-    if x.shape[0] > EXPERT_MAJOR_TOKENS:  # one dot over (expert, column) pairs
+    float_weights = not quantization.is_quantized(w_gate_up)
+    if x.shape[0] > EXPERT_MAJOR_TOKENS and float_weights:  # one dot over (e, column)
+        x = x.astype(w_gate_up.dtype)
         h = jnp.einsum("td,efd->tef", x, w_gate_up, preferred_element_type=jnp.float32)
         hidden = _swiglu_rows(h, block) * full[:, :held, None]
         return jnp.einsum("tef,edf->td", hidden.astype(w_down.dtype), w_down,
                           preferred_element_type=jnp.float32)
-    h = jnp.einsum("td,efd->etf", x, w_gate_up, preferred_element_type=jnp.float32)
+    h = _expert_major_dot(jnp.broadcast_to(x, (held, *x.shape)), w_gate_up)
     hidden = _swiglu_rows(h, block) * full[:, :held].T[..., None]
-    out = jnp.einsum("etf,edf->etd", hidden.astype(w_down.dtype), w_down,
-                     preferred_element_type=jnp.float32)
-    return jnp.sum(out, axis=0)
+    return jnp.sum(_expert_major_dot(hidden, w_down), axis=0)
+
+
+def _expert_major_dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """x f[E, T, I] through each expert of w [E, O, I] -> f32[E, T, O]."""
+    if not quantization.is_quantized(w):
+        return jnp.einsum("etd,efd->etf", x.astype(w.dtype), w,
+                          preferred_element_type=jnp.float32)
+    if w.mode == "w8a8":
+        xq, x_scale = quantization.quantize_rows(x)
+        y = jnp.einsum("etd,efd->etf", xq, w.value, preferred_element_type=jnp.int32)
+        return y.astype(jnp.float32) * x_scale * w.scale[:, None, :]
+    y = jnp.einsum("etd,efd->etf", x.astype(jnp.bfloat16), w.value.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+    return y * w.scale[:, None, :]
 
 
 def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,8 +1,10 @@
 """Quantized linear weights: the pytree, quantize_params(), and the matmuls that use them.
 
-Modes (`EngineConfig.quantization`), applied to the four linear weights of every layer
-(`wqkv`, `wo`, `w_gate_up`, `w_down`); int8, w8a8 and fp8 are symmetric with one
-float32 scale per output channel:
+Modes (`EngineConfig.quantization`), applied to the linear weights of every layer
+(`wqkv`, `wo`, `w_gate_up`, `w_down`; in a MoE layer the experts, stacked [E, O, I]
+with a scale per expert and output row, and the shared expert: `quantize_experts`,
+model/moe.py); int8, w8a8 and fp8 are symmetric with one float32 scale per output
+channel:
 - "int8": int8 weights, weight-only: the matmul dequantizes them to bfloat16 inside
   the dot (activations bfloat16, f32 accumulation). XLA fuses the convert into the dot
   on TPU and GPU; XLA:CPU materializes the converted weight every step, so on CPU
@@ -79,6 +81,7 @@ from jaxinfer.model import params_table
 
 MODES = QUANTIZATION_MODES
 QUANTIZED_WEIGHTS = params_table.QUANTIZED
+EXPERT_WEIGHTS = tuple(dict.fromkeys(p.key for p in params_table.LAYER if p.experts))
 HEAD = "lm_head"  # quantized in every mode, a copy of a tied embedding table
 LAYOUT_VERSION = 2  # 2: values [O, I] and a quantized head; written beside orbax params
 STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
@@ -132,6 +135,23 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
     else:
         value = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return QuantizedWeight(value, scale, mode)
+
+
+def quantize_experts(w: jax.Array, mode: str) -> QuantizedWeight:
+    """A stack of expert weights [E, O, I] (stored as HF stores each, model/moe.py) ->
+    value [E, O, I] and scale f32[E, O]: each expert as `quantize` makes a weight."""
+    if mode == "int4":
+        raise ValueError("int4 does not apply to experts: use int8, w8a8 or fp8")
+    quantized = jax.vmap(lambda x: quantize(x.T, mode))(w)
+    return QuantizedWeight(quantized.value, quantized.scale, mode)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w8a8's activations: x f[..., I] -> int8 values and f32[..., 1] scales per row."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return jnp.clip(jnp.round(x / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), x_scale
 
 
 def quantize_numpy(w: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
@@ -239,12 +259,18 @@ def quantize_params(params: dict, mode: str, head: bool = True) -> dict:
     (jittable); a tied head becomes a quantized copy of the embedding table. `head=False`
     leaves the head as it is (what a pre-quantized checkpoint that keeps it float
     serves: `checkpoint.quantized_head`)."""
-    layers = [{name: quantize(value, mode) if name in QUANTIZED_WEIGHTS else value
-               for name, value in layer.items()} for layer in params["layers"]]
+    layers = [{name: _quantize_leaf(name, value, mode) for name, value in layer.items()}
+              for layer in params["layers"]]
     if not head:
         return params | {"layers": layers}
     head_weight = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
     return params | {"layers": layers, HEAD: quantize(head_weight, head_mode(mode))}
+
+
+def _quantize_leaf(name: str, value: jax.Array, mode: str) -> jax.Array | QuantizedWeight:
+    if name in EXPERT_WEIGHTS:
+        return quantize_experts(value, mode)
+    return quantize(value, mode) if name in QUANTIZED_WEIGHTS else value
 
 
 def has_quantized_head(params: dict) -> bool:
@@ -264,12 +290,18 @@ def partition_specs(specs: dict, mode: str | None, head: bool = True) -> dict:
     (see `quantize_params`)."""
     if mode is None:
         return specs
-    layers = [{name: _weight_spec(spec, mode) if name in QUANTIZED_WEIGHTS else spec
+    layers = [{name: _expert_spec(spec, mode) if name in EXPERT_WEIGHTS
+               else _weight_spec(spec, mode) if name in QUANTIZED_WEIGHTS else spec
                for name, spec in layer.items()} for layer in specs["layers"]]
     if not head:
         return specs | {"layers": layers}
     head_spec = specs[HEAD] if HEAD in specs else P(*reversed(tuple(specs["embed"])))
     return specs | {"layers": layers, HEAD: _weight_spec(head_spec, head_mode(mode))}
+
+
+def _expert_spec(spec: P, mode: str) -> QuantizedWeight:
+    """Experts keep their [E, O, I] layout; the scale [E, O] splits as the first two."""
+    return QuantizedWeight(spec, P(*(tuple(spec) + (None, None))[:2]), mode)
 
 
 def _weight_spec(spec: P, mode: str) -> QuantizedWeight:
@@ -282,10 +314,7 @@ def _weight_spec(spec: P, mode: str) -> QuantizedWeight:
 def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x f[..., I] @ w -> f32[..., O], by the weight's mode (see the module docstring)."""
     if w.mode == "w8a8":
-        x = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
-        xq = jnp.clip(jnp.round(x / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+        xq, x_scale = quantize_rows(x)
         y = jnp.einsum("...i,oi->...o", xq, w.value, preferred_element_type=jnp.int32)
         return y.astype(jnp.float32) * x_scale * w.scale
     if w.mode == "int4":  # weight-only: unpack and scale to bf16 inside the step

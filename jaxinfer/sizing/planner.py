@@ -233,7 +233,9 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
     tp, total = tensor_parallel_size, 0
     head = quantization if quantized_head else None
     for name, shape, n, spec in _device_shapes(cfg, tp):
-        if quantization is not None and name in QUANTIZED_WEIGHTS:
+        if name in EXPERT_WEIGHTS:
+            total += _expert_bytes(shape, n, spec, dtype, quantization, tp)
+        elif quantization is not None and name in QUANTIZED_WEIGHTS:
             total += quantized_bytes(name, shape, spec, quantization, tp)
         elif head is not None and name == HEAD:
             total += quantized_bytes(name, shape, spec, head_mode(head), tp)
@@ -243,6 +245,24 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
             head_spec = PartitionSpec(*reversed((tuple(spec) + (None, None))[:2]))
             total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(head), tp)
     return total
+
+
+def _expert_bytes(shape: tuple[int, ...], elements: int, spec: PartitionSpec, dtype: str,
+                  quantization: str | None, tp: int) -> int:
+    """One device's bytes of an expert stack [E, O, I]: `elements` of it in `dtype`, or
+    one byte each and a float32 scale per expert and output row it holds."""
+    if quantization is None:
+        return elements * jnp.dtype(dtype).itemsize
+    split = sum(axis is not None for axis in tuple(spec)[:2])
+    return elements + 4 * shape[0] * shape[1] // tp ** split
+
+
+def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
+                        quantization: str | None = None) -> int:
+    """The expert stacks' bytes on one device (part of `weight_bytes`)."""
+    return sum(_expert_bytes(shape, n, spec, dtype, quantization, tensor_parallel_size)
+               for name, shape, n, spec in _device_shapes(cfg, tensor_parallel_size)
+               if name in EXPERT_WEIGHTS)
 
 
 def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
@@ -341,7 +361,6 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
             "max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
     total_params, active_params = param_counts(cfg)
-    experts = sum(n for name, _, n, _ in _device_shapes(cfg, tp) if name in EXPERT_WEIGHTS)
     moe = cfg.moe
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       page_bytes=page_bytes, num_pages=num_pages,
@@ -356,7 +375,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
                       draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
-                      expert_weight_bytes=experts * jnp.dtype(dtype).itemsize,
+                      expert_weight_bytes=expert_weight_bytes(cfg, dtype, tp, quantization),
                       num_experts=moe.num_experts if moe else 0,
                       experts_per_token=moe.num_experts_per_tok if moe else 0,
                       total_params=total_params, active_params=active_params)

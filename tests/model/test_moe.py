@@ -15,7 +15,7 @@ import torch
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import fusion, moe, transformer
+from jaxinfer.model import fusion, moe, quantization, transformer
 
 MOE = testing.MOE_FAMILIES
 TOL = 1e-4
@@ -236,3 +236,52 @@ def test_a_router_biased_to_one_expert_shows_in_the_imbalance_metric(tmp_path, h
     assert biased["expert_tokens"][0][3] == fed_tokens["biased"]  # every token, once
     assert biased["expert_load_imbalance_per_layer"][0] == 4.0
     assert biased["expert_load_imbalance"] > counts["plain"]["expert_load_imbalance"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "fp8"])
+@pytest.mark.parametrize("path", ["_gathered", "_grouped", "_all_experts"])
+def test_quantized_experts_compute_as_their_dequantized_weights(mode, path):
+    """Each expert quantized as `quantize` quantizes a weight (a scale per output row);
+    every path gives what the dequantized float experts give (w8a8: up to its
+    activation rounding; the grouped path runs it weight-only)."""
+    held, tokens, k, d, f = 6, 5, 2, 32, 24
+    keys = jax.random.split(jax.random.key(4), 4)
+    w_gate_up = 0.3 * jax.random.normal(keys[0], (held, 2 * f, d))
+    w_down = 0.3 * jax.random.normal(keys[1], (held, d, f))
+    q_gate_up, q_down = (quantization.quantize_experts(w, mode) for w in (w_gate_up, w_down))
+    assert q_gate_up.value.shape == (held, 2 * f, d) and q_gate_up.scale.shape == (held, 2 * f)
+    one = quantization.quantize(w_gate_up[2].T, mode)
+    np.testing.assert_array_equal(np.asarray(q_gate_up.value[2], np.float32),
+                                  np.asarray(one.value, np.float32))
+    x = jax.random.normal(keys[2], (tokens, d))
+    experts = jax.random.randint(keys[3], (tokens, k), 0, held)
+    weights = jax.random.uniform(keys[3], (tokens, k))
+    block = fusion.mlp_block(f)
+
+    def dequantized(q):
+        return q.value.astype(jnp.float32) * q.scale[..., None]
+
+    want = moe._gathered(x, dequantized(q_gate_up), dequantized(q_down), weights, experts,
+                         block)
+    got = getattr(moe, path)(x, q_gate_up, q_down, weights, experts, block)
+    tol = 0.05 if mode == "w8a8" and path != "_grouped" else 0.01  # bf16 activations
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                               atol=tol * float(jnp.abs(want).max()))
+
+
+def test_quantized_moe_model_holds_int8_experts_the_planner_counts(hf_model_dirs):
+    from jaxinfer.engine.runner import tree_bytes
+    from jaxinfer.sizing import planner
+
+    llm = LLM(model=hf_model_dirs["qwen2_moe"], quantization="w8a8", max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir="")
+    layer = llm.engine.runner.params["layers"][0]
+    for key in ("we_gate_up", "we_down", "ws_gate_up", "ws_down"):
+        assert quantization.is_quantized(layer[key]) and layer[key].value.dtype == jnp.int8
+    assert not quantization.is_quantized(layer["w_router"])
+    assert not quantization.is_quantized(layer["w_shared_gate"])
+    cfg = llm.engine.runner.cfg
+    assert tree_bytes(llm.engine.runner.params) == planner.weight_bytes(
+        cfg, "float32", quantization="w8a8")
+    (out,) = llm.generate([_prompt(12, 9)], SamplingParams(max_tokens=6, temperature=0.0))
+    assert len(out.token_ids) == 6
