@@ -26,7 +26,7 @@ from jaxinfer.engine.runner.programs import (
     step_function,
     step_shardings,
 )
-from jaxinfer.model import sharding
+from jaxinfer.model import moe, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
 from jaxinfer.model.quantization import quantize_params
@@ -51,7 +51,8 @@ def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
                    in_shardings=(params_sh, kv_sh, whole, whole),
                    out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     inputs = input_spec(bucket, page_size=PAGE_SIZE)
-    state = state_spec(bucket.num_slots, page_size=PAGE_SIZE, max_model_len=MAX_LEN)
+    state = state_spec(bucket.num_slots, page_size=PAGE_SIZE, max_model_len=MAX_LEN,
+                       experts=moe.routing_shape(cfg))
     with jax.set_mesh(mesh):
         return jax.export.export(
             step, platforms=["cuda"],
@@ -142,3 +143,25 @@ def test_int4_step_exports_for_cuda():
     dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
     assert not [d for d in dots if "xui8>" in d]  # weight-only: bf16 dots
     assert "tensor<256x128xi8>" in text  # the LM head: int8 [V, D], weight-only
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_moe_step_exports_for_cuda_with_grouped_experts(expert_parallel):
+    """A Qwen3-MoE step over 4 devices: per layer a manual computation for attention and
+    one for the experts; the mixed bucket (64 choices of 8 experts) lowers the grouped
+    matmul to XLA's ragged dot for CUDA, the decode bucket (4 tokens x 2 = 8 choices, not
+    fewer than the 8 experts held without expert parallelism, 2 with) as well."""
+    if jax.device_count() < TP:
+        pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
+    from jaxinfer.config import MoEConfig
+
+    cfg = sharding.served_config(ModelConfig(
+        architecture="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, qk_norm=True,
+        attention_impl="gpu", expert_parallel=expert_parallel,
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64)), TP)
+    for bucket in BUCKETS:
+        text = _export(cfg, bucket).mlir_module()
+        assert text.count("sdy.manual_computation") == 2 * cfg.num_layers
+        ops = re.findall(r'stablehlo\.composite "chlo\.ragged_dot"', text)  # gate/up, down
+        assert len(ops) == 2 * cfg.num_layers, (bucket, len(ops))
