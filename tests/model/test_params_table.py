@@ -73,8 +73,8 @@ def test_partition_specs_split_matrices_and_a_divisible_vocabulary():
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_quantized_weights_are_the_layer_matrices(moe):
-    """Every 2-D leaf of a layer quantizes but the routers (float, as the families run
-    them); norms, biases and, for now, the stacked experts stay float."""
+    """Every matrix of a layer quantizes, the stacked experts included, but the routers
+    (float, as the families run them); norms and biases stay float."""
     cfg = _cfg()
     if moe:
         cfg = _cfg(architecture="qwen2_moe", qk_norm=False, moe=MoEConfig(
@@ -83,9 +83,9 @@ def test_quantized_weights_are_the_layer_matrices(moe):
     params = transformer.init_params(cfg, jax.random.key(0))
     quantized = quantization.quantize_params(params, "int8")
     for layer, original in zip(quantized["layers"], params["layers"], strict=True):
-        want = {k for k, v in original.items() if v.ndim == 2} - {"w_router", "w_shared_gate"}
+        want = {k for k, v in original.items() if v.ndim >= 2} - {"w_router", "w_shared_gate"}
         assert {k for k, v in layer.items() if quantization.is_quantized(v)} == want
-        assert want <= set(quantization.QUANTIZED_WEIGHTS)
+        assert want <= set(quantization.QUANTIZED_WEIGHTS) | set(quantization.EXPERT_WEIGHTS)
 
 
 def test_leaf_layouts_read_the_parts_in_the_table_order():
