@@ -1,8 +1,9 @@
 """Mixture-of-experts layers: a float32 router, then only the chosen experts' weights.
 
 `moe_block` replaces the MLP in a MoE layer (config/moe.py). The router's logits,
-softmax and top-k run in float32; `jax.lax.top_k` breaks ties by the lower expert
-index, as `torch.topk` does. The experts' SwiGLU MLPs are computed one of two ways,
+softmax and top-k run in float32; `jax.lax.top_k` gives a tie to the lower expert
+index on every backend (torch's CPU top-k picks by its selection order: docs/moe.md).
+The experts, stored [E, out, in] as HF stores each, are computed one of two ways,
 picked from static shapes so nothing recompiles whatever the routing:
 
 - gathered (`T * k` token choices fewer than the experts a device holds: decode-sized
@@ -18,7 +19,7 @@ picked from static shapes so nothing recompiles whatever the routing:
 
 Experts live on the model axis one of two ways (`ModelConfig.expert_parallel`): whole
 experts per device (E / n each), or a slice of every expert as for a dense MLP
-(gate/up by whole column-block pairs, down by rows). Either way each device computes
+(gate/up by whole row-block pairs of their outputs, down by its input columns). Either way each device computes
 its share for every token inside `shard_map` and one all-reduce (`psum`) sums the
 shares, the one the dense MLP's row-parallel down projection needs as well. No token
 is ever dropped: there is no capacity factor.
