@@ -37,6 +37,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers, quantization, sharding
 from jaxinfer.model.quantization import QuantizedWeight
 
+MEGABLOX_MAX_ROWS = 2048  # token choices up to which TPU takes the megablox kernel: it
+# read 0.36-0.97x ragged_dot's bytes at 16-256 tokens of 8 choices, 1.28x at 512
+# (benchmarks/grouped_matmul_tpu.py, libtpu's cost analysis, v5e and v6e)
 EXPERT_MAJOR_TOKENS = 64  # up to this many tokens, the CPU path batches over experts
 # (a matmul per expert: 3-4x faster at 4-16 tokens on XLA:CPU); beyond, one dot over
 # (expert, column) pairs is faster (16 ms vs 22 at 256 tokens, the bench_moe shape)
@@ -180,10 +183,32 @@ def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax
     token_of = order // k
     sizes = jnp.bincount(flat, length=held + 1)[:held].astype(jnp.int32)
     group = jnp.minimum(flat[order], held - 1)  # each sorted row's expert
-    h = _ragged_dot(x[token_of], w_gate_up, sizes, group)  # [T * k, 2F]
-    out = _ragged_dot(_swiglu_rows(h, block), w_down, sizes, group)
+    dot = _ragged_dot
+    if tokens * k <= MEGABLOX_MAX_ROWS:  # on TPU the megablox kernel reads fewer bytes
+        def dot(rows, w, sizes, group):  # noqa: ANN001, ANN202 (the same signature)
+            return jax.lax.platform_dependent(rows, w, sizes, group, tpu=_megablox_dot,
+                                              default=_ragged_dot)
+    h = dot(x[token_of], w_gate_up, sizes, group)  # [T * k, 2F]
+    out = dot(_swiglu_rows(h, block), w_down, sizes, group)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+
+def _megablox_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, sizes: jax.Array,
+                  group: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`_ragged_dot` through the Pallas megablox kernel (`gmm`): rows padded to whole
+    row tiles, and rows outside every group (which it leaves unwritten) set to zero."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    quantized = quantization.is_quantized(w)
+    weights = w.value.astype(jnp.bfloat16) if quantized else w
+    m = rows.shape[0]
+    tile = min(128, -(-m // 16) * 16)
+    padded = jnp.pad(rows.astype(weights.dtype), ((0, -(-m // tile) * tile - m), (0, 0)))
+    y = gmm(padded, weights, sizes, preferred_element_type=jnp.float32,
+            tiling=(tile, 128, 128), transpose_rhs=True, interpret=interpret)[:m]
+    y = jnp.where((jnp.arange(m) < jnp.sum(sizes))[:, None], y, 0.0)
+    return y * w.scale[group] if quantized else y
 
 
 def _ragged_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, sizes: jax.Array,

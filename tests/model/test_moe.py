@@ -285,3 +285,21 @@ def test_quantized_moe_model_holds_int8_experts_the_planner_counts(hf_model_dirs
         cfg, "float32", quantization="w8a8")
     (out,) = llm.generate([_prompt(12, 9)], SamplingParams(max_tokens=6, temperature=0.0))
     assert len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize("rows", [8, 40, 128])
+def test_megablox_path_matches_ragged_dot_and_zeroes_rows_outside_groups(rows):
+    """TPU's grouped matmul for small buckets, in Pallas interpret mode: the rows of each
+    group through its expert, and rows past every group (other devices' choices) 0."""
+    held, d, o = 4, 128, 256
+    keys = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(keys[0], (rows, d))
+    w = jax.random.normal(keys[1], (held, o, d))
+    sizes = jnp.array([rows // 4, rows // 8, 0, rows // 2], jnp.int32)
+    group = jnp.minimum(jnp.repeat(jnp.arange(held), sizes, total_repeat_length=rows),
+                        held - 1)
+    got = np.asarray(moe._megablox_dot(x, w, sizes, group, interpret=True))
+    want = np.asarray(moe._ragged_dot(x, w, sizes, group))
+    real = int(sizes.sum())
+    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
+    assert not got[real:].any()

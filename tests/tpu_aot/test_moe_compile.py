@@ -4,7 +4,7 @@ Qwen3-30B-A3B in bf16 on a v6e:2x4 with expert parallelism (16 of the 128 expert
 chip) and Mixtral-8x7B in bf16 on a v5e:2x4 with the experts split inside (each chip a
 slice of every expert): 4-layer variants in the default run, the whole models `slow`.
 Per chip the plan's weights and KV pool fit; the decode bucket gathers its tokens'
-experts and the mixed bucket runs `ragged_dot` (XLA:TPU's grouped matmul). Collectives
+experts and the mixed bucket runs the megablox grouped matmul (Mosaic). Collectives
 per step, L layers: per layer the attention output's all-reduce and the experts' psum,
 the embedding's all-reduce, and the logits' all-gather (with one logits row XLA:TPU
 writes the gather as an all-reduce).
@@ -55,6 +55,11 @@ def test_moe_layers_compile_over_8_chips(name):
                                 buckets="ends")
     assert [(r["tokens"], r["slots"]) for r in report["buckets"]] == [(1, 1), (16, 8)]
     _check(report, cfg)
+    # Mosaic kernels: attention's two passes a layer; the mixed bucket (16 tokens, 128 or
+    # 32 choices) adds the megablox grouped matmul for gate/up and down, the decode
+    # bucket gathers its one token's experts instead.
+    assert [r["mosaic_kernels"] for r in report["buckets"]] == [2 * cfg.num_layers,
+                                                                4 * cfg.num_layers]
 
 
 @pytest.mark.slow
