@@ -9,8 +9,9 @@ picked from static shapes so nothing recompiles whatever the routing:
 - gathered (`T * k` token choices fewer than the experts a device holds: decode-sized
   buckets): each choice gathers its expert's gate/up and down weights and runs a
   batched matmul, so a step reads the weights of at most `T * k` experts;
-- grouped (larger buckets): choices sorted by expert and `jax.lax.ragged_dot`, the
-  grouped matmul that TPU and GPU lower to XLA's ragged dot. On XLA:CPU JAX lowers
+- grouped (larger buckets): choices sorted by expert and a grouped matmul: on TPU the
+  Pallas megablox kernel up to MEGABLOX_MAX_ROWS choices, else `jax.lax.ragged_dot`,
+  which TPU and GPU lower to XLA's ragged dot. On XLA:CPU JAX lowers
   ragged_dot to a dot over every group for every choice, masked (k times the work of
   every expert for every token), so on CPU (`jax.lax.platform_dependent`) such buckets
   run every expert for every token, weighted by the routing (zero where not chosen):
@@ -19,10 +20,10 @@ picked from static shapes so nothing recompiles whatever the routing:
 
 Experts live on the model axis one of two ways (`ModelConfig.expert_parallel`): whole
 experts per device (E / n each), or a slice of every expert as for a dense MLP
-(gate/up by whole row-block pairs of their outputs, down by its input columns). Either way each device computes
-its share for every token inside `shard_map` and one all-reduce (`psum`) sums the
-shares, the one the dense MLP's row-parallel down projection needs as well. No token
-is ever dropped: there is no capacity factor.
+(gate/up by whole row-block pairs of their outputs, down by its input columns).
+Either way each device computes its share for every token inside `shard_map` and one
+all-reduce (`psum`) sums the shares, the one the dense MLP's row-parallel down
+projection needs as well. No token is ever dropped: there is no capacity factor.
 """
 
 from __future__ import annotations
