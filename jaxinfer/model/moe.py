@@ -72,7 +72,13 @@ def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, with_experts: bool
     lead, d = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, d)
     weights, experts = route(x, layer["w_router"], cfg)
-    y = expert_mlps(x, layer["we_gate_up"], layer["we_down"], weights, experts, cfg)
+    gate_up = layer["we_gate_up"]
+    if "be_gate_up" in layer:  # per-expert biases [E, 2F] and [E, D] (gpt-oss)
+        gate_up = (gate_up, layer["be_gate_up"])
+    y = expert_mlps(x, gate_up, layer["we_down"], weights, experts, cfg)
+    if "be_down" in layer:  # added once, after the devices' shares are summed
+        y = y + jnp.einsum("tk,tkd->td", weights, layer["be_down"][experts].astype(
+            jnp.float32))
     if "ws_gate_up" in layer:  # Qwen2-MoE's shared expert, behind a sigmoid gate
         gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
         y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
@@ -91,7 +97,8 @@ def expert_counts(experts: jax.Array, num_tokens: jax.Array, num_experts: int
 def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                 weights: jax.Array, experts: jax.Array, cfg: ModelConfig) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D]; on a mesh, each
-    device its experts (or its slice of each) and one psum."""
+    device its experts (or its slice of each) and one psum. `w_gate_up` may be a pair
+    (weights, biases [E, 2F]): the bias is added to the gate/up outputs."""
     shards = sharding.model_axis_size()
     block = fusion.mlp_block(cfg.moe.intermediate_size)
     local = functools.partial(_local_experts, block=block, shards=shards,
@@ -103,9 +110,13 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
         gate_up_spec = down_spec = P(axis, None, None)
     else:
         gate_up_spec, down_spec = P(None, axis, None), P(None, None, axis)
-    if quantization.is_quantized(w_gate_up):  # scales [E, O] split as the values' E, O
-        gate_up_spec = QuantizedWeight(gate_up_spec, P(*gate_up_spec[:2]), w_gate_up.mode)
+    weight, bias = _with_bias(w_gate_up)
+    if quantization.is_quantized(weight):  # scales [E, O] split as the values' E, O
+        gate_up_spec = QuantizedWeight(gate_up_spec, P(*gate_up_spec[:2]), weight.mode)
         down_spec = QuantizedWeight(down_spec, P(*down_spec[:2]), w_down.mode)
+    if bias is not None:  # [E, 2F] split as the weights' first two axes
+        gate_up_spec = (gate_up_spec, P(*(gate_up_spec.value if isinstance(
+            gate_up_spec, QuantizedWeight) else gate_up_spec)[:2]))
     mapped = jax.shard_map(local, in_specs=(P(), gate_up_spec, down_spec, P(), P()),
                            out_specs=P(), check_vma=False)
     return mapped(x, w_gate_up, w_down, weights, experts)
@@ -133,8 +144,14 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
 
 
-def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+def _num_experts(w: jax.Array | QuantizedWeight | tuple) -> int:
+    w, _ = _with_bias(w)
     return (w.value if quantization.is_quantized(w) else w).shape[0]
+
+
+def _with_bias(w: jax.Array | QuantizedWeight | tuple) -> tuple:
+    """(weights, biases or None) of a gate/up argument."""
+    return w if isinstance(w, tuple) else (w, None)
 
 
 def _swiglu_rows(h: jax.Array, block: int) -> jax.Array:
@@ -151,7 +168,10 @@ def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: ja
     tokens, k = experts.shape
     ids = jnp.minimum(experts, held - 1).reshape(-1)  # another device's: any, weight 0
     rows = jnp.repeat(x, k, axis=0)  # [T * k, D], one per choice
+    w_gate_up, bias = _with_bias(w_gate_up)
     h = _gathered_dot(rows, w_gate_up, ids)  # experts' [2F, D] rows, read in order
+    if bias is not None:
+        h = h + bias[ids].astype(jnp.float32)
     out = _gathered_dot(_swiglu_rows(h, block), w_down, ids)
     return jnp.einsum("tkd,tk->td", out.reshape(tokens, k, -1), weights)
 
@@ -189,7 +209,10 @@ def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax
         def dot(rows, w, sizes, group):  # noqa: ANN001, ANN202 (the same signature)
             return jax.lax.platform_dependent(rows, w, sizes, group, tpu=_megablox_dot,
                                               default=_ragged_dot)
+    w_gate_up, bias = _with_bias(w_gate_up)
     h = dot(x[token_of], w_gate_up, sizes, group)  # [T * k, 2F]
+    if bias is not None:
+        h = h + bias[group].astype(jnp.float32)
     out = dot(_swiglu_rows(h, block), w_down, sizes, group)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
@@ -234,14 +257,17 @@ def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights:
     held = _num_experts(w_gate_up)
     rows = jnp.arange(x.shape[0])[:, None]
     full = jnp.zeros((x.shape[0], held + 1), jnp.float32).at[rows, experts].add(weights)
+    w_gate_up, bias = _with_bias(w_gate_up)
+    bias = jnp.zeros((), jnp.float32) if bias is None else bias.astype(jnp.float32)
     float_weights = not quantization.is_quantized(w_gate_up)
     if x.shape[0] > EXPERT_MAJOR_TOKENS and float_weights:  # one dot over (e, column)
         x = x.astype(w_gate_up.dtype)
         h = jnp.einsum("td,efd->tef", x, w_gate_up, preferred_element_type=jnp.float32)
-        hidden = _swiglu_rows(h, block) * full[:, :held, None]
+        hidden = _swiglu_rows(h + bias, block) * full[:, :held, None]
         return jnp.einsum("tef,edf->td", hidden.astype(w_down.dtype), w_down,
                           preferred_element_type=jnp.float32)
     h = _expert_major_dot(jnp.broadcast_to(x, (held, *x.shape)), w_gate_up)
+    h = h + (bias[:, None, :] if bias.ndim else bias)
     hidden = _swiglu_rows(h, block) * full[:, :held].T[..., None]
     return jnp.sum(_expert_major_dot(hidden, w_down), axis=0)
 

@@ -15,7 +15,7 @@ import torch
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import fusion, moe, quantization, transformer
+from jaxinfer.model import fusion, moe, quantization, sharding, transformer
 
 MOE = testing.MOE_FAMILIES
 TOL = 1e-4
@@ -303,3 +303,46 @@ def test_megablox_path_matches_ragged_dot_and_zeroes_rows_outside_groups(rows):
     real = int(sizes.sum())
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
     assert not got[real:].any()
+
+
+def _biased_reference(layer: dict, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Each token through its chosen experts one by one, biases included."""
+    weights, experts = (np.asarray(a) for a in moe.route(jnp.asarray(x),
+                                                         layer["w_router"], cfg))
+    block = fusion.mlp_block(cfg.moe.intermediate_size)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t], strict=True):
+            h = np.asarray(layer["we_gate_up"][e]) @ x[t] + np.asarray(layer["be_gate_up"][e])
+            hidden = np.asarray(moe._swiglu_rows(jnp.asarray(h), block))
+            out[t] += w * (np.asarray(layer["we_down"][e]) @ hidden
+                           + np.asarray(layer["be_down"][e]))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 80])
+@pytest.mark.parametrize("shards, expert_parallel", [(1, False), (4, True), (4, False)])
+def test_per_expert_biases_on_every_path_and_split(tokens, shards, expert_parallel):
+    """Biases on the experts' gate/up [E, 2F] and down [E, D] outputs (gpt-oss has them):
+    the gathered path (1 token), every expert (40 and 80: both CPU forms), split by
+    expert or inside each expert over 4 devices (the down bias added once)."""
+    moe_cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    cfg = ModelConfig(architecture="qwen3_moe", vocab_size=32, hidden_size=16,
+                      intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, moe=moe_cfg, expert_parallel=expert_parallel)
+    layer = _random_layer(cfg, 1)
+    keys = jax.random.split(jax.random.key(6), 3)
+    layer["be_gate_up"] = jax.random.normal(keys[0], (8, 64))
+    layer["be_down"] = jax.random.normal(keys[1], (8, 16))
+    x = np.asarray(jax.random.normal(keys[2], (tokens, 16)))
+    mesh = sharding.make_mesh(shards)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda l, x: moe.moe_block(l, x, cfg))(layer, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(got), _biased_reference(layer, x, cfg),
+                               rtol=1e-4, atol=1e-4)
+    weights, experts = moe.route(jnp.asarray(x), layer["w_router"], cfg)  # TPU's path
+    grouped = moe._grouped(jnp.asarray(x), (layer["we_gate_up"], layer["be_gate_up"]),
+                           layer["we_down"], weights, experts, fusion.mlp_block(32))
+    grouped += jnp.einsum("tk,tkd->td", weights, layer["be_down"][experts])
+    np.testing.assert_allclose(np.asarray(grouped), _biased_reference(layer, x, cfg),
+                               rtol=1e-4, atol=1e-4)
