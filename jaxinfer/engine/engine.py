@@ -62,11 +62,9 @@ class Engine:
         self.runner = loaded.runner
         self.speculation = loaded.speculation  # None without speculative decoding
         self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
-        self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s)
-        if self.speculation is not None:
-            self.metrics.speculation = self.speculation.stats.summary
-        if loaded.model_config.moe is not None:
-            self.metrics.expert_tokens = self.runner.expert_tokens
+        self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s,
+                               speculation=self.speculation and self.speculation.stats.summary,
+                               expert_tokens=self.model_config.moe and self.runner.expert_tokens)
         num_pages = self.memory_plan.num_pages
         self.scheduler = Scheduler(
             PagePool(num_pages, enable_caching=config.enable_prefix_caching),

@@ -204,6 +204,7 @@ LAYER = (
 )
 
 QUANTIZED = tuple(dict.fromkeys(p.key for p in LAYER if p.quantized))  # linear weights
+EXPERTS = tuple(dict.fromkeys(p.key for p in LAYER if p.experts))  # stacked [E, O, I]
 
 
 def top_params(cfg: ModelConfig) -> tuple[Param, ...]:

@@ -81,7 +81,7 @@ from jaxinfer.model import params_table
 
 MODES = QUANTIZATION_MODES
 QUANTIZED_WEIGHTS = params_table.QUANTIZED
-EXPERT_WEIGHTS = tuple(dict.fromkeys(p.key for p in params_table.LAYER if p.experts))
+EXPERT_WEIGHTS = params_table.EXPERTS
 HEAD = "lm_head"  # quantized in every mode, a copy of a tied embedding table
 LAYOUT_VERSION = 2  # 2: values [O, I] and a quantized head; written beside orbax params
 STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sharding
-from jaxinfer.model.params_table import LAYER, param_partition_specs, param_shapes
+from jaxinfer.model.params_table import EXPERTS, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
 
 GB = 1e9
-EXPERT_WEIGHTS = tuple(dict.fromkeys(p.key for p in LAYER if p.experts))
+EXPERT_WEIGHTS = EXPERTS
 ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
 
 
@@ -360,8 +360,6 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
             f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
             "max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
-    total_params, active_params = param_counts(cfg)
-    moe = cfg.moe
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       page_bytes=page_bytes, num_pages=num_pages,
                       kv_cache_bytes=num_pages * page_bytes, max_model_len=max_model_len,
@@ -375,7 +373,16 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
                       draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
-                      expert_weight_bytes=expert_weight_bytes(cfg, dtype, tp, quantization),
-                      num_experts=moe.num_experts if moe else 0,
-                      experts_per_token=moe.num_experts_per_tok if moe else 0,
-                      total_params=total_params, active_params=active_params)
+                      **_moe_fields(cfg, dtype, tp, quantization))
+
+
+def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None) -> dict:
+    """MemoryPlan's parameter counts and, for a mixture of experts, its routing and the
+    experts' bytes on one device."""
+    total, active = param_counts(cfg)
+    out = {"total_params": total, "active_params": active}
+    if cfg.moe is None:
+        return out
+    return out | {"expert_weight_bytes": expert_weight_bytes(cfg, dtype, tp, quantization),
+                  "num_experts": cfg.moe.num_experts,
+                  "experts_per_token": cfg.moe.num_experts_per_tok}

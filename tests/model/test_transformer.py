@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import checkpoint
+from jaxinfer import checkpoint, testing
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import transformer
 
@@ -73,7 +73,7 @@ def test_forward_mixed_batch_matches_separate_requests(family, hf_model_dirs, hf
     assert np.abs(step - want).max() < TOL
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + testing.MOE_FAMILIES)
 def test_forward_dense_matches_paged(family, hf_model_dirs, hf_models):
     cfg = checkpoint.load_config(hf_model_dirs[family])
     params = checkpoint.load_params(hf_model_dirs[family], cfg)
