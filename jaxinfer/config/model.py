@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
 # Model shapes by name (llama3.1-8b, ...), package data: installed with the wheel.
 PRESET_DIR = importlib.resources.files("jaxinfer.config") / "presets"
@@ -69,6 +70,10 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's attention, "sliding_attention" (the window above) or "full_attention",
+    as HF's `layer_types`; None: every layer attends within `sliding_window` (Mistral) or
+    to everything (no window)."""
     max_position_embeddings: int = 2048
     moe: MoEConfig | None = None  # experts in place of the MLP (config/moe.py)
     expert_parallel: bool = False
@@ -96,6 +101,7 @@ class ModelConfig:
             raise ValueError(f"{self.head_dim=} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"{self.sliding_window=} must be > 0 or None")
+        self._check_layer_types()
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
         if self.expert_parallel and self.moe is None:
@@ -103,6 +109,29 @@ class ModelConfig:
                              f"model; {self.architecture} has no experts")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers=}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"layer_types has {sorted(unknown)}; known: {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but "
+                             "sliding_window is None")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer` (None: it sees every token)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers whose attention sees only the last `sliding_window` tokens."""
+        return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has experts in place of its MLP."""
@@ -231,4 +260,6 @@ def load_preset(name_or_path: str) -> ModelConfig:
         model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
     if "moe" in model:
         model["moe"] = MoEConfig(**model["moe"])
+    if "layer_types" in model:
+        model["layer_types"] = tuple(model["layer_types"])
     return ModelConfig(**model)

@@ -120,13 +120,15 @@ def attention_block(
     *,
     rope: tuple[jax.Array, jax.Array],  # cos, sin f32[T, 1, H] (layers.rope_tables)
     max_q_len: int = 0,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
-    """Self-attention of this step's tokens; returns (f32[T, D], new kv_pages)."""
+    """Self-attention of this step's tokens within the layer's `window` (None: all of
+    them); returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
     q, k, v = project_qkv(layer, x, cfg, rope)
     shards = sharding.model_axis_size()
     attend = functools.partial(_write_and_attend, cfg=cfg, max_q_len=max_q_len,
-                               num_kv_heads=cfg.num_kv_heads // shards)
+                               num_kv_heads=cfg.num_kv_heads // shards, window=window)
     if shards > 1:  # each device: its own KV heads, their pages, no communication
         heads = P(None, sharding.MODEL_AXIS, None)
         kv_spec = KV_PAGES_SPEC
@@ -141,8 +143,8 @@ def attention_block(
 
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
                       kv_pages: jax.Array | QuantizedPages, md: AttentionMetadata, *,
-                      cfg: ModelConfig, max_q_len: int, num_kv_heads: int
-                      ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
+                      cfg: ModelConfig, max_q_len: int, num_kv_heads: int,
+                      window: int | None) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Write this step's K/V, then attend: (f[T, N, H], new kv_pages); on one device's
     heads under tensor parallelism. 8-bit pages: quantized per token and head, queries
     in float32."""
@@ -157,7 +159,7 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
         query_dtype = jnp.float32 if stored_bits else pages.dtype
     out = ragged_paged_attention(
         q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=window,
         num_kv_heads=num_kv_heads, impl=cfg.attention_impl,
         interpret=cfg.attention_interpret, max_q_len=max_q_len, kv_scales=kv_scales)
     return out, pages if kv_scales is None else QuantizedPages(pages, kv_scales)
@@ -167,13 +169,15 @@ def dense_causal_attention(
     layer: dict[str, jax.Array],
     x: jax.Array,  # f32[B, T, D], already normed
     cfg: ModelConfig,
+    window: int | None = None,
 ) -> jax.Array:
-    """Full causal self-attention without a cache (training, reference checks)."""
+    """Full causal self-attention without a cache (training, reference checks), within
+    `window` tokens when given."""
     batch, tokens, _ = x.shape
     rope = layers.rope_tables(jnp.arange(tokens, dtype=jnp.int32), layers.rope_inv_freq(cfg))
     q, k, v = project_qkv(layer, x, cfg, rope)
     dtype = layer["wqkv"].dtype
     out = jax.nn.dot_product_attention(
         q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
-        local_window_size=None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0))
+        local_window_size=None if window is None else (window - 1, 0))
     return layers.linear(out.reshape(batch, tokens, -1), layer["wo"])

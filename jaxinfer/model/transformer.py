@@ -74,10 +74,11 @@ def forward(
     rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
     real_tokens = md.cu_q_lens[md.num_seqs[0]]
     new_cache, routed = [], []
-    for layer, kv_pages in zip(params["layers"], kv_cache, strict=True):
+    for index, (layer, kv_pages) in enumerate(zip(params["layers"], kv_cache, strict=True)):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
-                                         max_q_len=max_q_len)
+                                         max_q_len=max_q_len,
+                                         window=cfg.layer_window(index))
         x = x + attn
         h = layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         if "w_router" in layer:
@@ -96,9 +97,9 @@ def forward(
 def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V]."""
     x = layers.embed(params["embed"], token_ids)
-    for layer in params["layers"]:
+    for index, layer in enumerate(params["layers"]):
         h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        x = x + dense_causal_attention(layer, h, cfg)
+        x = x + dense_causal_attention(layer, h, cfg, cfg.layer_window(index))
         x = x + mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
     return compute_logits(params, x, cfg)
 
