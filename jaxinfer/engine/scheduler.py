@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxinfer.config import SCHEDULERS
+from jaxinfer.engine.kv_groups import PageGroups
 from jaxinfer.engine.page_pool import ROOT, PagePool
 from jaxinfer.engine.request import Request, Status
 
@@ -105,10 +106,13 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, *, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: Collection[int] = (), policy: str = "continuous") -> None:
+                 eos_token_ids: Collection[int] = (), policy: str = "continuous",
+                 sliding_pool: PagePool | None = None, window: int | None = None) -> None:
         if policy not in SCHEDULERS:
             raise ValueError(f"scheduler={policy!r} must be one of {SCHEDULERS}")
-        self.pool = pool
+        self.pool = pool  # the full group's (every layer's, without a sliding group)
+        self.pages = PageGroups(pool, page_size=page_size, sliding_pool=sliding_pool,
+                                window=window)  # engine/kv_groups.py
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -165,7 +169,8 @@ class Scheduler:
     def _reserve_or_preempt(self, request: Request, count: int,
                             preempted: list[Request]) -> bool:
         """Pages for `count` more tokens of `request`, preempting from the back as needed."""
-        while not self._reserve(request, request.num_computed_tokens + count):
+        start = request.num_computed_tokens
+        while not self.pages.reserve(request, start + count, first_query=start):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -182,9 +187,11 @@ class Scheduler:
             if self._waits_for_sibling(request) or request.num_output_placeholders:
                 index += 1
                 continue
-            self._take_cached_pages(request)
-            count = min(_target(request) - request.num_computed_tokens, budget)
-            if not self._reserve(request, request.num_computed_tokens + count):
+            if self.pool.enable_caching and not request.scoring_prompt:
+                self.pages.take_cached(request)  # as vLLM: a scoring prompt runs every position
+            start = request.num_computed_tokens
+            count = min(_target(request) - start, budget)
+            if not self.pages.reserve(request, start + count, first_query=start):
                 self._release(request)  # the cached pages it took, if any
                 request.num_computed_tokens = 0
                 break
@@ -209,19 +216,6 @@ class Scheduler:
             r.num_computed_tokens < len(r.prompt_token_ids)
             or len(r.page_serials) < shared) for r in self.running)
 
-    def _take_cached_pages(self, request: Request) -> None:
-        """Start `request` on the cached pages of its leading full pages (not the last
-        token's page: its logits are needed). A request still scoring its prompt
-        (`prompt_logprobs`) takes none, as in vLLM: every prompt position must run."""
-        if not self.pool.enable_caching or request.scoring_prompt:
-            return
-        tokens = request.all_token_ids
-        pages, serials = self.pool.match(tokens, self.page_size,
-                                         (len(tokens) - 1) // self.page_size)
-        self.pool.share(pages)
-        request.page_ids, request.page_serials = pages, serials
-        request.num_computed_tokens = len(pages) * self.page_size
-
     def _record_lookup(self, request: Request) -> None:
         """The prefix cache's hit and its misses, split by cause, at first admission."""
         prompt, hit = len(request.prompt_token_ids), request.num_computed_tokens
@@ -239,24 +233,7 @@ class Scheduler:
 
     def _register_pages(self, request: Request) -> None:
         """Register the request's newly computed full pages in the prefix cache."""
-        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
-        if not self.pool.enable_caching or full <= len(request.page_serials):
-            return
-        parent = request.page_serials[-1] if request.page_serials else ROOT
-        for index in range(len(request.page_serials), full):
-            parent = self.pool.register(request.page_ids[index], parent, request.tokens(
-                index * self.page_size, (index + 1) * self.page_size))
-            request.page_serials.append(parent)
-
-    def _reserve(self, request: Request, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.page_size) - len(request.page_ids)
-        if need <= 0:
-            return True
-        pages = self.pool.allocate(need)
-        if pages is None:
-            return False
-        request.page_ids.extend(pages)
-        return True
+        self.pages.register(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -267,11 +244,8 @@ class Scheduler:
         self.add(request)
 
     def _release(self, request: Request) -> None:
-        """Give back the request's pages (cached ones stay cached)."""
-        if request.page_ids:
-            self.pool.free(request.page_ids)
-            request.page_ids = []
-        request.page_serials = []
+        """Give back the request's pages in every group (cached ones stay cached)."""
+        self.pages.release(request)
 
     def reserve_drafts(self, plan: StepPlan, wanted: Sequence[int]) -> list[int]:
         """Pages for up to `wanted[i]` draft tokens after chunk i (a decode: its one token
@@ -281,7 +255,7 @@ class Scheduler:
         for chunk, count in zip(plan.chunks, wanted, strict=True):
             end = chunk.start + chunk.num_tokens
             count = max(0, min(count, self.max_model_len - end))
-            while count and not self._reserve(chunk.request, end + count):
+            while count and not self.pages.reserve(chunk.request, end + count):
                 count -= 1
             granted.append(count)
         return granted
@@ -327,7 +301,7 @@ class Scheduler:
                 self.finish(request, *reason)
                 finished.append(request)
             elif chunk.draft_token_ids:
-                self._trim_pages(request)
+                self.pages.trim(request)
         return finished
 
     def _append(self, request: Request, tokens: Sequence[int]
@@ -339,14 +313,6 @@ class Scheduler:
             if reason is not None:
                 return reason
         return None
-
-    def _trim_pages(self, request: Request) -> None:
-        """Free the pages past those the request's tokens need (they held rejected
-        drafts' K/V only)."""
-        keep = -(-request.num_tokens // self.page_size)
-        if len(request.page_ids) > keep:
-            self.pool.free(request.page_ids[keep:])
-            del request.page_ids[keep:]
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
         params = request.params
