@@ -9,6 +9,10 @@ import dataclasses
 
 from jaxinfer.config.engine import setting
 
+# `--reasoning_parser` values (vLLM's names): the keys of jaxinfer.text.reasoning.PARSERS,
+# listed here because config sits below the text layer
+REASONING_PARSERS = ("openai_gptoss",)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
@@ -83,6 +87,15 @@ class ServerConfig:
     shutdown_timeout: int = setting(
         30, "seconds after SIGTERM to finish in-flight requests; then they are aborted with "
         "an error and the process exits 0")
+    reasoning_parser: str | None = setting(
+        None, "chat: split a reasoning model's output, its reasoning into the message's "
+        "`reasoning` field and its answer into `content` (vLLM's flag and field); "
+        "openai_gptoss: gpt-oss's harmony channels (analysis and commentary: reasoning, "
+        "final: content)", REASONING_PARSERS)
+    include_reasoning_content: bool = setting(
+        False, "with --reasoning_parser, also send the reasoning as `reasoning_content` "
+        "(DeepSeek's and SGLang's name, and vLLM's before `reasoning`) for clients that "
+        "read only that")
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
@@ -97,3 +110,9 @@ class ServerConfig:
             raise ValueError(f"port={self.port!r} must be in [0, 65536)")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} must be one of "
+                             f"{', '.join(REASONING_PARSERS)}")
+        if self.include_reasoning_content and self.reasoning_parser is None:
+            raise ValueError("include_reasoning_content=True needs reasoning_parser (there "
+                             "is no reasoning to send without one)")

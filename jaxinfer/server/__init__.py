@@ -65,6 +65,9 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
 
 def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:
     tokenizer = llm.tokenizer
+    if tokenizer is None and config.reasoning_parser is not None:
+        raise ValueError(f"--reasoning_parser={config.reasoning_parser} reads the generated "
+                         "text: it needs the model's tokenizer (drop --skip_tokenizer_init)")
     token_text = None
     if tokenizer is not None:
         token_text = functools.lru_cache(maxsize=65536)(
@@ -72,7 +75,8 @@ def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) ->
     return ServerState(loop=loop, config=config, model_name=model_name,
                        model_root=str(llm.engine.model_dir), max_model_len=llm.max_model_len,
                        defaults=llm.engine.default_params, token_text=token_text,
-                       enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs)
+                       enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs,
+                       tokenizer=tokenizer)
 
 
 def _after(seconds: float, action: Callable[[], None]) -> None:

@@ -12,7 +12,8 @@ Prompt logprobs (vLLM's `prompt_logprobs`, or the legacy `echo` with `logprobs`)
 server started with --enable_prompt_logprobs, else they are a 400 naming the flag. A
 completion choice carries `prompt_logprobs` in its whole body, or streamed in its first
 chunk (with the echoed prompt); a chat response carries them beside `choices`, and chat
-refuses them with `stream` (as vLLM does).
+refuses them with `stream` (as vLLM does). Under --reasoning_parser a chat choice's
+reasoning leaves in its own field (server/reasoning.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from jaxinfer.server import prometheus, protocol
 from jaxinfer.server import responses as out
 from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
-from jaxinfer.server.streams import Disconnected, Stream, updates
+from jaxinfer.server.reasoning import ReasoningSplitter, splitter
+from jaxinfer.server.streams import Disconnected, Piece, Stream, Update, updates
+from jaxinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
@@ -56,6 +59,7 @@ class ServerState:
     defaults: SamplingParams
     token_text: out.TokenText | None  # None without a tokenizer: no logprob texts
     enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
+    tokenizer: Tokenizer | None = None  # for --reasoning_parser (server/reasoning.py)
     draining: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # a signal came
 
 
@@ -226,7 +230,8 @@ async def _chat(request: fastapi.Request) -> Response:
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
                             limit=protocol.max_tokens(body))
-    shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0)
+    shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
+                   reasoning=splitter(state.config, state.tokenizer, params))
     return await _respond(request, state, shape, [submission], body)
 
 
@@ -247,6 +252,7 @@ class _Shape:
     top: int | None = None
     echo: bool = False
     echo_only: bool = False
+    reasoning: ReasoningSplitter | None = None  # chat: --reasoning_parser
     response_id: str = ""
 
     def __post_init__(self) -> None:
@@ -260,7 +266,8 @@ class _Shape:
                text_offset: int = 0) -> dict[str, Any]:
         """`first`: the choice's first rendering (whole, or its first chunk)."""
         if self.chat:
-            return out.chat_choice(choice, self.state.token_text, self.top or 0, delta)
+            return out.chat_choice(choice, self.state.token_text, self.top or 0, delta,
+                                   self.reasoning.names if self.reasoning else ())
         if self.echo_only:
             choice = out.Choice(choice.index, finish_reason=choice.finish_reason)
         if self.echo and first:
@@ -270,6 +277,11 @@ class _Shape:
         if self.params.prompt_logprobs is not None and first:
             rendered["prompt_logprobs"] = _prompt_logprobs(stream)
         return rendered
+
+    def pieces(self, stream: Stream, update: Update) -> list[Piece]:
+        """The update's pieces; under a reasoning parser, split into reasoning and content."""
+        return update.pieces if self.reasoning is None else self.reasoning.split(
+            stream, update.pieces)
 
     def generated(self, token_ids: list[int]) -> int:
         """The completion tokens `token_ids` count for (none under `echo_only`)."""
@@ -342,9 +354,10 @@ async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
     n = shape.params.n
     choices = [out.Choice(index=i) for i in range(n * len(streams))]
     async for prompt_index, update in updates(streams):
-        for piece in update.pieces:
+        for piece in shape.pieces(streams[prompt_index], update):
             choices[prompt_index * n + piece.index].add(
-                piece.text, piece.token_ids, piece.logprobs, piece.finish_reason)
+                piece.text, piece.token_ids, piece.logprobs, piece.finish_reason,
+                piece.reasoning)
     generated = sum(shape.generated(c.token_ids) for c in choices)
     extra = {}
     if shape.chat and shape.params.prompt_logprobs is not None:  # vLLM's place in chat
@@ -365,10 +378,10 @@ async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
                         "logprobs": None, "finish_reason": None} for i in range(n)]
             yield _event(shape.body(opening, chunk=True, **extra()))
         async for prompt_index, update in updates(streams):
-            for piece in update.pieces:
+            for piece in shape.pieces(streams[prompt_index], update):
                 index = prompt_index * n + piece.index
                 choice = out.Choice(index, piece.text, piece.token_ids, piece.logprobs,
-                                    piece.finish_reason)
+                                    piece.finish_reason, piece.reasoning)
                 rendered = shape.choice(choice, streams[prompt_index], delta=True,
                                         first=index not in offsets,
                                         text_offset=offsets.get(index, 0))

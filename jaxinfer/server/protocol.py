@@ -105,6 +105,10 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant turn's reasoning sent back (vLLM's name, and DeepSeek's older one); the
+    # chat template sees it under every name templates read (text/chat_template.py)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def plain(self) -> dict[str, str]:
         """The message as the chat template sees it: text parts joined."""
@@ -112,7 +116,9 @@ class Message(_Body):
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         out = {"role": self.role, "content": content or ""}
-        return out | ({"name": self.name} if self.name is not None else {})
+        return out | {key: getattr(self, key) for key in ("name", "reasoning",
+                                                         "reasoning_content")
+                      if getattr(self, key) is not None}
 
 
 class ChatRequest(_Sampling):

@@ -32,10 +32,12 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[Entry] | None = None
     finish_reason: str | None = None
+    reasoning: str = ""  # chat under a reasoning parser (`text` is then the content)
 
     def add(self, text: str, token_ids: list[int], logprobs: list[Entry] | None,
-            finish_reason: str | None) -> None:
+            finish_reason: str | None, reasoning: str = "") -> None:
         self.text += text
+        self.reasoning += reasoning
         self.token_ids += token_ids
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
@@ -111,16 +113,20 @@ def completion_logprobs(token_ids: list[int], entries: list[Entry],
 
 
 def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
-                delta: bool) -> dict[str, Any]:
-    """A chat choice: `message` whole, or `delta` in a stream chunk."""
+                delta: bool, reasoning_names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A chat choice: `message` whole, or `delta` in a stream chunk. With a reasoning
+    parser, `reasoning_names` are the fields that carry `choice.reasoning`: a message
+    has them all (null: no reasoning), a delta those with text."""
     logprobs = None
     if choice.logprobs is not None and token_text is not None:
         logprobs = {"content": chat_logprobs(choice.token_ids, choice.logprobs, token_text,
                                              top)}
     if delta:
-        body = {"delta": {"content": choice.text} if choice.text else {}}
+        reasoning = dict.fromkeys(reasoning_names, choice.reasoning) if choice.reasoning else {}
+        body = {"delta": reasoning | ({"content": choice.text} if choice.text else {})}
     else:
-        body = {"message": {"role": "assistant", "content": choice.text}}
+        body = {"message": {"role": "assistant", "content": choice.text}
+                | dict.fromkeys(reasoning_names, choice.reasoning or None)}
     return {"index": choice.index, **body, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}
 

@@ -23,6 +23,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    reasoning: str = ""  # under a reasoning parser (server/reasoning.py): `text` is content
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,9 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
+# An assistant turn's reasoning, by the names clients send (vLLM's `reasoning`, DeepSeek's
+# `reasoning_content`) and templates read (gpt-oss's harmony reads `thinking`, Qwen3's
+# `reasoning_content`): a message giving one gets them all.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -42,7 +45,7 @@ def _prepare_messages(messages: list[dict]) -> list[dict]:
         message = _plain_data({k: v for k, v in message.items() if v is not None})
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            message = {**dict.fromkeys(_REASONING_FIELDS, reasoning), **message}
         prepared.append(message)
     return prepared
 

@@ -103,6 +103,10 @@ def test_sampling_flags_override_only_their_field():
     (["serve", "--port=70000"], "--port=70000 must be in [0, 65536)", 2),
     (["serve", "--max_waiting_requests=0"], "--max_waiting_requests=0 must be a positive int",
      2),
+    (["serve", "--reasoning_parser=deepseek_r9"],
+     "flag --reasoning_parser=deepseek_r9: value should be one of <openai_gptoss>", 2),
+    (["serve", "--include_reasoning_content"],
+     "serve: --include_reasoning_content=True needs reasoning_parser", 2),
     (["serve", "--model=/no/such/model", "--port=0"],
      "model directory '/no/such/model' does not exist", 1),
 ])

@@ -1,0 +1,199 @@
+"""Reasoning parsers: a reasoning model's generated text split into its reasoning and its
+answer, whole or as it streams.
+
+A parser is fed text in pieces of any size (`add`) and says what each piece added to the
+reasoning and to the content (`Split`); `finish` takes what it held back. It holds back
+only what may be the start of one of its markers, so a chunk boundary inside a marker
+never lets part of one into either field, and the pieces' splits add up to the whole
+text's (`split`). `PARSERS` maps each name `--reasoning_parser` takes to its parser
+(vLLM's names); `parser(name)` makes one. `MarkedDetokenizer` turns generated ids into
+the text a parser reads: the tokenizer's special tokens skipped, as in the engine's
+text, but the parser's markers kept.
+
+gpt-oss speaks OpenAI's harmony format. The chat template's generation prompt ends with
+`<|start|>assistant`; the model then writes messages, each a header (a channel, maybe a
+recipient and a content type) and a body:
+
+    <|channel|>analysis<|message|>REASONING<|end|>
+    <|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
+
+The `final` channel is the content. Every other channel is reasoning: `analysis` (the
+chain of thought) and `commentary` (tool calls and their preambles, which this server
+does not parse into tool calls). Two messages on the same side are joined by a newline.
+Text before any marker (a model that does not speak harmony) is content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+# harmony's special tokens (o200k_harmony), as gpt-oss's tokenizer spells them
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+HARMONY_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+MESSAGE_ENDS = (END, RETURN, CALL)
+CONTENT_CHANNEL = "final"
+
+
+@dataclasses.dataclass
+class Split:
+    """What some text added to the reasoning and to the content."""
+
+    reasoning: str = ""
+    content: str = ""
+
+    def __iadd__(self, other: Split) -> Split:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        return self
+
+
+class ReasoningParser(Protocol):
+    markers: tuple[str, ...]  # the special tokens it reads: decode them as text
+
+    def add(self, text: str) -> Split: ...
+
+    def finish(self) -> Split: ...
+
+
+class _MarkerScanner:
+    """Text cut into plain runs and whole markers; a tail that may start a marker waits
+    for the next piece (or `finish`)."""
+
+    def __init__(self, markers: Sequence[str]) -> None:
+        self._markers = tuple(markers)  # each starts with "<|"
+        self._pending = ""
+
+    def scan(self, text: str, final: bool = False) -> list[tuple[bool, str]]:
+        """(is a marker, text) runs of the pending text plus `text`, in order."""
+        pending, runs = self._pending + text, []
+        while pending:
+            at = pending.find("<|")
+            if at < 0:
+                keep = 1 if pending.endswith("<") and not final else 0
+                runs.append((False, pending[:len(pending) - keep]))
+                pending = pending[len(pending) - keep:]
+                break
+            if at > 0:
+                runs.append((False, pending[:at]))
+                pending = pending[at:]
+            marker = next((m for m in self._markers if pending.startswith(m)), None)
+            if marker is not None:
+                runs.append((True, marker))
+                pending = pending[len(marker):]
+            elif not final and any(m.startswith(pending) for m in self._markers):
+                break  # maybe a marker cut by the chunk boundary
+            else:
+                runs.append((False, "<"))  # "<|" that starts no marker is text
+                pending = pending[1:]
+        self._pending = pending
+        return [(is_marker, run) for is_marker, run in runs if run]
+
+
+class HarmonyParser:
+    """gpt-oss's harmony messages: the `final` channel is content, the others reasoning."""
+
+    markers = HARMONY_MARKERS
+
+    def __init__(self) -> None:
+        self._scanner = _MarkerScanner(HARMONY_MARKERS)
+        self._started = False  # a marker was seen: text outside messages is a header
+        self._in_body = False
+        self._to_content = False  # the open message's side
+        self._new_message = False  # the open message has no text yet
+        self._header = ""  # the open header's text
+        self._sides_with_text: set[str] = set()  # for the newline between two messages
+
+    def add(self, text: str) -> Split:
+        return self._feed(self._scanner.scan(text))
+
+    def finish(self) -> Split:
+        """The held-back tail; a header cut off before its message is dropped."""
+        return self._feed(self._scanner.scan("", final=True))
+
+    def _feed(self, runs: list[tuple[bool, str]]) -> Split:
+        out = Split()
+        for is_marker, run in runs:
+            if is_marker:
+                self._marker(run)
+            elif not self._started:
+                out.content += run
+                self._sides_with_text.add("content")
+            elif self._in_body:
+                out += self._body(run)
+            else:
+                self._header += run
+        return out
+
+    def _marker(self, marker: str) -> None:
+        self._started = True
+        if marker == MESSAGE and not self._in_body:
+            channel = self._header.split(CHANNEL)[-1].split()
+            # no channel at all (not harmony's rule for assistants): the answer
+            self._to_content = CHANNEL not in self._header or channel[:1] == [CONTENT_CHANNEL]
+            self._in_body, self._new_message, self._header = True, True, ""
+        elif marker == CHANNEL:
+            self._in_body, self._header = False, self._header + CHANNEL
+        elif marker == CONSTRAIN and not self._in_body:
+            self._header += " "  # ends the channel's name: "commentary<|constrain|>json"
+        elif marker == START or marker in MESSAGE_ENDS:
+            self._in_body, self._header = False, ""
+
+    def _body(self, text: str) -> Split:
+        side = "content" if self._to_content else "reasoning"
+        if self._new_message and side in self._sides_with_text:
+            text = "\n" + text
+        self._new_message = False
+        self._sides_with_text.add(side)
+        return Split(**{side: text})
+
+
+# name (vLLM's `--reasoning_parser` value) -> parser; config.faces.REASONING_PARSERS
+# lists the same names for the flag's choices (config cannot import this layer)
+PARSERS: dict[str, type] = {"openai_gptoss": HarmonyParser}
+
+
+def parser(name: str) -> ReasoningParser:
+    """A new parser of that name; an unknown name is refused with the known ones."""
+    if name not in PARSERS:
+        raise ValueError(f"reasoning_parser={name!r} is not a known reasoning parser; "
+                         f"the known ones are {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+def split(name: str, text: str) -> Split:
+    """The whole `text` split by the parser `name`."""
+    p = parser(name)
+    out = p.add(text)
+    out += p.finish()
+    return out
+
+
+class MarkedDetokenizer:
+    """Generated ids as text, special tokens skipped (as in the engine's text) except the
+    `markers`, which come out as their text: a reasoning parser reads them, though a
+    tokenizer may mark them special. Duck-types IncrementalDetokenizer (`add`, `flush`)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
+                 markers: Sequence[str]) -> None:
+        self._inner = tokenizer.detokenizer(prompt_token_ids)
+        vocab = tokenizer.vocab()
+        self._markers = {vocab[m]: m for m in markers if m in vocab}
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token in token_ids:
+            if int(token) not in self._markers:
+                run.append(token)
+                continue
+            out += [self._inner.add(run), self._inner.flush()]
+            run = []
+            self._inner.add([token])  # context for the next ids; its own text is ours
+            out.append(self._markers[int(token)])
+        out.append(self._inner.add(run))
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._inner.flush()
