@@ -116,7 +116,8 @@ def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
                 delta: bool, reasoning_names: tuple[str, ...] = ()) -> dict[str, Any]:
     """A chat choice: `message` whole, or `delta` in a stream chunk. With a reasoning
     parser, `reasoning_names` are the fields that carry `choice.reasoning`: a message
-    has them all (null: no reasoning), a delta those with text."""
+    has them all (null: no reasoning) and null content when it has only reasoning (as
+    vLLM's), a delta those with text."""
     logprobs = None
     if choice.logprobs is not None and token_text is not None:
         logprobs = {"content": chat_logprobs(choice.token_ids, choice.logprobs, token_text,
@@ -125,7 +126,8 @@ def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
         reasoning = dict.fromkeys(reasoning_names, choice.reasoning) if choice.reasoning else {}
         body = {"delta": reasoning | ({"content": choice.text} if choice.text else {})}
     else:
-        body = {"message": {"role": "assistant", "content": choice.text}
+        content = choice.text or (None if reasoning_names else "")
+        body = {"message": {"role": "assistant", "content": content}
                 | dict.fromkeys(reasoning_names, choice.reasoning or None)}
     return {"index": choice.index, **body, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}

@@ -97,6 +97,16 @@ def test_whole_message_has_reasoning_apart_from_content(tokenizer, size):
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
+def test_reasoning_only_output_has_null_content(tokenizer):
+    """Cut off (max_tokens) before the final channel: content is null, as vLLM's."""
+    ids = tokenizer.encode(f"<|channel|>analysis<|message|>{REASONING}",
+                           add_special_tokens=False)
+    body, = asyncio.run(_answer(tokenizer, ids, 3, streamed=False,
+                                reasoning_parser="openai_gptoss"))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None,
+                                             "reasoning": REASONING}
+
+
 @pytest.mark.parametrize("size", [1, 2, 7])
 def test_streamed_deltas_carry_reasoning_then_content(tokenizer, size):
     ids = tokenizer.encode(HARMONY, add_special_tokens=False)
