@@ -29,8 +29,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
                       norm_topk_prob=False),
     "qwen3_moe": dict(num_attention_heads=8, num_experts=8, num_experts_per_tok=3,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    # Windows shorter than the test prompts; soft caps small enough to bend the scores
+    # and logits of a tiny model; query_pre_attn_scalar other than head_dim.
+    "gemma2": dict(sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=2.0),
+    # 5 local layers to 1 global, each with its own RoPE (the global one scaled).
+    "gemma3": dict(num_hidden_layers=6, sliding_window=12, query_pre_attn_scalar=24,
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                          "rope_theta": 50000.0}}),
 }
+# gpt-oss: hidden 64 but 4 heads of 32; a window shorter than the test prompts; YaRN
+# over an original context of 64; a SwiGLU limit the tiny model's gate/up outputs cross.
+FAMILIES["gpt_oss"] = dict(
+    num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
+    sliding_window=12, swiglu_limit=0.4, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 def hf_config(family: str, **overrides: Any) -> Any:
@@ -40,7 +58,8 @@ def hf_config(family: str, **overrides: Any) -> Any:
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-               "qwen3_moe": transformers.Qwen3MoeConfig}
+               "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
+               "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}
     kwargs = TINY | FAMILIES[family] | overrides
     return classes[family](**kwargs)
 

@@ -16,9 +16,9 @@ def test_from_hf_reads_each_family(family):
     assert cfg.num_kv_heads == hf["num_key_value_heads"]
     assert cfg.head_dim == 16
     assert cfg.qkv_bias == family.startswith("qwen2")
-    assert cfg.qk_norm == family.startswith("qwen3")
+    assert cfg.qk_norm == family.startswith(("qwen3", "gemma3"))
     assert (cfg.moe is not None) == (family in testing.MOE_FAMILIES)
-    assert cfg.sliding_window == (24 if family == "mistral" else None)
+    assert cfg.sliding_window == {"mistral": 24, "gemma2": 12, "gemma3": 12}.get(family)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 

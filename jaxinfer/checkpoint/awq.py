@@ -127,6 +127,7 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: np.ndarray,
               quantizer: Quantizer = fake_int4) -> dict:
     """Float params with AWQ scales folded in and weights clipped (module docstring),
     ready for `quantization.quantize_params(..., "int4")`; host numpy arrays."""
+    check_supported(cfg)
     started = time.perf_counter()
     params = jax.device_get(params)
     x = layers.embed(jnp.asarray(params["embed"]), jnp.asarray(token_ids))
@@ -137,6 +138,23 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: np.ndarray,
     log.info("AWQ calibration on %d tokens: %.1f s", token_ids.size,
              time.perf_counter() - started)
     return params | {"layers": new_layers}
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """ValueError unless cfg's layers are the Llama block that `layer_inputs` runs and
+    `_fold` folds into: plain RMSNorm weights (a (1 + w) norm cannot take 1/s), SwiGLU,
+    no norms after the blocks, no soft caps or scaled embeddings (Gemma has all)."""
+    plain = ModelConfig(vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1,
+                        num_heads=1, num_kv_heads=1, head_dim=2)
+    fields = ("hidden_act", "norm_weight_offset", "post_norms", "scale_embeddings",
+              "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+              "rope_local_theta")
+    other = [f"{f}={getattr(cfg, f)!r}" for f in fields
+             if getattr(cfg, f) != getattr(plain, f)]
+    if other:
+        raise ValueError(f"quantization='int4' (AWQ) is not supported for "
+                         f"{cfg.architecture}: its calibration runs the Llama block, and "
+                         f"this model has {', '.join(other)}; use int8, w8a8 or fp8")
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -268,6 +286,7 @@ def calibrate_checkpoint(params: dict, cfg: ModelConfig, model_dir: str | os.Pat
     if cfg.moe is not None:
         raise ValueError(f"quantization='int4' is not supported for mixture-of-experts "
                          f"models ({cfg.architecture}): use int8, w8a8 or fp8")
+    check_supported(cfg)
     if not (root / "tokenizer.json").is_file():
         raise ValueError(f"quantization='int4' calibrates on text: {root} has no "
                          "tokenizer.json to tokenize it")

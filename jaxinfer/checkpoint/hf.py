@@ -7,8 +7,10 @@ memory-mapped (safetensors_file), checked against config.json by name, shape and
 (names.py), and each device's slice read on its own (shard_source). q/k/v and gate/up
 are fused on the fly (model/fusion.py). A compressed-tensors FP8 checkpoint's layer
 projections load as they are stored, as fp8 QuantizedWeights (compressed_tensors.py);
-any other quantization_config is refused by load_config. `save_hf` writes what
-transformers loads.
+an MXFP4 checkpoint's experts (gpt-oss) are decoded to the served dtype as each device
+reads its slice (mxfp4.py); any other quantization_config is refused by load_config.
+`save_hf` writes what transformers loads. A multimodal checkpoint serves its text tower
+(text_tower.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.checkpoint import compressed_tensors, safetensors_file, shard_source
+from jaxinfer.checkpoint import (
+    compressed_tensors,
+    mxfp4,
+    safetensors_file,
+    shard_source,
+    text_tower,
+)
 from jaxinfer.checkpoint.names import (
     get_leaf,
     hf_names,
@@ -47,7 +55,7 @@ def load_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a checkpoint directory (HF or orbax). A `quantization_config`
     other than compressed-tensors FP8 is refused here, before any weight is read."""
     hf = read_hf_config(model_dir)
-    compressed_tensors.scheme_of(hf, model_dir_path(model_dir) / "config.json")
+    _scheme(hf, model_dir_path(model_dir) / "config.json")
     return ModelConfig.from_hf(hf)
 
 
@@ -72,7 +80,7 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     fp8 QuantizedWeights made of its float8 values and scales (compressed_tensors.py)."""
     check_dtype(dtype)
     root = model_dir_path(model_dir)
-    scheme = compressed_tensors.scheme_of(read_hf_config(root), root / "config.json")
+    scheme = _scheme(read_hf_config(root), root / "config.json")
     tensors = _checked_tensors(root, cfg, scheme)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
@@ -113,12 +121,21 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
         leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def _scheme(hf: dict, source: pathlib.Path) -> compressed_tensors.Scheme | None:
+    """The compressed-tensors scheme of a config.json dict; None for none or for MXFP4
+    (gpt-oss's experts, decoded to floats on load: mxfp4.py)."""
+    return None if mxfp4.is_mxfp4(hf) else compressed_tensors.scheme_of(hf, source)
+
+
 def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
                      scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
     dtypes are those `cfg` describes; with a compressed-tensors `scheme`, the fp8
     weights' scales added as float32 [out] `<module>.weight_scale` tensors."""
-    tensors = _read_tensors(root)
+    hf = read_hf_config(root)
+    tensors = text_tower.text_tower_tensors(hf, _read_tensors(root), root)
+    if mxfp4.is_mxfp4(hf):  # experts' blocks and scales, decoded as slices are read
+        tensors = mxfp4.decoded_tensors(tensors)
     fp8_names, scales = set(), {}
     if scheme is not None:
         fp8_names = {n for n, tensor in hf_names(cfg).items()  # layer projections

@@ -51,6 +51,18 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]: prefix sums of tokens per request
     num_seqs: jax.Array  # i32[1]: requests in use; the rest of S is padding
     logits_indices: jax.Array  # i32[R]: token rows whose logits are returned
+    # A second page group (engine/kv_groups.py): the sliding-window layers' own pages.
+    # None without one (the structure is fixed per config, as the KV cache's).
+    sliding_slot_mapping: jax.Array | None = None  # i32[T], into the sliding layers' pages
+    sliding_page_indices: jax.Array | None = None  # i32[S, pages_per_seq]
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer of `window` attends with: a sliding layer reads the sliding
+        group's pages when there is one (its KV arrays have their own page ids)."""
+        if window is None or self.sliding_page_indices is None:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.sliding_slot_mapping,
+                                   page_indices=self.sliding_page_indices)
 
 
 def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
@@ -65,19 +77,27 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
 
 def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, backend: str | None = None,
-                  shards: int = 1) -> list:
+                  shards: int = 1, num_sliding_pages: int = 0) -> list:
     """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, H] each
     (a `QuantizedPages` with scales f32[P, K, 2G] for 8-bit `dtype`, "int8" or "fp8");
     with `shards` devices on the model axis, W is each device's words (its G / shards
-    heads, padded to whole words) times `shards`, so a split of W gives whole heads."""
+    heads, padded to whole words) times `shards`, so a split of W gives whole heads.
+    `num_sliding_pages` > 0: the sliding-window layers hold that many pages (their own
+    page group, engine/kv_groups.py), the others `num_pages`."""
     stored = kv_storage_dtype(kv_quant.storage_dtype(dtype), backend)
-    pages, size, words, packing, head_dim = kv_layout.kv_cache_shape(
-        num_pages, page_size, cfg.num_kv_heads // shards, cfg.head_dim, stored)
-    layer = jax.ShapeDtypeStruct((pages, size, words * shards, packing, head_dim), stored)
-    if kv_quant.is_quantized(stored):
-        scales = kv_quant.scales_shape(num_pages, page_size, cfg.num_kv_heads)
-        layer = QuantizedPages(layer, jax.ShapeDtypeStruct(scales, jnp.float32))
-    return [layer for _ in range(cfg.num_layers)]
+
+    def layer(count: int) -> jax.ShapeDtypeStruct | QuantizedPages:
+        pages, size, words, packing, head_dim = kv_layout.kv_cache_shape(
+            count, page_size, cfg.num_kv_heads // shards, cfg.head_dim, stored)
+        spec = jax.ShapeDtypeStruct((pages, size, words * shards, packing, head_dim), stored)
+        if kv_quant.is_quantized(stored):
+            scales = kv_quant.scales_shape(count, page_size, cfg.num_kv_heads)
+            spec = QuantizedPages(spec, jax.ShapeDtypeStruct(scales, jnp.float32))
+        return spec
+
+    full, sliding = layer(num_pages), num_sliding_pages and layer(num_sliding_pages)
+    return [sliding if num_sliding_pages and cfg.layer_window(i) is not None else full
+            for i in range(cfg.num_layers)]
 
 
 def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
@@ -91,13 +111,15 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
 
 
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: jnp.dtype | str = jnp.float32, shards: int = 1) -> KVCache:
+                  dtype: jnp.dtype | str = jnp.float32, shards: int = 1,
+                  num_sliding_pages: int = 0) -> KVCache:
     """Zeroed cache: L layers of [P, K, W, packing, H] in the storage dtype of `dtype`
     (with their scales for 8-bit KV; jit it with out_shardings to build a sharded cache
     without a whole copy)."""
     return jax.tree.map(lambda spec: jnp.zeros(spec.shape, spec.dtype),
                         kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
-                                      dtype=dtype, shards=shards))
+                                      dtype=dtype, shards=shards,
+                                      num_sliding_pages=num_sliding_pages))
 
 
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
@@ -106,8 +128,8 @@ def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
     (grouped by KV head, model/fusion.py), q/k norms when configured, then RoPE."""
     q, k, v = fusion.split_qkv(layers.linear(x, layer["wqkv"], layer.get("bqkv")), cfg)
     if cfg.qk_norm:
-        q = layers.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = layers.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = layers.norm(q, layer["q_norm"], cfg)
+        k = layers.norm(k, layer["k_norm"], cfg)
     return layers.apply_rope(q, rope), layers.apply_rope(k, rope), v
 
 
@@ -125,26 +147,32 @@ def attention_block(
     """Self-attention of this step's tokens within the layer's `window` (None: all of
     them); returns (f32[T, D], new kv_pages)."""
     tokens = x.shape[0]
+    md = md.for_window(window)
     q, k, v = project_qkv(layer, x, cfg, rope)
     shards = sharding.model_axis_size()
     attend = functools.partial(_write_and_attend, cfg=cfg, max_q_len=max_q_len,
                                num_kv_heads=cfg.num_kv_heads // shards, window=window)
+    # gpt-oss's sink logits f32[N]: under tensor parallelism each device its heads' own
+    sinks = () if "sinks" not in layer else (layer["sinks"].astype(jnp.float32),)
     if shards > 1:  # each device: its own KV heads, their pages, no communication
         heads = P(None, sharding.MODEL_AXIS, None)
         kv_spec = KV_PAGES_SPEC
         if isinstance(kv_pages, QuantizedPages):
             kv_spec = QuantizedPages(KV_PAGES_SPEC, KV_SCALES_SPEC)
-        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, kv_spec, P()),
+        sink_specs = (P(sharding.MODEL_AXIS),) * len(sinks)
+        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, kv_spec, P(),
+                                                 *sink_specs),
                                out_specs=(heads, kv_spec), check_vma=False)
-    out, kv_pages = attend(q, k, v, kv_pages, md)
+    out, kv_pages = attend(q, k, v, kv_pages, md, *sinks)
     out = out.reshape(tokens, cfg.num_heads * cfg.head_dim)
-    return layers.linear(out, layer["wo"]), kv_pages
+    return layers.linear(out, layer["wo"], layer.get("bo")), kv_pages
 
 
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
-                      kv_pages: jax.Array | QuantizedPages, md: AttentionMetadata, *,
-                      cfg: ModelConfig, max_q_len: int, num_kv_heads: int,
-                      window: int | None) -> tuple[jax.Array, jax.Array | QuantizedPages]:
+                      kv_pages: jax.Array | QuantizedPages, md: AttentionMetadata,
+                      sinks: jax.Array | None = None, *, cfg: ModelConfig, max_q_len: int,
+                      num_kv_heads: int, window: int | None
+                      ) -> tuple[jax.Array, jax.Array | QuantizedPages]:
     """Write this step's K/V, then attend: (f[T, N, H], new kv_pages); on one device's
     heads under tensor parallelism. 8-bit pages: quantized per token and head, queries
     in float32."""
@@ -159,9 +187,11 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
         query_dtype = jnp.float32 if stored_bits else pages.dtype
     out = ragged_paged_attention(
         q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-        md.num_seqs, sm_scale=cfg.head_dim ** -0.5, sliding_window=window,
+        md.num_seqs, sm_scale=cfg.attention_scale(), sliding_window=window,
+        soft_cap=cfg.attn_logit_softcapping,
         num_kv_heads=num_kv_heads, impl=cfg.attention_impl,
-        interpret=cfg.attention_interpret, max_q_len=max_q_len, kv_scales=kv_scales)
+        interpret=cfg.attention_interpret, max_q_len=max_q_len, kv_scales=kv_scales,
+        sinks=sinks)
     return out, pages if kv_scales is None else QuantizedPages(pages, kv_scales)
 
 
@@ -170,14 +200,47 @@ def dense_causal_attention(
     x: jax.Array,  # f32[B, T, D], already normed
     cfg: ModelConfig,
     window: int | None = None,
+    rope_kind: str = "global",
 ) -> jax.Array:
     """Full causal self-attention without a cache (training, reference checks), within
-    `window` tokens when given."""
+    `window` tokens when given, rotated by RoPE `rope_kind` (ModelConfig.layer_rope)."""
     batch, tokens, _ = x.shape
-    rope = layers.rope_tables(jnp.arange(tokens, dtype=jnp.int32), layers.rope_inv_freq(cfg))
+    positions = jnp.arange(tokens, dtype=jnp.int32)
+    rope = layers.rope_tables(positions, layers.rope_inv_freq(cfg, rope_kind),
+                              layers.rope_scale(cfg, rope_kind))
     q, k, v = project_qkv(layer, x, cfg, rope)
     dtype = layer["wqkv"].dtype
-    out = jax.nn.dot_product_attention(
-        q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0))
-    return layers.linear(out.reshape(batch, tokens, -1), layer["wo"])
+    if cfg.attn_logit_softcapping is None and "sinks" not in layer:
+        out = jax.nn.dot_product_attention(
+            q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
+            scale=cfg.attention_scale(),
+            local_window_size=None if window is None else (window - 1, 0))
+    else:  # dot_product_attention has neither a soft cap nor sinks
+        out = _soft_capped_attention(q, k, v, cfg, window, layer.get("sinks"))
+    return layers.linear(out.reshape(batch, tokens, -1), layer["wo"], layer.get("bo"))
+
+
+def _soft_capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig,
+                           window: int | None, sinks: jax.Array | None = None) -> jax.Array:
+    """Causal attention of q f32[B, T, N, H] over k, v f32[B, T, G, H] with scores
+    capped to cap * tanh(scores / cap) before the mask, as HF's eager Gemma 2 does (when
+    configured), and gpt-oss's sink logit f[N] as one more softmax column per head."""
+    batch, tokens, heads, head_dim = q.shape
+    groups = cfg.num_kv_heads
+    qg = q.reshape(batch, tokens, groups, heads // groups, head_dim)
+    scores = jnp.einsum("btgrh,bsgh->bgrts", qg, k) * cfg.attention_scale()
+    cap = cfg.attn_logit_softcapping
+    if cap is not None:
+        scores = cap * jnp.tanh(scores / cap)
+    query, key = jnp.arange(tokens)[:, None], jnp.arange(tokens)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed &= key > query - window
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    if sinks is not None:  # the sink's weight is dropped: it attends to nothing
+        sink = sinks.astype(jnp.float32).reshape(1, groups, heads // groups, 1, 1)
+        scores = jnp.concatenate(
+            [scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
+    weights = jax.nn.softmax(scores, axis=-1)[..., :tokens]
+    out = jnp.einsum("bgrts,bsgh->btgrh", weights, v)
+    return out.reshape(batch, tokens, heads, head_dim)

@@ -29,9 +29,14 @@ from jaxinfer.config import ModelConfig
 
 Shape = tuple[int, ...]
 SPLITS = ("whole", "columns", "rows", "vector", "vocab_rows", "vocab_columns",
-          "expert_outputs", "expert_inputs")
-LAYOUTS = ("plain", "transposed", "qkv", "gate_up", "gate_up_rows")  # shard_source.py reads
-# them; gate_up_rows: gate and up fused along the rows of HF's [out, in] storage
+          "expert_outputs", "expert_inputs", "expert_vectors")
+LAYOUTS = ("plain", "transposed", "qkv", "gate_up", "gate_up_rows", "interleaved_gate_up",
+           "experts_transposed")  # shard_source.py reads them; gate_up_rows: gate and up
+# fused along the rows of HF's [out, in] storage; interleaved_gate_up: one HF tensor of
+# all experts [E, in, 2F] (or biases [E, 2F]) whose even columns are gate, odd up
+# (gpt-oss), read into the blocks of gate_up_rows; experts_transposed: one HF tensor of
+# all experts [E, in, out] read as [E, out, in]
+SWAPPED = ("interleaved_gate_up", "experts_transposed")  # HF [E, in, out], ours [E, out, in]
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (model/sharding.py)
 
 
@@ -61,6 +66,9 @@ class Param:
     def shape(self, cfg: ModelConfig) -> Shape:
         """The leaf's shape: fused parts concatenate along their output axis (the last,
         or the one before it for `gate_up_rows`); an experts leaf stacks E of them."""
+        if self.layout in SWAPPED:
+            shape = self.part_shape(self.parts[0], cfg)
+            return (*shape[:-2], shape[-1], shape[-2]) if len(shape) == 3 else shape
         shapes = [self.part_shape(part, cfg) for part in self.parts]
         axis = len(shapes[0]) - (2 if self.layout == "gate_up_rows" else 1)
         fused = sum(s[axis] for s in shapes)
@@ -82,6 +90,11 @@ class Param:
     def fused(self) -> bool:
         return len(self.parts) > 1
 
+    @property
+    def stacked(self) -> bool:
+        """An experts leaf that HF stores as one tensor of all experts (no "{e}")."""
+        return self.experts and "{e}" not in self.parts[0].hf
+
     def spec(self, cfg: ModelConfig, tensor_parallel_size: int = 1) -> P:
         """The leaf's PartitionSpec over the model axis. Experts, stored [E, out, in] as
         HF stores each (a decode step's gathered matvecs then read whole rows), split by
@@ -96,7 +109,9 @@ class Param:
                 "expert_outputs": by_expert if cfg.expert_parallel
                 else P(None, MODEL_AXIS, None),
                 "expert_inputs": by_expert if cfg.expert_parallel
-                else P(None, None, MODEL_AXIS)}[self.split]
+                else P(None, None, MODEL_AXIS),
+                "expert_vectors": P(MODEL_AXIS, None) if cfg.expert_parallel
+                else P(None, MODEL_AXIS)}[self.split]
 
 
 def _d(cfg: ModelConfig) -> int:
@@ -128,8 +143,17 @@ def _dense(cfg: ModelConfig, layer: int) -> bool:
 
 
 def _moe(family: str) -> Callable[[ModelConfig, int], bool]:
-    return lambda cfg, layer: cfg.is_moe_layer(layer) and (
-        (cfg.architecture == "mixtral") == (family == "mixtral"))
+    """MoE layers of `family`: "mixtral", "gpt_oss", or "qwen" (Qwen2-MoE, Qwen3-MoE)."""
+    return lambda cfg, layer: cfg.is_moe_layer(layer) and family == {
+        "mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(cfg.architecture, "qwen")
+
+
+def _llama_norms(cfg: ModelConfig, layer: int) -> bool:
+    return not cfg.post_norms
+
+
+def _post_norms(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.post_norms
 
 
 def _shared(cfg: ModelConfig, layer: int) -> bool:
@@ -162,6 +186,31 @@ def _experts(family: str, router: str, gate: str, up: str, down: str) -> tuple[P
     )
 
 
+def _gpt_oss_experts() -> tuple[Param, ...]:
+    """gpt-oss's MoE rows: HF stores each kind for all experts in one tensor, [E, in,
+    out], gate/up interleaved by column; router and experts have biases."""
+    when = _moe("gpt_oss")
+    return (
+        Param("w_router", (Part("w_router", "mlp.router.weight",
+                                lambda c: (_d(c), c.moe.num_experts), True),), "whole",
+              when=when),
+        Param("b_router", (Part("b_router", "mlp.router.bias",
+                                lambda c: (c.moe.num_experts,)),), "whole", when=when),
+        Param("we_gate_up", (Part("we_gate_up_interleaved", "mlp.experts.gate_up_proj",
+                                  lambda c: (_d(c), 2 * _fe(c))),),
+              "expert_outputs", layout="interleaved_gate_up", when=when, experts=True),
+        Param("be_gate_up", (Part("be_gate_up_interleaved", "mlp.experts.gate_up_proj_bias",
+                                  lambda c: (2 * _fe(c),)),),
+              "expert_vectors", layout="interleaved_gate_up", when=when, experts=True),
+        Param("we_down", (Part("we_down_transposed", "mlp.experts.down_proj",
+                               lambda c: (_fe(c), _d(c))),),
+              "expert_inputs", layout="experts_transposed", when=when, experts=True),
+        # added once after the devices' shares are summed (model/moe.py): replicated
+        Param("be_down", (Part("be_down", "mlp.experts.down_proj_bias", lambda c: (_d(c),)),),
+              "whole", when=when, experts=True),
+    )
+
+
 LAYER = (
     Param("attn_norm", (Part("attn_norm", "input_layernorm.weight", lambda c: (_d(c),)),),
           "whole"),
@@ -179,8 +228,19 @@ LAYER = (
           "whole", when=lambda c, _: c.qk_norm),
     Param("wo", (Part("wo", "self_attn.o_proj.weight", lambda c: (_q(c), _d(c)), True),),
           "rows", quantized=True),
+    Param("bo", (Part("bo", "self_attn.o_proj.bias", lambda c: (_d(c),)),), "whole",
+          when=lambda c, _: c.o_bias),
+    Param("sinks", (Part("sinks", "self_attn.sinks", lambda c: (c.num_heads,)),), "vector",
+          when=lambda c, _: c.attention_sinks),
+    # Llama's MLP input norm and Gemma's post-attention norm share HF's name.
     Param("mlp_norm", (Part("mlp_norm", "post_attention_layernorm.weight",
-                            lambda c: (_d(c),)),), "whole"),
+                            lambda c: (_d(c),)),), "whole", when=_llama_norms),
+    Param("post_attn_norm", (Part("post_attn_norm", "post_attention_layernorm.weight",
+                                  lambda c: (_d(c),)),), "whole", when=_post_norms),
+    Param("mlp_norm", (Part("mlp_norm", "pre_feedforward_layernorm.weight",
+                            lambda c: (_d(c),)),), "whole", when=_post_norms),
+    Param("post_mlp_norm", (Part("post_mlp_norm", "post_feedforward_layernorm.weight",
+                                 lambda c: (_d(c),)),), "whole", when=_post_norms),
     Param("w_gate_up", (Part("w_gate", "mlp.gate_proj.weight", lambda c: (_d(c), _f(c)), True),
                         Part("w_up", "mlp.up_proj.weight", lambda c: (_d(c), _f(c)), True)),
           "columns", layout="gate_up", quantized=True, when=_dense),
@@ -191,6 +251,7 @@ LAYER = (
               "block_sparse_moe.experts.{e}.w2.weight"),
     *_experts("qwen", "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
               "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    *_gpt_oss_experts(),
     Param("ws_gate_up", (Part("ws_gate", "mlp.shared_expert.gate_proj.weight",
                               lambda c: (_d(c), _fs(c)), True),
                          Part("ws_up", "mlp.shared_expert.up_proj.weight",
@@ -204,7 +265,8 @@ LAYER = (
 )
 
 QUANTIZED = tuple(dict.fromkeys(p.key for p in LAYER if p.quantized))  # linear weights
-EXPERTS = tuple(dict.fromkeys(p.key for p in LAYER if p.experts))  # stacked [E, O, I]
+EXPERTS = tuple(dict.fromkeys(p.key for p in LAYER if p.experts  # stacked [E, O, I]
+                              and p.split in ("expert_outputs", "expert_inputs")))
 
 
 def top_params(cfg: ModelConfig) -> tuple[Param, ...]:

@@ -1,11 +1,12 @@
-"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE and
-Qwen3-MoE with model/moe.py) as pure functions.
+"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3; Mixtral, Qwen2-MoE
+and Qwen3-MoE with model/moe.py) as pure functions.
 
 Params are a dict pytree whose structure is fixed by the `ModelConfig`:
   embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
   layers: L dicts of attn_norm [D], wqkv [D, (N + 2G) * H], wo [N*H, D],
   bqkv [(N + 2G) * H] (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
-  w_gate_up [D, 2F], w_down [F, D]; a MoE layer has w_router [D, E],
+  w_gate_up [D, 2F], w_down [F, D], post_attn_norm/post_mlp_norm [D] (post_norms:
+  Gemma's block outputs normed before each residual add); a MoE layer has w_router [D, E],
   we_gate_up [E, D, 2F'], we_down [E, F', D] in place of the MLP (and Qwen2-MoE's
   shared expert ws_gate_up, ws_down, w_shared_gate [D, 1]).
 Linear weights are stored [in, out]. q/k/v and gate/up are fused, so a layer runs four
@@ -39,7 +40,8 @@ Params = dict
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,
                 std: float = 0.02) -> Params:
-    """Random init: normal(std) matrices, ones for norms, zeros for biases."""
+    """Random init: normal(std) matrices, norms scaling by one (weights of
+    1 - norm_weight_offset), zeros for biases."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
@@ -48,7 +50,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     out = []
     for path, shape, k in zip(paths, leaves, keys, strict=True):
         if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
+            out.append(jnp.full(shape, 1.0 - cfg.norm_weight_offset, dtype))
         elif len(shape) == 1:
             out.append(jnp.zeros(shape, dtype))
         else:
@@ -70,23 +72,26 @@ def forward(
     `routing` the tokens each MoE layer sent to each expert, i32[L_moe, E].
     `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
     k + 1 in a verify bucket), so attention takes its slot-by-slot path alone."""
-    x = layers.embed(params["embed"], token_ids)  # f32[T, D]
-    rope = layers.rope_tables(md.positions, layers.rope_inv_freq(cfg))  # once per step
+    x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
+    ropes = {kind: layers.rope_tables(md.positions, layers.rope_inv_freq(cfg, kind),
+                                      layers.rope_scale(cfg, kind))
+             for kind in layers.rope_kinds(cfg)}  # once per step and kind, not per layer
     real_tokens = md.cu_q_lens[md.num_seqs[0]]
     new_cache, routed = [], []
     for index, (layer, kv_pages) in enumerate(zip(params["layers"], kv_cache, strict=True)):
-        h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg, rope=rope,
+        h = layers.norm(x, layer["attn_norm"], cfg)
+        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg,
+                                         rope=ropes[cfg.layer_rope(index)],
                                          max_q_len=max_q_len,
                                          window=cfg.layer_window(index))
-        x = x + attn
-        h = layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + post_norm(layer, "post_attn_norm", attn, cfg)
+        h = layers.norm(x, layer["mlp_norm"], cfg)
         if "w_router" in layer:
             y, experts = moe.moe_block(layer, h, cfg, with_experts=True)
             routed.append(moe.expert_counts(experts, real_tokens, cfg.moe.num_experts))
         else:
-            y = layers.mlp(layer, h)
-        x = x + y
+            y = layers.mlp(layer, h, cfg.hidden_act)
+        x = x + post_norm(layer, "post_mlp_norm", y, cfg)
         new_cache.append(kv_pages)
     logits = compute_logits(params, x[md.logits_indices], cfg)
     if not routing:
@@ -96,22 +101,35 @@ def forward(
 
 def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V]."""
-    x = layers.embed(params["embed"], token_ids)
+    x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)
     for index, layer in enumerate(params["layers"]):
-        h = layers.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        x = x + dense_causal_attention(layer, h, cfg, cfg.layer_window(index))
-        x = x + mlp(layer, layers.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), cfg)
+        h = layers.norm(x, layer["attn_norm"], cfg)
+        attn = dense_causal_attention(layer, h, cfg, cfg.layer_window(index),
+                                      cfg.layer_rope(index))
+        x = x + post_norm(layer, "post_attn_norm", attn, cfg)
+        y = mlp(layer, layers.norm(x, layer["mlp_norm"], cfg), cfg)
+        x = x + post_norm(layer, "post_mlp_norm", y, cfg)
     return compute_logits(params, x, cfg)
 
 
 def mlp(layer: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The layer's MLP: its experts in a MoE layer (model/moe.py), else dense SwiGLU."""
-    return moe.moe_block(layer, x, cfg) if "w_router" in layer else layers.mlp(layer, x)
+    """The layer's MLP: its experts in a MoE layer (model/moe.py), else dense SwiGLU or
+    GeGLU."""
+    if "w_router" in layer:
+        return moe.moe_block(layer, x, cfg)
+    return layers.mlp(layer, x, cfg.hidden_act)
+
+
+def post_norm(layer: Params, key: str, y: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A block's output normed by `key` before its residual add where the layer has that
+    norm (Gemma's post_attn_norm, post_mlp_norm), else as it is."""
+    return layers.norm(y, layer[key], cfg) if key in layer else y
 
 
 def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final norm and LM head (tied to the embedding when configured) -> f32[..., V]."""
-    x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    """Final norm and LM head (tied to the embedding when configured) -> f32[..., V],
+    soft-capped to cap * tanh(logits / cap) when configured (Gemma 2)."""
+    x = layers.norm(x, params["final_norm"], cfg)
     head = params.get("lm_head", params["embed"])  # a quantized model always has one
     rows = x.shape[0] if x.ndim == 2 else None
     min_rows = layers.min_matmul_rows(head.dtype)
@@ -126,4 +144,7 @@ def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
         logits = jnp.einsum("...d,vd->...v", x.astype(table.dtype), table,
                             preferred_element_type=jnp.float32)
     logits = sharding.split_vocab(logits)
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = cap * jnp.tanh(logits / cap)
     return logits if rows is None else logits[:rows]

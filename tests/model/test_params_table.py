@@ -14,10 +14,11 @@ from jaxinfer.config import ModelConfig, MoEConfig
 from jaxinfer.model import fusion, params_table, quantization, transformer
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss"])
 def test_table_names_every_tensor_save_pretrained_writes(tmp_path, family):
     """The HF names and shapes the table derives are exactly those of a transformers
-    checkpoint: q/k/v biases for Qwen2, q/k norms for Qwen3, no LM head when tied."""
+    checkpoint: q/k/v biases for Qwen2, q/k norms for Qwen3 and Gemma 3, Gemma's four
+    norms a layer, no LM head when tied."""
     testing.make_hf_model(tmp_path, family)
     cfg = checkpoint.load_config(tmp_path)
     tensors = safetensors_file.load(tmp_path / "model.safetensors")

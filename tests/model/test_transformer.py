@@ -12,7 +12,7 @@ from jaxinfer import checkpoint, testing
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import transformer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3") + testing.GEMMA_FAMILIES
 PAGE_SIZE = 8
 PAGES = [5, 2, 11, 7, 1, 9, 3, 14]  # out of order, 64 slots
 TOL = 1e-4
@@ -35,7 +35,7 @@ def _prompt(seed: int, length: int) -> np.ndarray:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_full_prompt_matches_transformers(family, hf_model_dirs, hf_models):
-    ids = _prompt(1, 45)  # crosses 5 page boundaries, past mistral's window of 24
+    ids = _prompt(1, 45)  # crosses 5 page boundaries, past the windows (24, gemma's 12)
     runner = _runner(hf_model_dirs[family])
     ours = runner.logits([Chunk(ids.tolist(), 0, PAGES[:6])])
     diff = np.abs(ours - _hf_logits(hf_models[family], ids)).max()
