@@ -214,6 +214,21 @@ def test_from_hf_reads_legacy_gemma3_and_a_sparse_text_config():
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
+def test_gemma2_9b_preset_is_its_published_config():
+    """google/gemma-2-9b's config.json (transformers 4.x: no layer_types, rope_theta)."""
+    hf = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+          "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+          "hidden_size": 3584, "intermediate_size": 14336, "max_position_embeddings": 8192,
+          "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8,
+          "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+          "sliding_window": 4096, "vocab_size": 256000, "cache_implementation": "hybrid"}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg == load_preset("gemma-2-9b")
+    assert cfg.sliding_layers() == tuple(range(0, 42, 2))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
 @pytest.mark.parametrize("family", GEMMA)
 def test_awq_refuses_gemma(family, hf_model_dirs):
     cfg = checkpoint.load_config(hf_model_dirs[family])
