@@ -14,11 +14,12 @@ def test_from_hf_reads_each_family(family):
     cfg = ModelConfig.from_hf(hf)
     assert cfg.architecture == family
     assert cfg.num_kv_heads == hf["num_key_value_heads"]
-    assert cfg.head_dim == 16
-    assert cfg.qkv_bias == family.startswith("qwen2")
+    assert cfg.head_dim == hf["head_dim"]  # 16, gpt-oss's 32 (4 heads of a 64 hidden)
+    assert cfg.qkv_bias == family.startswith(("qwen2", "gpt_oss"))
     assert cfg.qk_norm == family.startswith(("qwen3", "gemma3"))
-    assert (cfg.moe is not None) == (family in testing.MOE_FAMILIES)
-    assert cfg.sliding_window == {"mistral": 24, "gemma2": 12, "gemma3": 12}.get(family)
+    assert (cfg.moe is not None) == (family in (*testing.MOE_FAMILIES, "gpt_oss"))
+    assert cfg.sliding_window == {"mistral": 24, "gemma2": 12, "gemma3": 12,
+                                  "gpt_oss": 12}.get(family)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
@@ -45,7 +46,9 @@ def test_from_hf_head_dim_defaults_to_hidden_over_heads():
 @pytest.mark.parametrize("edit, message", [
     ({"architectures": ["BertModel"]}, "unsupported architecture"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "yarn rope scaling lacks"),
     ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of self.num_kv_heads=3"),
     ({"vocab_size": 0}, "vocab_size=0 must be a positive int"),
 ])

@@ -38,7 +38,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
         for param in params_table.layer_params(cfg, i):
             for part in param.parts:
                 path = ("layers", i, part.key)
-                if not param.experts:
+                if not param.experts or param.stacked:  # one tensor (of all experts)
                     out[prefix + part.hf] = HFTensor(path, part.transposed)
                     continue
                 for e in range(cfg.moe.num_experts):
@@ -78,7 +78,7 @@ def leaf_layouts(cfg: ModelConfig) -> dict[str, shard_source.Layout]:
         for param in params_table.layer_params(cfg, i):
             out[leaf_name(("layers", i, param.key))] = shard_source.Layout(
                 param.kind, tuple(prefix + p.hf for p in param.parts),
-                cfg.moe.num_experts if param.experts else 0)
+                cfg.moe.num_experts if param.experts and not param.stacked else 0)
     return out
 
 

@@ -14,7 +14,10 @@ k and v rows of original head g' // replicas. The 1-D float32 scales of a
 compressed-tensors FP8 checkpoint's weights (compressed_tensors.py) are read through the
 same layouts, as the weights' output columns. An experts leaf [E, ...] is a stack of
 per-expert leaves: a device reads the tensors of its own experts only (expert
-parallelism) or its slice of every expert's.
+parallelism) or its slice of every expert's. gpt-oss stores all experts in one tensor
+[E, in, out], gate and up interleaved by column: a device reads its experts' and its
+columns' part of it (a range of whole block pairs is the same range of HF's
+interleaved columns) and de-interleaves it into the blocks of `model/fusion.py`.
 
 `ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
 device read only its share.
@@ -83,7 +86,9 @@ class Reader:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         builders: dict[str, Callable[..., np.ndarray]] = {
             "plain": self._plain, "transposed": self._transposed, "qkv": self._qkv,
-            "gate_up": self._gate_up, "gate_up_rows": self._gate_up_rows}
+            "gate_up": self._gate_up, "gate_up_rows": self._gate_up_rows,
+            "interleaved_gate_up": self._interleaved_gate_up,
+            "experts_transposed": self._experts_transposed}
         if layout.kind not in builders:
             raise ValueError(f"{path}: unknown layout kind {layout.kind!r}")
         if layout.experts:  # the first axis picks experts: read only those
@@ -150,3 +155,31 @@ class Reader:
         pair = pair.reshape(2, (last - first) // block, block, *pair.shape[2:]).swapaxes(0, 1)
         fused = pair.reshape(2 * (last - first), *pair.shape[3:])
         return fused.T if axis == 1 else fused
+
+    def _stacked(self, name: str, index: Index) -> np.ndarray:
+        """`index` of one tensor of all experts, read and counted."""
+        part = np.asarray(self.tensors[name][index])
+        self._read_bytes += part.nbytes
+        return part
+
+    def _interleaved_gate_up(self, names: tuple[str, ...], shape: tuple[int, ...],
+                             index: Index) -> np.ndarray:
+        """Our [E, 2F, I] (or biases [E, 2F]) in blocks, from HF's [E, I, 2F] (or
+        [E, 2F]) whose even columns are gate and odd ones up."""
+        block = fusion.mlp_block(shape[1] // 2)
+        start, stop = _bounds(index[1], shape[1])
+        if start % (2 * block) or stop % (2 * block):
+            raise ValueError(f"a gate/up shard [{start}, {stop}) must hold whole block "
+                             f"pairs of {2 * block} rows")
+        # block pairs [start, stop) hold gate/up columns f in [start / 2, stop / 2): HF's
+        # interleaved columns [start, stop)
+        hf_index = (index[0], *index[2:], slice(start, stop))
+        part = self._stacked(names[0], hf_index)  # [e, (I,) 2f] interleaved
+        pairs = part.reshape(*part.shape[:-1], (stop - start) // (2 * block), block, 2)
+        fused = np.moveaxis(pairs, -1, -2).reshape(part.shape)  # [.., f/B, 2, B]
+        return fused.swapaxes(-1, -2) if fused.ndim == 3 else fused
+
+    def _experts_transposed(self, names: tuple[str, ...], shape: tuple[int, ...],
+                            index: Index) -> np.ndarray:
+        """Our [E, O, I] from HF's [E, I, O]."""
+        return self._stacked(names[0], (index[0], index[2], index[1])).swapaxes(-1, -2)

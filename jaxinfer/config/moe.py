@@ -8,6 +8,9 @@ Qwen2-MoE adds a shared expert MLP of `shared_expert_intermediate_size` that eve
 token takes, scaled by a sigmoid gate. Which layers are MoE: every
 `decoder_sparse_step`-th one, except `mlp_only_layers` (those keep a dense MLP of the
 model's `intermediate_size`). There is no capacity factor: no token is ever dropped.
+gpt-oss (config/gpt_oss.py) routes the other way round, softmax over the top-k of the
+router's logits (`routing = "topk_softmax"`, with a router bias), gives every expert
+biases, and runs a clamped SwiGLU (`activation = "clamped_swiglu"`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+ROUTINGS = ("softmax_topk", "topk_softmax")  # softmax then top-k, or top-k logits softmaxed
+ACTIVATIONS = ("swiglu", "clamped_swiglu")  # silu(g) * u; gpt-oss's (u + 1) * g * sigmoid(a g)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +34,12 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    routing: str = "softmax_topk"  # one of ROUTINGS
+    router_bias: bool = False  # a bias on the router's logits
+    expert_bias: bool = False  # biases on each expert's gate/up and down outputs
+    activation: str = "swiglu"  # one of ACTIVATIONS
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's gain
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped above, up to [-limit, limit]
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "intermediate_size",
@@ -43,6 +54,11 @@ class MoEConfig:
             raise ValueError(f"moe.shared_expert_intermediate_size="
                              f"{self.shared_expert_intermediate_size} must be >= 0")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for name, known in (("routing", ROUTINGS), ("activation", ACTIVATIONS)):
+            if getattr(self, name) not in known:
+                raise ValueError(f"moe.{name}={getattr(self, name)!r} must be one of {known}")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"moe.swiglu_limit={self.swiglu_limit} must be > 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has experts (transformers' rule)."""
@@ -51,6 +67,10 @@ class MoEConfig:
 
     def to_hf(self, architecture: str) -> dict[str, Any]:
         """The config.json fields `moe_from_hf` reads back to this config."""
+        if architecture == "gpt_oss":
+            return {"num_local_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_experts_per_tok,
+                    "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
         if architecture == "mixtral":
             return {"num_local_experts": self.num_experts,
                     "num_experts_per_tok": self.num_experts_per_tok}
@@ -74,6 +94,12 @@ def moe_from_hf(architecture: str, hf: dict[str, Any]) -> MoEConfig | None:
                          "(or 'num_local_experts')")
     if "num_experts_per_tok" not in hf:
         raise ValueError("config.json has no 'num_experts_per_tok'")
+    if architecture == "gpt_oss":  # experts of `intermediate_size`, every layer
+        return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                         intermediate_size=hf["intermediate_size"], routing="topk_softmax",
+                         router_bias=True, expert_bias=True, activation="clamped_swiglu",
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
     if architecture == "mixtral":  # experts of `intermediate_size`, always renormalised
         return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
                          intermediate_size=hf["intermediate_size"])

@@ -85,6 +85,8 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     out = dict(layer)
     for param in params_table.LAYER:
         keys = [part.key for part in param.parts]
+        if param.layout in params_table.SWAPPED and keys[0] in out:
+            out[param.key] = from_hf_experts(out.pop(keys[0]), param.layout)
         if param.fused and keys[0] in out:  # rows of other families share the key
             parts = [out.pop(key) for key in keys]
             if param.layout == "qkv":
@@ -100,7 +102,11 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
 def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     """The inverse of `fuse_layer`."""
     out = dict(layer)
-    for param in params_table.LAYER:
+    # rows of other families share keys ("we_gate_up"): only cfg's own rows apply
+    rows = [p for p in params_table.LAYER if any(p.when(cfg, i) for i in range(cfg.num_layers))]
+    for param in rows:
+        if param.layout in params_table.SWAPPED and param.key in out:
+            out[param.parts[0].key] = to_hf_experts(out.pop(param.key), param.layout)
         if param.fused and param.key in out:
             fused = out.pop(param.key)
             if param.layout == "qkv":
@@ -127,3 +133,21 @@ def replicate_kv_heads(layer: dict, cfg: ModelConfig, served: ModelConfig) -> di
             k, v = (xp.repeat(x, replicas, axis=-2).reshape(*lead, -1) for x in (k, v))
             out[key] = fuse_qkv(q.reshape(*lead, -1), k, v, served)
     return out
+
+
+def from_hf_experts(x: object, layout: str) -> object:
+    """gpt-oss's stacked experts [E, I, O] (or biases [E, O]) -> ours [E, O, I]: gate/up
+    de-interleaved (HF's even columns gate, odd up) into blocks for
+    "interleaved_gate_up"."""
+    if layout == "interleaved_gate_up":
+        x = fuse_gate_up(x[..., 0::2], x[..., 1::2])
+    return x.swapaxes(-1, -2) if x.ndim == 3 else x
+
+
+def to_hf_experts(x: object, layout: str) -> object:
+    """The inverse of `from_hf_experts`."""
+    x = x.swapaxes(-1, -2) if x.ndim == 3 else x
+    if layout == "interleaved_gate_up":
+        gate, up = split_gate_up(x)
+        x = _xp(x).stack([gate, up], axis=-1).reshape(x.shape)
+    return x

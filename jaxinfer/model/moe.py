@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, layers, quantization, sharding
+from jaxinfer.model import expert_glu, layers, quantization, sharding
+from jaxinfer.model.expert_glu import Glu
 from jaxinfer.model.quantization import QuantizedWeight
 
 MEGABLOX_MAX_ROWS = 2048  # token choices up to which TPU takes the megablox kernel: it
@@ -53,11 +54,18 @@ def routing_shape(cfg: ModelConfig) -> tuple[int, int]:
     return (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.moe.num_experts)
 
 
-def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig
-          ) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights f32[T, k], experts i32[T, k]) for tokens x f[T, D]: softmax over all
-    experts' logits in float32, the top k, renormalised when the family does."""
+    experts' logits in float32, the top k, renormalised when the family does; or
+    (gpt-oss, "topk_softmax") the top k of the logits (plus the router's bias),
+    softmaxed over those k."""
     logits = jnp.matmul(x.astype(jnp.float32), w_router.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if cfg.moe.routing == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, cfg.moe.num_experts_per_tok)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.moe.num_experts_per_tok)
     if cfg.moe.norm_topk_prob:
@@ -71,7 +79,7 @@ def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, with_experts: bool
     each token's chosen experts i32[T, k]."""
     lead, d = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, d)
-    weights, experts = route(x, layer["w_router"], cfg)
+    weights, experts = route(x, layer["w_router"], cfg, layer.get("b_router"))
     gate_up = layer["we_gate_up"]
     if "be_gate_up" in layer:  # per-expert biases [E, 2F] and [E, D] (gpt-oss)
         gate_up = (gate_up, layer["be_gate_up"])
@@ -100,8 +108,8 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     device its experts (or its slice of each) and one psum. `w_gate_up` may be a pair
     (weights, biases [E, 2F]): the bias is added to the gate/up outputs."""
     shards = sharding.model_axis_size()
-    block = fusion.mlp_block(cfg.moe.intermediate_size)
-    local = functools.partial(_local_experts, block=block, shards=shards,
+    glu = expert_glu.glu_of(cfg)
+    local = functools.partial(_local_experts, glu=glu, shards=shards,
                               expert_parallel=cfg.expert_parallel)
     if shards == 1:
         return local(x, w_gate_up, w_down, weights, experts)
@@ -123,7 +131,7 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
 
 def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   weights: jax.Array, experts: jax.Array, *, block: int, shards: int,
+                   weights: jax.Array, experts: jax.Array, *, glu: Glu, shards: int,
                    expert_parallel: bool) -> jax.Array:
     """One device's share: its experts [E_local, 2F_local, D], [E_local, D, F_local]."""
     held = _num_experts(w_gate_up)
@@ -135,12 +143,12 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
         experts = jnp.where(mine, experts, held)  # past the last group: sorted last
     tokens, k = experts.shape
     if tokens * k < held:
-        y = _gathered(x, w_gate_up, w_down, weights, experts, block)
+        y = _gathered(x, w_gate_up, w_down, weights, experts, glu)
     else:  # ragged_dot where it is grouped; on CPU its masked form costs k x all experts
         y = jax.lax.platform_dependent(
             x, w_gate_up, w_down, weights, experts,
-            cpu=functools.partial(_all_experts, block=block),
-            default=functools.partial(_grouped, block=block))
+            cpu=functools.partial(_all_experts, glu=glu),
+            default=functools.partial(_grouped, glu=glu))
     return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
 
 
@@ -154,15 +162,13 @@ def _with_bias(w: jax.Array | QuantizedWeight | tuple) -> tuple:
     return w if isinstance(w, tuple) else (w, None)
 
 
-def _swiglu_rows(h: jax.Array, block: int) -> jax.Array:
-    """silu(gate) * up of gate/up columns interleaved in blocks (model/fusion.py)."""
-    f = h.shape[-1] // 2
-    pair = h.reshape(*h.shape[:-1], f // block, 2, block)
-    return (jax.nn.silu(pair[..., 0, :]) * pair[..., 1, :]).reshape(*h.shape[:-1], f)
+def _swiglu_rows(h: jax.Array, glu: Glu | int) -> jax.Array:
+    """The activation of gate/up columns interleaved in blocks (model/expert_glu.py)."""
+    return expert_glu.gated(h, glu)
 
 
 def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-              experts: jax.Array, block: int) -> jax.Array:
+              experts: jax.Array, glu: Glu) -> jax.Array:
     """Each token choice gathers its expert's weights: reads T * k experts at most."""
     held = _num_experts(w_gate_up)
     tokens, k = experts.shape
@@ -172,7 +178,7 @@ def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: ja
     h = _gathered_dot(rows, w_gate_up, ids)  # experts' [2F, D] rows, read in order
     if bias is not None:
         h = h + bias[ids].astype(jnp.float32)
-    out = _gathered_dot(_swiglu_rows(h, block), w_down, ids)
+    out = _gathered_dot(_swiglu_rows(h, glu), w_down, ids)
     return jnp.einsum("tkd,tk->td", out.reshape(tokens, k, -1), weights)
 
 
@@ -193,7 +199,7 @@ def _gathered_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Arra
 
 
 def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-             experts: jax.Array, block: int) -> jax.Array:
+             experts: jax.Array, glu: Glu) -> jax.Array:
     """Token choices sorted by expert, a grouped matmul per projection, scattered back
     weighted. Choices of another device's experts sort last, outside every group
     (ragged_dot leaves those rows zero)."""
@@ -213,7 +219,7 @@ def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax
     h = dot(x[token_of], w_gate_up, sizes, group)  # [T * k, 2F]
     if bias is not None:
         h = h + bias[group].astype(jnp.float32)
-    out = dot(_swiglu_rows(h, block), w_down, sizes, group)
+    out = dot(_swiglu_rows(h, glu), w_down, sizes, group)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
@@ -251,7 +257,7 @@ def _ragged_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, sizes: jax.Arra
 
 
 def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-                 experts: jax.Array, block: int) -> jax.Array:
+                 experts: jax.Array, glu: Glu) -> jax.Array:
     """Every held expert for every token, weighted by the routing (0 where not chosen):
     one batched matmul per projection, for buckets that read every expert anyway."""
     held = _num_experts(w_gate_up)
@@ -263,12 +269,12 @@ def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights:
     if x.shape[0] > EXPERT_MAJOR_TOKENS and float_weights:  # one dot over (e, column)
         x = x.astype(w_gate_up.dtype)
         h = jnp.einsum("td,efd->tef", x, w_gate_up, preferred_element_type=jnp.float32)
-        hidden = _swiglu_rows(h + bias, block) * full[:, :held, None]
+        hidden = _swiglu_rows(h + bias, glu) * full[:, :held, None]
         return jnp.einsum("tef,edf->td", hidden.astype(w_down.dtype), w_down,
                           preferred_element_type=jnp.float32)
     h = _expert_major_dot(jnp.broadcast_to(x, (held, *x.shape)), w_gate_up)
     h = h + (bias[:, None, :] if bias.ndim else bias)
-    hidden = _swiglu_rows(h, block) * full[:, :held].T[..., None]
+    hidden = _swiglu_rows(h, glu) * full[:, :held].T[..., None]
     return jnp.sum(_expert_major_dot(hidden, w_down), axis=0)
 
 
@@ -289,13 +295,14 @@ def _expert_major_dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array
 def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Every expert for every token, weighted by the routing (zero where not chosen):
     the reference the tests compare the fast paths with."""
-    weights, experts = route(x, layer["w_router"], cfg)
+    weights, experts = route(x, layer["w_router"], cfg, layer.get("b_router"))
     full = jnp.zeros((x.shape[0], cfg.moe.num_experts), jnp.float32)
     full = full.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
-    block = fusion.mlp_block(cfg.moe.intermediate_size)
     h = jnp.einsum("td,efd->tef", x, layer["we_gate_up"].astype(jnp.float32))
-    out = jnp.einsum("tef,edf->ted", _swiglu_rows(h, block),
+    h = h + layer["be_gate_up"].astype(jnp.float32) if "be_gate_up" in layer else h
+    out = jnp.einsum("tef,edf->ted", _swiglu_rows(h, expert_glu.glu_of(cfg)),
                      layer["we_down"].astype(jnp.float32))
+    out = out + layer["be_down"].astype(jnp.float32) if "be_down" in layer else out
     y = jnp.einsum("ted,te->td", out, full)
     if "ws_gate_up" in layer:
         gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
