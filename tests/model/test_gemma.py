@@ -16,8 +16,9 @@ import torch
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import awq
 from jaxinfer.config import ModelConfig, load_preset
+from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import transformer
+from jaxinfer.model import sharding, transformer
 
 GEMMA = testing.GEMMA_FAMILIES
 TOL = 1e-4
@@ -97,6 +98,21 @@ def test_layers_follow_layer_types_and_rope_kinds(hf_model_dirs):
     assert cfg3.rope_scaling.rope_type == "linear" and cfg3.rope_scaling.factor == 4.0
     assert (cfg3.rope_theta, cfg3.rope_local_theta) == (50000.0, 1000.0)
     assert cfg2.attention_scale() == cfg3.attention_scale() == 24 ** -0.5
+
+
+@pytest.mark.parametrize("family, tp", [("gemma2", 4), ("gemma3", 2)])
+def test_tensor_parallel_logits_match_transformers(family, tp, hf_model_dirs, hf_models):
+    """Split over virtual CPU devices: 2 KV heads copied to 4 (Gemma 2) or one a device
+    (Gemma 3), the tied, scaled embedding and the soft-capped logits split by vocabulary."""
+    cfg = checkpoint.load_config(hf_model_dirs[family])
+    mesh = sharding.make_mesh(tp)
+    params = checkpoint.load_params(hf_model_dirs[family], cfg, mesh=mesh)
+    runner = Runner(sharding.served_config(cfg, tp), params, num_pages=16, page_size=8,
+                    max_model_len=64, mesh=mesh,
+                    buckets=BucketSet(max_num_batched_tokens=32, max_num_seqs=4))
+    ids = _prompt(9, 30)
+    ours = runner.logits([Chunk(ids, 0, [4, 1, 7, 2])])
+    assert np.abs(ours - _hf_logits(hf_models[family], ids)).max() < TOL
 
 
 def _conditional_generation(path) -> torch.nn.Module:
