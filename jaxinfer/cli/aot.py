@@ -117,7 +117,8 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
                   tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
-                  quantized_head=s.quantized_head)
+                  quantized_head=s.quantized_head,
+                  hybrid_kv_cache=False)  # the compiled step has one page group (not built)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)

@@ -145,6 +145,8 @@ def plan() -> None:
                           quantized_head=_quantized_head(),
                           max_model_len=settings.max_model_len,
                           max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          hybrid_kv_cache=not settings.disable_hybrid_kv_cache_manager,
                           bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
                           num_devices=acc.chips if acc else tp,
                           peak_flops_per_s=acc.chip.bf16_flops if acc else None,

@@ -135,6 +135,11 @@ class EngineConfig:
         "LLM and the CLI, not by Engine); default: ~/.cache/jaxinfer/xla; empty: off")
     seed: int = setting(0, "draws the seeds of requests that give none")
     enable_prefix_caching: bool = setting(True, "reuse KV pages of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "models with both sliding-window and full-attention layers (Gemma 3, "
+        "gpt-oss): keep every page in every layer, as for other models, instead of giving "
+        "the sliding layers their own pages, freed as they slide out of the window "
+        "(vLLM's name; docs/kv_cache.md)")
     attention_impl: str = setting("auto", "attention kernel; auto: the backend's kernel, "
                                    "else the pure-jnp reference", ATTENTION_IMPLS)
     skip_tokenizer_init: bool = setting(

@@ -1,17 +1,16 @@
 """The engine loop the faces drive: add_request / step / abort / has_unfinished.
 
-The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV pool
-and builds the runner; the engine owns the scheduler (with its page pool), the
-runner it was given, per-request text state and the metrics. One `step()`
-schedules, runs one device call, and returns a RequestOutput (with this step's
-deltas) for every prompt that moved. With `async_scheduling` (the default without
-speculative decoding) `step()` dispatches the step it plans, then reads back the one
-the previous call dispatched: the device runs step t + 1 while the host turns step
-t's tokens into outputs (docs/architecture.md, "The host loop"). Bad requests are
-refused in `add_request` with a specific error; the engine keeps serving the others.
-Never imports jax,
-numpy, the model or checkpoint (pyproject.toml's contract): it reaches the device
-through the runner package and `loading` only.
+The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV pool and
+builds the runner; the engine owns the scheduler (with its page pools), the runner it
+was given, per-request text state and the metrics. One `step()` schedules, runs one
+device call, and returns a RequestOutput (with deltas) for every prompt that moved. With
+`async_scheduling` (the default without speculative decoding) `step()` dispatches the
+step it plans, then reads back the one the previous call dispatched: the device runs
+step t + 1 while the host turns step t's tokens into outputs (docs/architecture.md, "The
+host loop"). Bad requests are refused in `add_request` with a specific error; the engine
+keeps serving the others. Never imports jax, numpy, the model or checkpoint
+(pyproject.toml's contract): it reaches the device through the runner package and
+`loading` only.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import loading
+from jaxinfer.engine import kv_groups, loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
@@ -65,13 +64,14 @@ class Engine:
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s,
                                speculation=self.speculation and self.speculation.stats.summary,
                                expert_tokens=self.model_config.moe and self.runner.expert_tokens)
-        num_pages = self.memory_plan.num_pages
         self.scheduler = Scheduler(
-            PagePool(num_pages, enable_caching=config.enable_prefix_caching),
+            PagePool(self.memory_plan.num_pages, enable_caching=config.enable_prefix_caching),
             page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            policy=config.scheduler)
+            policy=config.scheduler, **kv_groups.sliding_group(
+                self.memory_plan.num_sliding_pages, self.model_config, config))
+        self.metrics.page_groups = self.scheduler.pages.usage
         if config.enable_prefix_caching:
             self.metrics.prefix_cache = self._prefix_cache_counts
         self._rng = random.Random(config.seed)

@@ -30,6 +30,7 @@ request then holds those sliding pages and 0 before them.
 
 from __future__ import annotations
 
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.page_pool import ROOT, TRASH_PAGE, PagePool
 from jaxinfer.engine.request import Request
 
@@ -180,3 +181,14 @@ class PageGroups:
             groups["sliding"] = self.sliding_pool
         return {name: {"pages": pool.num_pages - 1, "in_use": pool.num_used,
                        "free": pool.num_free} for name, pool in groups.items()}
+
+
+def sliding_group(num_sliding_pages: int, model: ModelConfig, engine: EngineConfig
+                  ) -> dict[str, object]:
+    """The Scheduler's sliding-group arguments for a memory plan's `num_sliding_pages`
+    (none when 0: one group)."""
+    if not num_sliding_pages:
+        return {}
+    return {"sliding_pool": PagePool(num_sliding_pages,
+                                     enable_caching=engine.enable_prefix_caching),
+            "window": model.sliding_window}

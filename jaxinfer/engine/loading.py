@@ -83,7 +83,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
                              config.quantization)
-    check_same_engine(served, config, max_len, memory_plan.num_pages)
+    check_same_engine(served, config, max_len, memory_plan.num_pages
+                      if not memory_plan.num_sliding_pages  # two groups: both pools
+                      else (memory_plan.num_pages, memory_plan.num_sliding_pages))
     params = checkpoint.load_params(root, model_config, config.dtype, mesh)
     if config.quantization is not None and quantization.mode_of(params) is None:
         if config.quantization == "int4":  # activation-aware scales before rounding
@@ -100,7 +102,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
         page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention_impl=config.attention_impl,
-        enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None)
+        enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None,
+        num_sliding_pages=memory_plan.num_sliding_pages)
     speculation = None
     if spec is not None:
         proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
@@ -173,7 +176,7 @@ def check_same_tokenizer(target: pathlib.Path, draft: pathlib.Path) -> None:
 
 
 def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
-                      num_pages: int) -> None:
+                      num_pages: int | tuple[int, int]) -> None:
     """Multi-host: raise ValueError unless every process serves the same model with the
     same settings and page pool (sized per host, from its own memory), as all must run
     the same schedule (distributed.py). The compilation cache directory may differ."""
@@ -241,6 +244,8 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
                   quantization=config.quantization, quantized_head=quantized_head, draft=draft,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
+                  max_num_batched_tokens=config.max_num_batched_tokens,
+                  hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,

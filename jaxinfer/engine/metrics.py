@@ -67,6 +67,8 @@ class Metrics:
     speculation: Callable[[float], dict[str, object]] | None = None
     # a mixture of experts' tokens routed per expert, by MoE decoder layer, read live
     expert_tokens: Callable[[], dict[int, list[int]]] | None = None
+    # pages in use and free per page group, read live (engine/kv_groups.py)
+    page_groups: Callable[[], dict[str, dict[str, int]]] | None = None
     latency: Latency = dataclasses.field(default_factory=Latency)  # per-request histograms
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -152,6 +154,9 @@ class Metrics:
             if self.bandwidth_gb_per_s else 0.0,
             **self.latency.summary(),
             **self._prefix_cache_summary(),
+            **{f"kv_pages_{group}_{key}": value for group, counts in (
+                self.page_groups() if self.page_groups else {}).items()
+               for key, value in counts.items() if key != "pages"},
             **self._expert_summary(),
             **(self.speculation(self.step_seconds) if self.speculation else {}),
         }

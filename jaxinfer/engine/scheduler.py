@@ -24,6 +24,11 @@ samples agree with plus the target's own next token, rolls the request's compute
 length back to the accepted tokens (so only they are registered in the prefix cache)
 and frees the pages that held only rejected ones.
 
+Pages are reserved, freed, registered and matched through `PageGroups`
+(engine/kv_groups.py): one group, or with a model of sliding-window and full-attention
+layers a second one whose pages are given back as they slide out of every window;
+admission and preemption then go by both groups' free pages.
+
 A request's computed count moves on, and the full pages of known tokens it covers are
 registered, when its tokens are scheduled (vLLM's rule), so the next step can be planned
 while this one runs (asynchronous scheduling) and sees the same cache. A sampled token

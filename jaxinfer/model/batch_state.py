@@ -14,7 +14,9 @@ appended since the last step. `expand` turns the state and the delta into the
 model step's `StepInputs`; `record_samples` keeps each slot's sampled token for
 the next step. `admit` writes the rows of newly placed requests (their sampling
 settings, their pages so far, and the history a penalized request already has),
-a separate program run only in steps that place a request.
+a separate program run only in steps that place a request. A model whose sliding-window
+layers have their own page group (engine/kv_groups.py) has a second page table, written
+the same way, from which `expand` builds the sliding layers' slot mapping and page table.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class BatchState:
     rows: SlotRows  # [N + 1]
     expert_tokens: jax.Array  # i32[L_moe, E]: tokens each MoE layer routed to each expert
     # over the engine's life (a dense model: [0, 0])
+    # i32[N + 1, pages_per_seq]: the sliding-window layers' own page ids (a second page
+    # group, engine/kv_groups.py); None without one: the structure is fixed per engine.
+    sliding_page_table: jax.Array | None = None
 
 
 # A step delta's fields, in the order the host packs them, and their sizes given
@@ -78,12 +83,13 @@ _DELTA_FIELDS = (
     ("sample_slots", "SQ"),  # slot whose settings sample it; N: not sampled
     ("proposed_ids", "SQ"),  # [S, Q]: token to verify; -1 = none
     ("page_writes", "3U"),  # [U, 3]: (slot, page index, page id); slot N + 1 = none
+    ("sliding_page_writes", "3V"),  # the same for the sliding group's table; V = 0: none
 )
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["flat"],
                    meta_fields=["num_tokens", "num_slots", "num_positions",
-                                "num_page_writes"])
+                                "num_page_writes", "num_sliding_page_writes"])
 @dataclasses.dataclass(frozen=True)
 class StepDelta:
     """One step's host inputs, packed in one int32 array (one transfer, not eleven);
@@ -94,14 +100,16 @@ class StepDelta:
     num_slots: int  # S
     num_positions: int  # Q
     num_page_writes: int  # U
+    num_sliding_page_writes: int = 0  # V: 0 without a sliding page group
 
     @classmethod
     def from_list(cls, values: list[int], *, num_tokens: int, num_slots: int,
-                  num_positions: int, num_page_writes: int) -> StepDelta:
+                  num_positions: int, num_page_writes: int,
+                  num_sliding_page_writes: int = 0) -> StepDelta:
         """The delta of the _DELTA_FIELDS already concatenated in one list (the host's
         fast path: one conversion)."""
         delta = cls(np.array(values, np.int32), num_tokens, num_slots, num_positions,
-                    num_page_writes)
+                    num_page_writes, num_sliding_page_writes)
         expected = sum(delta._size(size) for _, size in _DELTA_FIELDS)
         if len(values) != expected:
             raise ValueError(f"{len(values)} values for a delta of {expected}")
@@ -115,14 +123,15 @@ class StepDelta:
                 part = self.flat[offset:offset + count]
                 if name == "proposed_ids":
                     return part.reshape(self.num_slots, self.num_positions)
-                return part.reshape(-1, 3) if name == "page_writes" else part
+                return part.reshape(-1, 3) if name.endswith("page_writes") else part
             offset += count
         raise AttributeError(name)
 
     def _size(self, size: str) -> int:
         return {"T": self.num_tokens, "S": self.num_slots, "S+1": self.num_slots + 1,
                 "1": 1, "SQ": self.num_slots * self.num_positions,
-                "3U": 3 * self.num_page_writes}[size]
+                "3U": 3 * self.num_page_writes,
+                "3V": 3 * self.num_sliding_page_writes}[size]
 
 
 @jax.tree_util.register_dataclass
@@ -134,19 +143,23 @@ class Admission:
     rows: SlotRows  # [A]
     page_writes: jax.Array  # i32[W, 3]: (slot, page index, page id)
     history_writes: jax.Array  # i32[W, 3]: (slot, position, token id)
+    sliding_page_writes: jax.Array | None = None  # i32[W, 3]; None without a sliding group
 
 
 def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
-         num_stop_ids: int, experts: tuple[int, int] = (0, 0)) -> BatchState:
+         num_stop_ids: int, experts: tuple[int, int] = (0, 0),
+         sliding_group: bool = False) -> BatchState:
     """N = `num_slots` empty slots and the padding one, all neutral; `experts`: (MoE
-    layers, experts) of the routing counts."""
+    layers, experts) of the routing counts; `sliding_group`: a second page table."""
     n = num_slots + 1
     return BatchState(
         page_table=jnp.zeros((n, pages_per_seq), jnp.int32),
         history=jnp.full((n, max_model_len), -1, jnp.int32),
         last_token=jnp.zeros((n,), jnp.int32),
         rows=neutral_rows(n, num_stop_ids),
-        expert_tokens=jnp.zeros(experts, jnp.int32))
+        expert_tokens=jnp.zeros(experts, jnp.int32),
+        sliding_page_table=jnp.zeros((n, pages_per_seq), jnp.int32) if sliding_group
+        else None)
 
 
 def neutral_rows(n: int, num_stop_ids: int) -> SlotRows:
@@ -164,9 +177,13 @@ def admit(state: BatchState, admission: Admission) -> BatchState:
     slots = admission.slots
     rows = jax.tree.map(lambda table, new: table.at[slots].set(new, mode="drop"),
                         state.rows, admission.rows)
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state, rows=rows, page_table=_write(state.page_table, admission.page_writes),
         history=_write(state.history, admission.history_writes))
+    if state.sliding_page_table is None:
+        return state
+    return dataclasses.replace(state, sliding_page_table=_write(
+        state.sliding_page_table, admission.sliding_page_writes))
 
 
 def _write(table: jax.Array, writes: jax.Array) -> jax.Array:
@@ -189,6 +206,12 @@ def expand(state: BatchState, delta: StepDelta, *, page_size: int
         cu_q_lens=delta.cu_q_lens, num_seqs=delta.num_seqs,
         logits_indices=delta.logits_indices)
     state = dataclasses.replace(state, page_table=page_table, history=history)
+    if state.sliding_page_table is not None:
+        sliding = _write(state.sliding_page_table, delta.sliding_page_writes)
+        md = dataclasses.replace(
+            md, sliding_slot_mapping=sliding[slots, positions // page_size] * page_size
+            + positions % page_size, sliding_page_indices=sliding[delta.seq_slots])
+        state = dataclasses.replace(state, sliding_page_table=sliding)
     sampling = _sampling(state, delta, positions[delta.logits_indices])
     return state, StepInputs(token_ids=token_ids, md=md, sampling=sampling,
                              proposed_ids=delta.proposed_ids)

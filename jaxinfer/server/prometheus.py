@@ -36,6 +36,7 @@ def snapshot(engine: Engine) -> dict[str, Any]:
     return {"summary": metrics.summary(), "latency": copy.deepcopy(metrics.latency),
             "running": len(scheduler.running), "waiting": len(scheduler.waiting),
             "pages_in_use": pool.num_used, "pages": pool.num_pages - 1,
+            "page_groups": scheduler.pages.usage(),
             "steps": metrics.steps, "scheduled": metrics.occupied_slots,
             "prefix_cache": metrics.prefix_cache() if metrics.prefix_cache else None}
 
@@ -79,6 +80,12 @@ def _gauges(snap: dict[str, Any]) -> Iterator[Metric]:
                  snap["pages_in_use"] / max(snap["pages"], 1))
     yield _gauge("kv_cache_pages_in_use", "KV pages held by requests", snap["pages_in_use"])
     yield _gauge("kv_cache_pages", "KV pages requests can hold", snap["pages"])
+    sliding = snap["page_groups"].get("sliding")
+    if sliding is not None:  # a hybrid model's sliding-window layers' own pages
+        yield _gauge("kv_cache_sliding_pages_in_use", "sliding-window layers' KV pages held "
+                     "by requests", sliding["in_use"])
+        yield _gauge("kv_cache_sliding_pages", "sliding-window layers' KV pages requests "
+                     "can hold", sliding["pages"])
     yield _gauge("mean_batch_size", "completions per engine step, mean over the life",
                  summary["mean_requests_per_step"])
     yield _gauge("roofline_fraction", "bytes a step must read over its time, as a fraction "

@@ -32,6 +32,7 @@ from jaxinfer.model import sharding
 from jaxinfer.model.params_table import EXPERTS, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
+from jaxinfer.sizing.page_groups import hybrid_summary, page_groups
 
 GB = 1e9
 EXPERT_WEIGHTS = EXPERTS
@@ -73,6 +74,13 @@ class MemoryPlan:
     experts_per_token: int = 0
     total_params: int = 0
     active_params: int = 0  # per token: the dense parameters and k of the E experts
+    # The hybrid KV cache (engine/kv_groups.py): the sliding-window layers' own pages.
+    # page_bytes and num_pages are then the full-attention layers' (and a draft's);
+    # 0 pages: one group, every layer keeps every page.
+    num_sliding_pages: int = 0  # the trash page included
+    sliding_page_bytes: int = 0
+    sliding_window_pages: int = 0  # ceil(window / page_size) + 1: a decode's sliding pages
+    unified_num_pages: int = 0  # pages of every layer the bytes hold: without the hybrid
 
     def step_weight_bytes(self, batch: int) -> float:
         """The weight bytes a decode step of `batch` requests reads on one device: every
@@ -156,6 +164,7 @@ class MemoryPlan:
             "total_gb": round((self.weight_bytes + self.draft_weight_bytes
                                + self.batch_state_bytes + self.kv_cache_bytes) / GB, 3),
             "kv_tokens": (self.num_pages - 1) * self.page_size,
+            **hybrid_summary(self),
             "max_model_len": self.max_model_len,
             "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
             "bandwidth_gb_per_s": self.bandwidth_gb_per_s,
@@ -323,15 +332,18 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
          num_devices: int | None = None, peak_flops_per_s: float | None = None,
          quantization: str | None = None, quantized_head: bool = True,
-         draft: ModelConfig | None = None) -> MemoryPlan:
+         draft: ModelConfig | None = None, max_num_batched_tokens: int = 512,
+         hybrid_kv_cache: bool = True) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
     speculative draft model served beside it (in `dtype`, unquantized), its weights and
     its K/V per token (one more cache of the same pages) counted too.
     `bandwidth_gb_per_s` (GB/s, per device) for the decode roofline, None leaves it out;
-    `peak_flops_per_s` adds the compute bound. Raises ValueError when not even one
-    request of `max_model_len` fits, saying how much would."""
+    `peak_flops_per_s` adds the compute bound. `hybrid_kv_cache`: a model with both
+    sliding-window and full-attention layers gives its sliding layers their own pages
+    (`page_groups`). Raises ValueError when not even one request of `max_model_len`
+    fits, saying how much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
     tp, num_devices = tensor_parallel_size, num_devices or tensor_parallel_size
@@ -352,7 +364,10 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     if memory_bytes is not None:
         kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
                                     max_model_len, pages_per_request, page_bytes, tp, state)
-    num_pages = kv_cache_bytes // page_bytes
+    num_pages, groups = page_groups(
+        cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+        hybrid=hybrid_kv_cache)
     if num_pages - 1 < pages_per_request:
         raise ValueError(
             f"a KV cache of {kv_cache_bytes} bytes holds {num_pages} pages of {page_bytes} "
@@ -360,11 +375,17 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
             f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
             "max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
+    concurrent = (num_pages - 1) // pages_per_request
+    if groups:
+        page_bytes = groups.pop("page_bytes")
+        concurrent = min(concurrent, (groups["num_sliding_pages"] - 1)
+                         // groups["sliding_window_pages"])
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       page_bytes=page_bytes, num_pages=num_pages,
-                      kv_cache_bytes=num_pages * page_bytes, max_model_len=max_model_len,
-                      pages_per_request=pages_per_request,
-                      max_concurrent_requests=(num_pages - 1) // pages_per_request,
+                      kv_cache_bytes=num_pages * page_bytes + groups.get(
+                          "num_sliding_pages", 0) * groups.get("sliding_page_bytes", 0),
+                      max_model_len=max_model_len, pages_per_request=pages_per_request,
+                      max_concurrent_requests=concurrent,
                       max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
                       tensor_parallel_size=tp, replicas=num_devices // tp,
                       unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization,
@@ -373,7 +394,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
                       draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
-                      **_moe_fields(cfg, dtype, tp, quantization))
+                      **_moe_fields(cfg, dtype, tp, quantization), **groups)
 
 
 def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None) -> dict:

@@ -85,12 +85,15 @@ def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
 
 
 def input_spec(bucket: Bucket, *, page_size: int,
-               num_positions: int = NUM_SAMPLE_POSITIONS) -> batch_state.StepDelta:
+               num_positions: int = NUM_SAMPLE_POSITIONS, sliding: bool = False
+               ) -> batch_state.StepDelta:
     """ShapeDtypeStructs of a bucket's step delta (an empty plan, padded), sampling
-    `num_positions` (Q) positions per request; its shapes depend on the bucket alone."""
+    `num_positions` (Q) positions per request; its shapes depend on the bucket alone
+    (and on `sliding`: a second page group's writes)."""
     bucket = dataclasses.replace(bucket, num_positions=max(bucket.num_positions,
                                                            num_positions))
-    delta, _ = SlotTable(bucket.num_slots, page_size=page_size).delta([], bucket)
+    delta, _ = SlotTable(bucket.num_slots, page_size=page_size, sliding=sliding).delta(
+        [], bucket)
     return _specs(delta)
 
 

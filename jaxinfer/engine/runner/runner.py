@@ -104,7 +104,8 @@ class Runner:
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
-                 enable_prompt_logprobs: bool = False, draft_probs: bool = False) -> None:
+                 enable_prompt_logprobs: bool = False, draft_probs: bool = False,
+                 num_sliding_pages: int = 0) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
@@ -119,16 +120,22 @@ class Runner:
         self.pages_per_seq = -(-max_model_len // page_size)
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
+        # num_sliding_pages > 0: a second page group, the sliding-window layers' own pages
+        # (engine/kv_groups.py), with its own page table in the batch state.
+        self.sliding = num_sliding_pages > 0
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
-                              dtype=kv_quant.storage_dtype(kv_dtype), shards=shards),
+                              dtype=kv_quant.storage_dtype(kv_dtype), shards=shards,
+                              num_sliding_pages=num_sliding_pages),
             out_shardings=kv_shardings)()
         num_slots = self.buckets.max_num_seqs
-        self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids)
+        self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids,
+                               sliding=self.sliding)
         self.state = jax.jit(functools.partial(
             batch_state.init, num_slots, pages_per_seq=self.pages_per_seq,
             max_model_len=max_model_len, num_stop_ids=STOP_WIDTH,
-            experts=moe.routing_shape(cfg)), out_shardings=whole)()
+            experts=moe.routing_shape(cfg), sliding_group=self.sliding),
+            out_shardings=whole)()
         ins, outs = (param_shardings, kv_shardings, whole, whole), (kv_shardings, whole, whole)
         self._steps = {decode: jax.jit(step_function(cfg, page_size=page_size,
                                                      decode_only=decode),
@@ -187,7 +194,7 @@ class Runner:
 
     def _compile(self, bucket: Bucket, scores: bool = False) -> jax.stages.Compiled:
         if (bucket, scores) not in self._compiled:
-            spec = input_spec(bucket, page_size=self.page_size)
+            spec = input_spec(bucket, page_size=self.page_size, sliding=self.sliding)
             with self._lower_lock, jax.set_mesh(self.mesh):
                 args = (self.params, self.kv_cache, self.state, spec)
                 if scores:

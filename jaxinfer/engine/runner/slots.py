@@ -38,15 +38,17 @@ class _Slot:
     request: Request
     preemptions: int  # the request's count when placed: a new count means a new placement
     pages: list[int]  # page ids written to the device row
+    sliding_pages: list[int]  # the same for the sliding group's row (engine/kv_groups.py)
 
 
 class SlotTable:
     """Slots of the requests in flight, and the deltas that keep their rows current."""
 
     def __init__(self, num_slots: int, *, page_size: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), sliding: bool = False) -> None:
         self.num_slots = num_slots
         self.page_size = page_size
+        self.sliding = sliding  # a second page group: its own page-table rows
         self.eos_token_ids = eos_token_ids
         self._slots: dict[int, _Slot] = {}  # slot -> its request
         self._slot_of: dict[Request, int] = {}
@@ -73,6 +75,7 @@ class SlotTable:
             raise ValueError(f"{len(chunks)} requests exceed the bucket's {num_slots} slots")
         placed: list[tuple[int, Request, int]] = []
         writes: list[tuple[int, int, int]] = []
+        sliding_writes: list[tuple[int, int, int]] = []
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -87,7 +90,11 @@ class SlotTable:
                 placed.append((slot, request, chunk.start))
             fed = _fed_tokens(chunk)
             end = chunk.start + len(fed)
-            writes += self._page_writes(slot, request, end)
+            held = self._slots[slot]
+            writes += self._page_writes(slot, held.pages, request.page_ids, end)
+            if self.sliding:
+                sliding_writes += self._page_writes(slot, held.sliding_pages,
+                                                    request.sliding_page_ids, end)
             tokens += fed
             positions += range(chunk.start, end)
             token_slots += [slot] * len(fed)
@@ -103,35 +110,40 @@ class SlotTable:
             raise ValueError(f"{len(tokens)} tokens exceed the bucket's {bucket.num_tokens}")
         capacity = page_write_capacity(bucket, self.page_size)
         in_step, overflow = writes[:capacity], writes[capacity:]
+        sliding_in_step = sliding_writes[:capacity]
         pad = bucket.num_tokens - len(tokens)
         values = (tokens + [0] * pad + positions + [0] * pad + token_slots + [n] * pad
                   + seq_slots + kv_lens
                   + cu_q_lens + [len(tokens)] * (num_slots + 1 - len(cu_q_lens))
                   + [len(chunks)] + rows + sample_slots + proposed)
-        for write in in_step:
-            values += write
-        values += [n + 1, 0, 0] * (capacity - len(in_step))
+        for writes_in_step in (in_step, sliding_in_step)[:1 + self.sliding]:
+            for write in writes_in_step:
+                values += write
+            values += [n + 1, 0, 0] * (capacity - len(writes_in_step))
         delta = StepDelta.from_list(values, num_tokens=bucket.num_tokens, num_slots=num_slots,
-                                    num_positions=q, num_page_writes=capacity)
-        return delta, self._admissions(placed, overflow)
+                                    num_positions=q, num_page_writes=capacity,
+                                    num_sliding_page_writes=capacity * self.sliding)
+        return delta, self._admissions(placed, overflow, sliding_writes[capacity:])
 
     def _place(self, request: Request) -> int:
         if not self._free:
             raise RuntimeError(f"more than {self.num_slots} requests in flight")
         slot = self._free.pop()
-        self._slots[slot] = _Slot(request, request.num_preemptions, [])
+        self._slots[slot] = _Slot(request, request.num_preemptions, [], [])
         self._slot_of[request] = slot
         return slot
 
-    def _page_writes(self, slot: int, request: Request, end: int
+    def _page_writes(self, slot: int, mirror: list[int], ids: list[int], end: int
                      ) -> list[tuple[int, int, int]]:
-        """(slot, index, page id) of the request's pages up to position `end` that the
-        device row lacks; pages past the mirror's common tail are rewritten."""
-        mirror, ids = self._slots[slot].pages, request.page_ids
+        """(slot, index, page id) of the request's pages `ids` up to position `end` that
+        the device row (mirrored by `mirror`) lacks; pages past the mirror's common tail
+        are rewritten. A 0 in `ids` over a written id is a sliding page given back: the
+        row keeps the old id, which no query reads (engine/kv_groups.py)."""
         common = min(len(mirror), len(ids))
         low = max(0, common - TAIL)
-        if mirror[low:common] != ids[low:common]:
-            common = next(k for k in range(low, common) if mirror[k] != ids[k])
+        changed = [k for k in range(low, common) if mirror[k] != ids[k] and ids[k]]
+        if changed:
+            common = changed[0]
         del mirror[common:]
         needed = min(-(-end // self.page_size), len(ids))
         new = ids[len(mirror):needed]
@@ -140,7 +152,8 @@ class SlotTable:
         return out
 
     def _admissions(self, placed: list[tuple[int, Request, int]],
-                    overflow: list[tuple[int, int, int]]) -> list[Admission]:
+                    overflow: list[tuple[int, int, int]],
+                    sliding: list[tuple[int, int, int]]) -> list[Admission]:
         """Admission calls: the placed slots' rows, page writes past the step's capacity,
         and the history a penalized request has before its first fed token."""
         history: list[tuple[int, int, int]] = []
@@ -148,16 +161,17 @@ class SlotTable:
             if request.params.penalized and start:
                 history += [(slot, p, t) for p, t in enumerate(request.tokens(0, start))]
         calls = []
-        while placed or overflow or history:
+        while placed or overflow or history or sliding:
             batch, placed = placed[:ADMIT_ROWS], placed[ADMIT_ROWS:]
             pages, overflow = overflow[:WRITE_WIDTH], overflow[WRITE_WIDTH:]
             past, history = history[:WRITE_WIDTH], history[WRITE_WIDTH:]
-            calls.append(self._admission(batch, pages, past))
+            slid, sliding = sliding[:WRITE_WIDTH], sliding[WRITE_WIDTH:]
+            calls.append(self._admission(batch, pages, past, slid))
         return calls
 
     def _admission(self, placed: list[tuple[int, Request, int]],
-                   pages: list[tuple[int, int, int]], history: list[tuple[int, int, int]]
-                   ) -> Admission:
+                   pages: list[tuple[int, int, int]], history: list[tuple[int, int, int]],
+                   sliding: list[tuple[int, int, int]]) -> Admission:
         """One admission call's arrays (padded: slot N + 1, dropped on the device)."""
         n = self.num_slots
         return Admission(
@@ -165,11 +179,13 @@ class SlotTable:
                            np.int32),
             rows=self._rows([r for _, r, _ in placed]),
             page_writes=_triples(pages, WRITE_WIDTH, n + 1),
-            history_writes=_triples(history, WRITE_WIDTH, n + 1))
+            history_writes=_triples(history, WRITE_WIDTH, n + 1),
+            sliding_page_writes=_triples(sliding, WRITE_WIDTH, n + 1) if self.sliding
+            else None)
 
     def empty_admission(self) -> Admission:
         """An admission call that writes nothing (its shapes compile the program)."""
-        return self._admission([], [], [])
+        return self._admission([], [], [], [])
 
     def _rows(self, requests: Sequence[Request]) -> SlotRows:
         """SlotRows of ADMIT_ROWS rows: the requests', then greedy padding."""

@@ -1,0 +1,64 @@
+"""The planner's split of KV bytes between the full and the sliding page group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.sizing import planner
+from jaxinfer.sizing.page_groups import sliding_split, split_pages
+
+# The Gemma 3 pattern: 5 sliding layers (window 1,024) to 1 full one, repeated twice.
+GEMMA3_LIKE = ModelConfig(architecture="mistral", vocab_size=256, hidden_size=64,
+                          intermediate_size=128, num_layers=12, num_heads=4, num_kv_heads=2,
+                          head_dim=16, sliding_window=1024, max_position_embeddings=8192,
+                          layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 2)
+LAYER_TOKEN_BYTES = 2 * 2 * 16 * 4  # K and V of 2 heads x 16 float32 dims
+
+
+def test_split_counts_pages_and_tokens_per_group():
+    plan = planner.plan(GEMMA3_LIKE, kv_cache_bytes=10**9, max_model_len=4096, page_size=16,
+                        max_num_batched_tokens=512)
+    full_page, sliding_page = 16 * 2 * LAYER_TOKEN_BYTES, 16 * 10 * LAYER_TOKEN_BYTES
+    assert (plan.page_bytes, plan.sliding_page_bytes) == (full_page, sliding_page)
+    window, context, slack = 1024 // 16 + 1, 4096 // 16, 512 // 16 + 1
+    assert plan.sliding_window_pages == window
+    # bytes = page bytes per layer x (n_full x P_full + n_sliding x P_sliding), with
+    # P_sliding = (P_full - 1) x W / F + slack + 1, rounded down, the rest to the sliding
+    full = plan.num_pages
+    assert full == int((10**9 - sliding_page * (slack + 1 - window / context))
+                       // (full_page + sliding_page * window / context))
+    assert plan.num_sliding_pages == (10**9 - full * full_page) // sliding_page
+    assert plan.num_sliding_pages - 1 >= (full - 1) * window // context + slack
+    assert plan.kv_cache_bytes == full * full_page + plan.num_sliding_pages * sliding_page
+    assert plan.kv_cache_bytes <= 10**9
+    summary = plan.summary()
+    assert summary["kv_tokens"] == (full - 1) * 16
+    assert summary["kv_tokens_sliding"] == (plan.num_sliding_pages - 1) * 16
+    one_group = planner.plan(GEMMA3_LIKE, kv_cache_bytes=10**9, max_model_len=4096,
+                             page_size=16, hybrid_kv_cache=False)
+    assert summary["kv_tokens_without_hybrid"] == one_group.summary()["kv_tokens"]
+    assert one_group.num_sliding_pages == 0 and "kv_tokens_sliding" not in one_group.summary()
+    ratio = plan.max_concurrent_requests / one_group.max_concurrent_requests
+    assert summary["max_concurrent_requests_without_hybrid"] == \
+        one_group.max_concurrent_requests
+    assert ratio == pytest.approx(12 / (2 + 10 * window / context), rel=0.01)  # ~2.64
+
+
+@pytest.mark.parametrize("layer_types", [None, ("full_attention",) * 12,
+                                         ("sliding_attention",) * 12])
+def test_one_kind_of_layer_keeps_one_group(layer_types):
+    cfg = dataclasses.replace(GEMMA3_LIKE, layer_types=layer_types)
+    assert sliding_split(cfg, 16, 4096) is None
+    plan = planner.plan(cfg, kv_cache_bytes=10**8, max_model_len=4096, page_size=16)
+    assert plan.num_sliding_pages == 0
+    assert plan.num_pages == 10**8 // (16 * 12 * LAYER_TOKEN_BYTES)
+
+
+def test_a_window_as_long_as_the_context_keeps_one_group():
+    assert sliding_split(GEMMA3_LIKE, 16, 4096) == (2, 10)
+    assert sliding_split(GEMMA3_LIKE, 16, 1024) is None  # 65 window pages >= 64
+    assert split_pages(1000, 10, 50, window_pages=1, context_pages=4, slack=1) == (
+        int((1000 - 50 * 1.75) // 22.5), (1000 - 40 * 10) // 50)
