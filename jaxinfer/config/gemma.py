@@ -122,9 +122,11 @@ def gemma_to_hf(cfg: Any, rope: dict[str, Any]) -> dict[str, Any]:
     layer_types = cfg.layer_types or tuple(
         "sliding_attention" if cfg.sliding_window else "full_attention"
         for _ in range(cfg.num_layers))
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     out = {
         "hidden_activation": cfg.hidden_act,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        # transformers' strict config takes an int here (168, 256)
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
         "final_logit_softcapping": cfg.final_logit_softcapping,
         "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "sliding_window": cfg.sliding_window,

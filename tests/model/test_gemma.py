@@ -115,6 +115,27 @@ def test_tensor_parallel_logits_match_transformers(family, tp, hf_model_dirs, hf
     assert np.abs(ours - _hf_logits(hf_models[family], ids)).max() < TOL
 
 
+@pytest.mark.parametrize("family", GEMMA)
+def test_save_hf_writes_a_gemma_transformers_loads(family, tmp_path):
+    """Our random params written by `save_hf` (config.json from `to_hf`): transformers
+    builds the same family from them and computes our logits; the config reads back."""
+    import jax
+    import transformers
+
+    cfg = ModelConfig.from_hf(testing.hf_config(family).to_dict())
+    params = transformer.init_params(cfg, jax.random.key(0), std=0.3)
+    params = jax.tree.map(  # norm weights away from zero, so (1 + w) matters
+        lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+    checkpoint.save_hf(tmp_path, cfg, params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(model).__name__ == {"gemma2": "Gemma2ForCausalLM",
+                                    "gemma3": "Gemma3ForCausalLM"}[family]
+    ids = _prompt(10, 30)
+    assert np.abs(_dense(params, cfg, ids) - _hf_logits(model, ids)).max() < TOL
+    assert checkpoint.load_config(tmp_path) == cfg
+
+
 def _conditional_generation(path) -> torch.nn.Module:
     """A tiny Gemma3ForConditionalGeneration (the tiny gemma3 text tower, a one-layer
     SigLIP), saved by transformers."""
