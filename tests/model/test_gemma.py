@@ -219,6 +219,21 @@ def test_generate_greedy_matches_transformers_with_batching(gemma_llm, hf_models
     assert metrics["compiles_after_warmup"] == 0
 
 
+def test_prompt_logprobs_are_of_the_soft_capped_logits(hf_model_dirs, hf_models):
+    """Gemma 2's final soft cap applies to prompt scores too: a 30-token prompt scored in
+    16-token chunks gives transformers' log-softmax (buckets compiled as met)."""
+    llm = LLM(model=hf_model_dirs["gemma2"], page_size=8, max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=16, enable_prompt_logprobs=True,
+              compilation_cache_dir="", warm_up=False)
+    ids = _prompt(12, 30)
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0,
+                                                prompt_logprobs=0))
+    want = torch.log_softmax(torch.tensor(_hf_logits(hf_models["gemma2"], ids)), -1).numpy()
+    got = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    diff = np.abs(np.array(got) - want[np.arange(len(ids) - 1), ids[1:]]).max()
+    assert out.prompt_logprobs[0] is None and diff < TOL
+
+
 @pytest.mark.parametrize("edit, message", [
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
