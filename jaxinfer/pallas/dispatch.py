@@ -10,7 +10,9 @@ out-of-bounds reads raising). KV pages are `[P, K, W, packing, H]`
 (`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
 when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
 read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
-token and head (`kv_quant.py`).
+token and head (`kv_quant.py`). `sinks` f32[N] adds one learned logit per query head
+to the softmax denominator (gpt-oss's attention sinks): the head's weights over its keys
+sum to less than one, the rest going to a value of zero.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def validate_inputs(
     v_scale: float | None = None,
     num_kv_heads: int | None = None,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> None:
     """Trace-time checks of shapes, dtypes and settings; errors name the argument."""
     if queries.ndim != 3:
@@ -59,6 +62,19 @@ def validate_inputs(
     if kv_scales is not None:
         _validate_kv_scales(kv_pages, kv_scales,
                             num_kv_heads or kv_layout.padded_heads(kv_pages) // 2)
+    if sinks is not None:
+        _validate_sinks(sinks, queries.shape[1])
+
+
+def _validate_sinks(sinks: jax.Array, num_heads: int) -> None:
+    """sinks is f32[N], one logit per query head."""
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise ValueError(f"sinks must be an f32[N] array, got {type(sinks).__name__}")
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [N] = ({num_heads},), one per query head, got "
+                         f"shape {sinks.shape}")
+    if sinks.dtype != jnp.float32:
+        raise ValueError(f"sinks dtype {sinks.dtype} must be float32")
 
 
 def _validate_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array, num_kv_heads: int
@@ -169,6 +185,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head, 8-bit pages
+    sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc).
     `max_q_len`: a static promise that no request has more query tokens (decode
@@ -176,7 +193,7 @@ def ragged_paged_attention(
     slot alone (the kernels need no hint)."""
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
-                    num_kv_heads=num_kv_heads, kv_scales=kv_scales)
+                    num_kv_heads=num_kv_heads, kv_scales=kv_scales, sinks=sinks)
     args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, **settings)
     chosen = resolve_impl(impl)

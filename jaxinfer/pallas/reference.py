@@ -18,6 +18,9 @@ straight into the layout its dot wants (XLA:CPU's gathers are the cost here).
 8-bit pages are read times a scalar `k_scale`/`v_scale` or, with `kv_scales`
 f32[P, K, 2G], times each row's own scale (`kv_quant.py`).
 
+`sinks` f32[N] (gpt-oss) is one more logit per query head in every softmax, with no
+value: it starts the running max and sum (`_init_carry`).
+
 Pages of dtype uint16 hold bfloat16 bit patterns: the CPU storage of a bf16
 KV cache (`BF16_STORAGE`). On XLA:CPU a bf16 scatter is upcast over the whole
 pool, and a bf16 gather in a loop gets its convert hoisted into a whole-pool
@@ -94,6 +97,7 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head (kv_quant.py)
+    sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over the paged KV of its own request. `max_q_len`
     (static): a promise that no request has more query tokens (decode buckets: 1;
@@ -119,7 +123,7 @@ def ragged_paged_attention(
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
                     k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block,
-                    num_kv_heads=num_kv_heads, kv_scales=kv_scales)
+                    num_kv_heads=num_kv_heads, kv_scales=kv_scales, sinks=sinks)
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
@@ -188,6 +192,7 @@ def _attend_by_requests(
     shared_block: int,
     mask_value: float,
     num_kv_heads: int,
+    sinks: jax.Array | None,
     **settings: float | int | None,
 ) -> jax.Array:
     """One loop item per (request, block of its queries): the block's KV is gathered once.
@@ -222,8 +227,7 @@ def _attend_by_requests(
             return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos,
                                     mask_value=mask_value, **settings)
 
-        init = (jnp.full(shape[:3], mask_value, jnp.float32),
-                jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape, jnp.float32))
+        init = _init_carry(shape, mask_value, sinks)
         needed = jnp.minimum(kv_lens[i], q_pos[-1] + 1)
         _, total, acc = jax.lax.fori_loop(0, (needed + block_kv - 1) // block_kv, body, init)
         result = acc / jnp.where(total > 0, total, 1.0)[..., None]
@@ -258,6 +262,7 @@ def _attend_tokens(
     pages_per_block: int,
     mask_value: float,
     num_kv_heads: int,
+    sinks: jax.Array | None,
     **settings: float | int | None,
 ) -> jax.Array:
     """Online softmax over KV blocks, only as many blocks as the longest KV needs; a
@@ -280,14 +285,32 @@ def _attend_tokens(
         return _kv_block_update(carry, qg, k, v, pos, kv_len, q_pos, mask_value=mask_value,
                                 **settings)
 
-    shape = qg.shape[:3]
-    init = (jnp.full(shape, mask_value, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(qg.shape, jnp.float32))
+    init = _init_carry(qg.shape, mask_value, sinks)
     _, total, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # padding rows: 0
     out = out.reshape(tokens, num_kv_heads, num_queries, group, head_dim).transpose(
         0, 2, 1, 3, 4)
     return out.reshape(shape_in).astype(q.dtype)
+
+
+def _init_carry(shape: tuple[int, ...], mask_value: float, sinks: jax.Array | None
+                ) -> tuple[jax.Array, ...]:
+    """(running max, sum, acc) before the first KV block, for queries f[..., G, Q * R, H]
+    (row q * R + r of KV head g is query head g * R + r).
+
+    A sink is one more logit with no value. Starting the running max at it and the sum
+    at exp(sink - sink) = 1 makes every later rescale carry it, so the result is exact
+    (the max is taken over the keys and the sink, as in transformers), and the sum is
+    never below 1, also for rows that see no key (their output stays 0).
+    """
+    if sinks is None:
+        return (jnp.full(shape[:-1], mask_value, jnp.float32),
+                jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape, jnp.float32))
+    num_kv_heads, rows = shape[-3], shape[-2]
+    per_row = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, -1),
+                       (1, rows * num_kv_heads // sinks.shape[0]))  # [G, Q * R]
+    return (jnp.broadcast_to(per_row, shape[:-1]), jnp.ones(shape[:-1], jnp.float32),
+            jnp.zeros(shape, jnp.float32))
 
 
 def _gather_kv(kv_pages: jax.Array, pages: jax.Array, num_kv_heads: int,

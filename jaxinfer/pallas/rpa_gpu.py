@@ -20,6 +20,8 @@ Tuning constants live in `GpuTuning` / `choose_tuning`, apart from the logic.
 float8_e4m3fn KV needs compute capability >= 8.9 (Triton's fp8 conversions).
 With `kv_scales` f32[P, K, 2G] (`kv_quant.py`) each K and V row is multiplied by its
 own scale, gathered by page id like the row, before the dots.
+With `sinks` f32[N] (one softmax logit per query head, no value) the online softmax of
+split 0 starts from the sink (`_init_carry`), so the split combine carries it too.
 KV pages arrive as [P, K, W, packing, H] (`kv_layout.py`) and are read through
 the free reshape to [P, K, W * packing, H]: row-major order makes the packed
 layout the familiar combined-head axis.
@@ -144,6 +146,7 @@ class _Static:
     soft_cap: float | None
     mask_value: float
     scaled: bool = False  # kv_scales given: K and V rows times their own scales
+    sinks: bool = False  # sinks given: f32[G, rows], each row's query-head sink
 
 
 def _kv_range(q_pos0: jax.Array, ntok: jax.Array, kv_len: jax.Array, st: _Static,
@@ -190,10 +193,33 @@ def _kv_step(kb: jax.Array, carry: tuple[jax.Array, ...], *, q: jax.Array, q_pos
     return acc, m_new, l
 
 
+def _init_carry(sink_ref: Ref | None, head: jax.Array, split: jax.Array, rows: int,
+                head_dim: int, st: _Static) -> tuple[jax.Array, ...]:
+    """(acc, running max, sum) before the first KV block.
+
+    A sink is one more logit with no value. Split 0 starts its running max at each row's
+    sink and its sum at exp(sink - sink) = 1, so every later rescale, and `_combine`'s
+    merge of the splits, carries it exactly (the max is over keys and sink, as in
+    transformers). Only one split may hold it, or the merge would count it twice; an
+    empty split 0 still hands it over (m = sink, l = 1, acc = 0).
+    """
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    if not st.sinks:
+        return acc, jnp.full((rows,), st.mask_value, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    sink = sink_ref[head, :]  # f32[rows]
+    if st.k_splits == 1:
+        return acc, sink, jnp.ones((rows,), jnp.float32)
+    first = split == 0
+    return (acc, jnp.where(first, sink, st.mask_value),
+            jnp.where(first, jnp.ones((rows,), jnp.float32), 0.0))
+
+
 def _kernel(meta_ref: Ref, pi_ref: Ref, q_ref: Ref, kv_ref: Ref, *refs: Ref,
             st: _Static) -> None:
-    """One (query block, KV head, KV split) program; `refs`: [kv scales,] outputs."""
-    s_ref, out_refs = (refs[0], refs[1:]) if st.scaled else (None, refs)
+    """One (query block, KV head, KV split) program; `refs`: [kv scales,] [sinks,]
+    outputs."""
+    s_ref, refs = (refs[0], refs[1:]) if st.scaled else (None, refs)
+    sink_ref, out_refs = (refs[0], refs[1:]) if st.sinks else (None, refs)
     block, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     req, tok0, ntok, q_pos0, kv_len = (meta_ref[block, f] for f in range(META_FIELDS))
     rows, head_dim = st.bq * st.heads, q_ref.shape[-1]
@@ -203,8 +229,7 @@ def _kernel(meta_ref: Ref, pi_ref: Ref, q_ref: Ref, kv_ref: Ref, *refs: Ref,
     q = plgpu.load(q_ref.at[tile], mask=mask3, other=0).reshape(rows, head_dim)
     q_pos = q_pos0 + jnp.arange(rows, dtype=jnp.int32) // st.heads  # [rows]
     start, end = _kv_range(q_pos0, ntok, kv_len, st, split)
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), st.mask_value, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    init = _init_carry(sink_ref, head, split, rows, head_dim, st)
     step = functools.partial(_kv_step, q=q, q_pos=q_pos, req=req, kv_len=kv_len, head=head,
                              pi_ref=pi_ref, kv_ref=kv_ref, s_ref=s_ref, st=st)
     acc, m, l = jax.lax.fori_loop(start, end, step, init)
@@ -253,6 +278,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     tuning: GpuTuning | None = None,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
+    sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc)."""
     tokens, num_heads, head_dim = queries.shape
@@ -276,20 +302,30 @@ def ragged_paged_attention(
                  v_scale=1.0 if v_scale is None else v_scale, sliding_window=sliding_window,
                  soft_cap=soft_cap,
                  mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-                 scaled=kv_scales is not None)
+                 scaled=kv_scales is not None, sinks=sinks is not None)
     q = queries.reshape(tokens, num_kv_heads, group, head_dim)
     if heads != group:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, heads - group), (0, 0)))
     meta = _block_table(cu_q_lens, kv_lens, num_seqs, tokens=tokens, bq=bq)
     kv = (kv_pages,) if kv_scales is None else (kv_pages, kv_scales)
+    if sinks is not None:
+        kv += (_sink_rows(sinks, num_kv_heads, heads, bq),)
     out = _call(meta, page_indices, q, *kv, st=st, tuning=tuning, interpret=interpret)
     return out[:, :, :group].reshape(tokens, num_heads, head_dim)
 
 
+def _sink_rows(sinks: jax.Array, num_kv_heads: int, heads: int, bq: int) -> jax.Array:
+    """f32[G, bq * Rp]: the sink of each row of a query block (row t * Rp + r is query
+    head r of its KV head; padded heads get 0 and are never written out)."""
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+    per_head = jnp.pad(per_head, ((0, 0), (0, heads - per_head.shape[1])))
+    return jnp.tile(per_head, (1, bq))
+
+
 def _call(meta: jax.Array, page_indices: jax.Array, q: jax.Array, *kv: jax.Array,
           st: _Static, tuning: GpuTuning, interpret: bool) -> jax.Array:
-    """Launch the kernel (and the split combine): f[T, G, Rp, H]; `kv`: the pages [and
-    their scales]."""
+    """Launch the kernel (and the split combine): f[T, G, Rp, H]; `kv`: the pages [, their
+    scales] [, the sinks of each block row]."""
     _, num_kv_heads, heads, _ = q.shape
     splits = st.k_splits
     if splits == 1:

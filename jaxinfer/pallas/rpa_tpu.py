@@ -17,6 +17,8 @@ KV layout (`kv_layout.py`): pages are [P, K, W, packing, H], the K and V rows of
 packed into 32-bit words; a program copies whole words, so it serves
 `heads_per_program` = max(1, packing // 2) KV heads. Scales per token (`kv_scales`
 f32[P, K, C], `kv_quant.py`) are copied beside the words into their own VMEM buffer.
+Sinks (f32[N], one softmax logit per query head) are scalar-prefetched into SMEM with
+the page table: a program reads R of them once per query block.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
+    sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (inputs pre-validated).
 
@@ -94,7 +97,7 @@ def ragged_paged_attention(
                   mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale,
                   heads_per_program=per_program,
                   words_per_program=max(1, 2 // kv_layout.packing(kv_pages.dtype)),
-                  scaled=kv_scales is not None)
+                  scaled=kv_scales is not None, sinks=sinks is not None)
     # Token-major, heads grouped by KV head (padded to whole programs), `q_block` padding
     # tokens at the end so a fixed-size block copy starting at any real token stays in
     # bounds.
@@ -103,6 +106,9 @@ def ragged_paged_attention(
                                 (0, 0), (0, 0)))
     out = jnp.zeros_like(grouped)
     scalars = (kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs)
+    if sinks is not None:  # f32[Gp * R]: padded programs' heads get 0, never written out
+        scalars += (jnp.pad(sinks.astype(jnp.float32),
+                            (0, (programs * per_program - num_kv_heads) * heads_per_kv)),)
     for decode in (False, True):
         cfg = PassConfig(decode=decode, q_block=1 if decode else q_block, **common)
         out = _attention_pass(cfg, scalars, grouped, kv_pages, kv_scales, out, tokens=tokens,

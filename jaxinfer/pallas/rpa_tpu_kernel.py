@@ -23,6 +23,9 @@ it does not use.
 Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
 are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
 K and V columns, which multiply the unpacked rows.
+
+Sinks (f32[Gp * R] in SMEM, one logit per query head): each row's online softmax starts
+from its head's sink (`_init_carry`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class PassConfig:
     heads_per_program: int  # KV heads one program serves: max(1, packing // 2)
     words_per_program: int  # words of each token it copies: max(1, 2 // packing)
     scaled: bool = False  # kv_scales given: a scale per token and combined head
+    sinks: bool = False  # sinks given: a softmax sink logit per query head (SMEM)
 
     @property
     def kv_block(self) -> int:
@@ -78,6 +82,7 @@ class _Refs(NamedTuple):
     io_sems: Any  # DMA semaphores [2]: query copy, output copy
     scales: Any = None  # HBM f32[P, K, C] (kv_scales), or None
     s_buf: Any = None  # VMEM f32[2 slots, kv_block, C], or None
+    sinks: Any = None  # SMEM f32[Gp * R], or None
 
 
 class _Request(NamedTuple):
@@ -100,13 +105,15 @@ class _KeyRange(NamedTuple):
 def kernel(kv_lens_ref: Any, page_table_ref: Any, cu_q_lens_ref: Any, num_seqs_ref: Any,
            *refs: Any, cfg: PassConfig) -> None:
     """Program (request slot, KV-head group): every query block of the request, if ours.
-    `refs`: q, kv pages, [kv scales,] the aliased out (the same buffer as out), out,
-    q_buf, o_buf, kv_buf, kv_sems, io_sems[, s_buf]."""
+    `refs`: [the sinks (scalar prefetch),] q, kv pages, [kv scales,] the aliased out (the
+    same buffer as out), out, q_buf, o_buf, kv_buf, kv_sems, io_sems[, s_buf]."""
+    sinks_ref, refs = (refs[0], refs[1:]) if cfg.sinks else (None, refs)
     if cfg.scaled:
         q_hbm, kv_hbm, s_hbm, _, o_hbm, *scratch, s_buf = refs
     else:
         (q_hbm, kv_hbm, _, o_hbm, *scratch), s_hbm, s_buf = refs, None, None
-    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, *scratch, scales=s_hbm, s_buf=s_buf)
+    refs = _Refs(page_table_ref, q_hbm, kv_hbm, o_hbm, *scratch, scales=s_hbm, s_buf=s_buf,
+                 sinks=sinks_ref)
     slot, group = pl.program_id(0), pl.program_id(1)
     q_start = cu_q_lens_ref[slot]
     q_len = cu_q_lens_ref[slot + 1] - q_start
@@ -173,12 +180,34 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: PassConfig) -> N
                             _scales(refs, slot, req.group * cfg.heads_per_program + h, cfg))
             for h, q in enumerate(qs))
 
-    rows, head_dim = qs[0].shape
-    init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-    carry = lax.fori_loop(kb_lo, kb_hi, body, (init,) * cfg.heads_per_program)
+    carry = lax.fori_loop(kb_lo, kb_hi, body, _init_carry(refs, req, *qs[0].shape, cfg))
     _write_block(refs, carry, req.q_len - first, refs.out.at[pl.ds(t0, cfg.q_block), heads],
                  cfg)
+
+
+def _init_carry(refs: _Refs, req: _Request, rows: int, head_dim: int, cfg: PassConfig
+                ) -> tuple[tuple[jax.Array, ...], ...]:
+    """(running max, sum, acc) of each of the program's KV heads before the first KV block.
+
+    A sink is one more logit with no value. Starting a row's running max at its head's
+    sink and its sum at exp(sink - sink) = 1 makes every later rescale carry the sink:
+    exact (the max is over keys and sink, as in transformers) and free inside the KV
+    loop. Row token * R + r belongs to query head r of its KV head.
+    """
+    if not cfg.sinks:
+        init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                jnp.zeros((rows, head_dim), jnp.float32))
+        return (init,) * cfg.heads_per_program
+    head_of_row = lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), cfg.heads_per_kv)
+    carries = []
+    for h in range(cfg.heads_per_program):
+        first = (req.group * cfg.heads_per_program + h) * cfg.heads_per_kv
+        m = jnp.full((rows, 1), refs.sinks[first], jnp.float32)
+        for r in range(1, cfg.heads_per_kv):  # R static selects, once per query block
+            m = jnp.where(head_of_row == r, refs.sinks[first + r], m)
+        carries.append((m, jnp.ones((rows, 1), jnp.float32),
+                        jnp.zeros((rows, head_dim), jnp.float32)))
+    return tuple(carries)
 
 
 def _scales(refs: _Refs, slot: jax.Array, head: jax.Array, cfg: PassConfig) -> tuple:

@@ -8,6 +8,10 @@ combined heads of 8-bit pages hold 99, which no kernel may read).
 `combined(args)` gives the same arguments with [P, K, 2G, H] pages for JAX's
 `ref_ragged_paged_attention`. `check(out, ref, real, dtype)` compares real rows
 with the tolerance of `TOL[dtype]` and checks padding rows are finite.
+`make_sinks(num_heads)` gives attention sinks f32[N]; `dense_attention(args, ...)` is
+plain float64 numpy attention over float pages that follows transformers'
+`eager_attention_forward` of gpt-oss for sinks (the sink joins the logits, the max and
+the softmax, then its column is dropped).
 """
 
 from __future__ import annotations
@@ -100,3 +104,48 @@ def make_scaled_case(seq_lens, *, kv_dtype, dtype=jnp.float32, **layout):
     reference_args = (float_args[0], jnp.asarray(dequantized[:, :, :, None]).reshape(
         num_pages, page_size, combined_heads, 1, head_dim), *float_args[2:])
     return quantized, jnp.asarray(scales), reference_args
+
+
+def make_sinks(num_heads, seed=0):
+    """f32[N] sinks in [-1, 3]: comparable to the logits of a few dozen keys, so each
+    moves the output well past the tolerance (and no two heads share one)."""
+    return jnp.asarray(np.random.default_rng(seed + 101).uniform(-1.0, 3.0, num_heads),
+                       jnp.float32)
+
+
+def dense_attention(args, *, sm_scale=1.0, sliding_window=None, soft_cap=None, sinks=None):
+    """f64[T, N, H]: each real token against its request's KV gathered into one dense
+    array, the softmax written out as transformers' gpt-oss `eager_attention_forward`
+    does (soft cap on key scores only); padding rows are 0. Float pages only."""
+    queries = np.asarray(args[0], np.float64)
+    pages = np.asarray(kv_layout.combined_view(args[1]), np.float64)  # [P, K, 2G, H]
+    kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in args[2:])
+    tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = pages.shape[2] // 2
+    group = num_heads // num_kv_heads
+    out = np.zeros((tokens, num_heads, head_dim))
+    for i in range(int(num_seqs[0])):
+        q_start, q_end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+        kv = pages[page_indices[i]].reshape(-1, pages.shape[2], head_dim)[:kv_len]
+        k = np.repeat(kv[:, 0::2], group, axis=1)  # [kv_len, N, H]
+        v = np.repeat(kv[:, 1::2], group, axis=1)
+        q = queries[q_start:q_end]  # [q_len, N, H]
+        q_pos = kv_len - (q_end - q_start) + np.arange(q_end - q_start)
+        key_pos = np.arange(kv_len)
+        logits = np.einsum("qnh,knh->nqk", q, k) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        visible = key_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        logits = np.where(visible[None], logits, -np.inf)
+        if sinks is not None:
+            sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None],
+                                   (*logits.shape[:2], 1))
+            logits = np.concatenate([logits, sink], axis=-1)
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            probs = probs[..., :-1]  # the sink's column is dropped
+        out[q_start:q_end] = np.einsum("nqk,knh->qnh", probs, v)
+    return out

@@ -76,6 +76,18 @@ def test_validator_checks_num_kv_heads_against_the_words():
         ragged_paged_attention(*_args(), num_kv_heads=3)
 
 
+@pytest.mark.parametrize("sinks, message", [
+    (jnp.zeros((4,), jnp.float32), r"sinks must be \[N\] = \(8,\), one per query head, got "
+     r"shape \(4,\)"),
+    (jnp.zeros((2, 4), jnp.float32), r"sinks must be \[N\] = \(8,\)"),
+    (jnp.zeros((8,), jnp.bfloat16), "sinks dtype bfloat16 must be float32"),
+    ([0.0] * 8, "sinks must be an f32.N. array, got list"),
+])
+def test_validator_checks_sinks(sinks, message):
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*_args(), sinks=sinks)
+
+
 def test_quantized_pages_need_scales():
     args = _args(kv_dtype=jnp.int8)
     with pytest.raises(ValueError, match=r"k_scale \(or kv_scales\) is required for int8 "

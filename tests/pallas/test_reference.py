@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, combined, make_case
+from cases import SCENARIOS, TOL, check, combined, dense_attention, make_case, make_sinks
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, reference
@@ -137,3 +137,77 @@ def test_reference_per_token_matches_jax_reference(dtype, name):
     real = sum(q for q, _ in seq_lens)
     check(ours, theirs, real, dtype)
     assert not np.asarray(ours[real:], np.float32).any()
+
+
+SINK_SETTINGS = {
+    "plain": {"sm_scale": 32 ** -0.5},
+    "window": {"sliding_window": 9, "sm_scale": 0.3},
+    "soft_cap": {"soft_cap": 5.0, "sm_scale": 0.5},
+    "window_and_soft_cap": {"sliding_window": 20, "soft_cap": 20.0, "sm_scale": 0.3},
+}
+
+
+def test_dense_attention_matches_jax_reference_without_sinks():
+    """The dense numpy attention the sink tests trust agrees with JAX's reference."""
+    args = make_case(SCENARIOS["mixed"])
+    settings = SINK_SETTINGS["window_and_soft_cap"]
+    check(dense_attention(args, **settings), ref_ragged_paged_attention(
+        *combined(args), **settings), 20, jnp.float32)
+
+
+@pytest.mark.parametrize("name, setting", [
+    *(("mixed", setting) for setting in SINK_SETTINGS),
+    ("prefix_hit", "plain"), ("page_boundary", "window")])
+def test_reference_sinks_follow_transformers(name, setting):
+    """With sinks the reference equals attention written as gpt-oss's
+    `eager_attention_forward` (sink in the max and the softmax, its column dropped),
+    composed with the sliding window and the soft cap; padding rows stay zero."""
+    seq_lens, settings = SCENARIOS[name], SINK_SETTINGS[setting]
+    args = make_case(seq_lens)
+    sinks = make_sinks(args[0].shape[1])
+    ours = jax.jit(lambda *a, s: reference.ragged_paged_attention(*a, **settings, sinks=s))(
+        *args, s=sinks)
+    real = sum(q for q, _ in seq_lens)
+    check(ours, dense_attention(args, **settings, sinks=sinks), real, jnp.float32)
+    assert not np.asarray(ours[real:]).any()
+
+
+def test_omitting_the_sinks_is_caught():
+    """The sinks move every head's output well past the tolerance, so a kernel that drops
+    them (or folds them in the wrong way) fails the comparisons above."""
+    args = make_case(SCENARIOS["mixed"])
+    settings = SINK_SETTINGS["window"]
+    sinks = make_sinks(args[0].shape[1])
+    with_sinks = dense_attention(args, **settings, sinks=sinks)[:20]
+    for wrong in (dense_attention(args, **settings)[:20],  # no sink
+                  dense_attention(args, **settings, sinks=sinks[::-1])[:20]):  # other heads'
+        per_head = np.abs(with_sinks - wrong).max(axis=(0, 2))
+        assert (per_head > 50 * TOL[jnp.dtype(jnp.float32)]).all()
+    ours = reference.ragged_paged_attention(*args, **settings, sinks=sinks)
+    with pytest.raises(AssertionError):
+        check(ours, dense_attention(args, **settings), 20, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_sinks_slot_by_slot(dtype):
+    """The `max_q_len` path (decode and verify buckets) carries the sinks too."""
+    seq_lens = [(3, 17), (5, 64), (1, 1), (4, 33)]
+    args = make_case(seq_lens, dtype=dtype, pad_tokens=2)
+    sinks = make_sinks(args[0].shape[1])
+    settings = {"sm_scale": 32 ** -0.5, "sliding_window": 12}
+    ours = jax.jit(lambda *a, s: reference.ragged_paged_attention(
+        *a, **settings, sinks=s, max_q_len=5))(*args, s=sinks)
+    check(ours, dense_attention(args, **settings, sinks=sinks), 13, dtype)
+    assert not np.asarray(ours[13:], np.float32).any()
+
+
+def test_reference_sinks_with_8bit_pages():
+    """Scalar-scaled int8 pages with sinks equal the dense formula over the dequantized
+    pages."""
+    settings = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
+    q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8)
+    sinks = make_sinks(q.shape[1])
+    ours = reference.ragged_paged_attention(q, kv, *meta, **settings, sinks=sinks)
+    dequantized = (kv_layout.combined_view(kv).astype(jnp.float32) / 32)[:, :, :, None]
+    check(ours, dense_attention((q, dequantized, *meta), sm_scale=0.2, sinks=sinks), 20,
+          jnp.float32)

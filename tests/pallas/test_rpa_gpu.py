@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, combined, make_case
+from cases import SCENARIOS, check, combined, make_case, make_sinks
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, reference, rpa_gpu
@@ -38,7 +38,8 @@ def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, tuning=
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
     check(out, ours, real, dtype)
-    check(out, _jax_reference(args, settings), real, dtype)
+    if "sinks" not in settings:  # JAX's has none (ours is held to the dense formula)
+        check(out, _jax_reference(args, settings), real, dtype)
     return out
 
 
@@ -123,6 +124,32 @@ def test_rpa_gpu_split_k_with_sliding_window_and_quantized_kv():
                         "sm_scale": 0.2})
 
 
+@pytest.mark.parametrize("settings", [
+    {"sm_scale": 32 ** -0.5},
+    {"sliding_window": 9, "soft_cap": 20.0, "sm_scale": 0.3},
+], ids=["plain", "window_and_soft_cap"])
+def test_rpa_gpu_sinks(settings):
+    _run_case(SCENARIOS["mixed"], settings={**settings, "sinks": make_sinks(8)})
+
+
+def test_rpa_gpu_sinks_with_padded_heads_and_8bit_pages():
+    """R = 3 query heads per KV head padded to 4 rows: each row takes its own head's
+    sink, padded rows none that reach the output."""
+    _run_case(SCENARIOS["page_boundary"], dtype=jnp.bfloat16, kv_dtype=jnp.int8,
+              num_heads=6, num_kv_heads=2,
+              settings={"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2,
+                        "sinks": make_sinks(6)})
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_rpa_gpu_split_k_sinks_counted_once(window):
+    """Split-K: only split 0 holds the sink, and the merge carries it (some splits are
+    empty, and padding blocks have every split empty)."""
+    tuning = rpa_gpu.GpuTuning(block_rows=16, block_kv=16, k_splits=4)
+    _run_case(LONG_DECODE, tuning=tuning,
+              settings={"sliding_window": window, "sm_scale": 0.2, "sinks": make_sinks(8)})
+
+
 def test_rpa_gpu_nan_padding_queries_stay_out_of_real_rows():
     out = _run_case(SCENARIOS["prefix_hit"], nan_padding=True, pad_tokens=7)
     assert not np.asarray(out[10:]).any()  # padding tokens form a request with no KV
@@ -177,16 +204,19 @@ def test_rpa_gpu_rejects_bad_head_dim_and_tuning():
 
 
 def _export_text(tokens, slots, dtype, kv_dtype, *, num_heads=32, num_kv_heads=8, head_dim=128,
-                 page_size=16, pages_per_seq=128):
+                 page_size=16, pages_per_seq=128, sinks=False):
     shapes = [((tokens, num_heads, head_dim), dtype),
               (kv_layout.kv_cache_shape(slots * pages_per_seq + 1, page_size, num_kv_heads,
                                         head_dim, kv_dtype), kv_dtype),
               ((slots,), jnp.int32), ((slots, pages_per_seq), jnp.int32),
               ((slots + 1,), jnp.int32), ((1,), jnp.int32)]
+    shapes += [((num_heads,), jnp.float32)] if sinks else []
     scales = {} if kv_dtype in (jnp.float32, jnp.bfloat16) else {"k_scale": 0.1, "v_scale": 0.1}
 
     def attend(*args):
-        return ragged_paged_attention(*args, sm_scale=head_dim ** -0.5, impl="gpu", **scales)
+        *args, sink_logits = args if sinks else (*args, None)
+        return ragged_paged_attention(*args, sm_scale=head_dim ** -0.5, impl="gpu",
+                                      sinks=sink_logits, **scales)
 
     exported = jax.export.export(
         jax.jit(attend), platforms=["cuda"],
@@ -206,8 +236,15 @@ def test_rpa_gpu_exports_for_cuda(dtype, kv_dtype):
     assert "grid_x = 76, grid_y = 8, grid_z = 1" in text.replace(" : i32", "")
 
 
-def test_rpa_gpu_exports_split_k_for_long_decode():
-    text = _export_text(8, 8, jnp.bfloat16, jnp.bfloat16)  # few requests, 2k context
+def test_rpa_gpu_exports_sinks_for_cuda():
+    text = _export_text(256, 64, jnp.bfloat16, jnp.int8, sinks=True)
+    assert TRITON_CALL in text
+    assert "grid_x = 76, grid_y = 8, grid_z = 1" in text.replace(" : i32", "")
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_rpa_gpu_exports_split_k_for_long_decode(sinks):
+    text = _export_text(8, 8, jnp.bfloat16, jnp.bfloat16, sinks=sinks)  # 2k context
     assert TRITON_CALL in text and "_z4" in text  # the default tuning splits KV 4 ways
     assert "grid_x = 8, grid_y = 8, grid_z = 4" in text.replace(" : i32", "")
 

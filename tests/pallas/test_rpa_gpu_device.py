@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, make_case
+from cases import SCENARIOS, make_case, make_sinks
 
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
@@ -57,3 +57,10 @@ def test_rpa_gpu_on_device_llama_layer_shapes():
 
 def test_rpa_gpu_on_device_window_and_soft_cap():
     _run(SCENARIOS["mixed"], {"sm_scale": 0.3, "sliding_window": 9, "soft_cap": 20.0})
+
+
+def test_rpa_gpu_on_device_sinks_with_window_and_split_kv():
+    """Attention sinks with a sliding window, on long decodes (split KV) and a chunk."""
+    _run([(1, 2000), (64, 700), (1, 1500)],
+         {"sm_scale": 64 ** -0.5, "sliding_window": 128, "sinks": make_sinks(64)},
+         dtype=jnp.bfloat16, num_heads=64, num_kv_heads=8, head_dim=64)

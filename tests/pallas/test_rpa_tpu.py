@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, combined, make_case
+from cases import SCENARIOS, check, combined, make_case, make_scaled_case, make_sinks
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
@@ -40,9 +40,10 @@ def _kernel(args, settings):
 
 
 def _references(args, settings):
-    """Our jnp reference, and JAX's when the pages hold no padded heads."""
+    """Our jnp reference, and JAX's when the pages hold no padded heads and there are no
+    sinks (JAX's has none; ours is held to the dense formula in test_reference.py)."""
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
-    if "num_kv_heads" in settings:
+    if "num_kv_heads" in settings or "sinks" in settings:
         return (ours,)
     return ours, ref_ragged_paged_attention(*combined(args), **settings)
 
@@ -114,6 +115,36 @@ def test_rpa_tpu_8bit_pages_pack_two_heads_per_word(num_heads, num_kv_heads):
 ], ids=["window", "soft_cap", "window_and_soft_cap"])
 def test_rpa_tpu_sliding_window_and_soft_cap(settings, small_blocks):
     _run_case(SCENARIOS["mixed"], settings=settings)
+
+
+@pytest.mark.parametrize("settings", [
+    {"sm_scale": 32 ** -0.5},
+    {"sliding_window": 9, "sm_scale": 0.3},
+    {"sliding_window": 20, "soft_cap": 20.0, "sm_scale": 0.3},
+], ids=["plain", "window", "window_and_soft_cap"])
+def test_rpa_tpu_sinks(settings, small_blocks):
+    """Several query and KV blocks per request: the sinks start each query block's
+    softmax and survive every rescale."""
+    _run_case(SCENARIOS["mixed"], settings={**settings, "sinks": make_sinks(8)})
+
+
+def test_rpa_tpu_sinks_with_8bit_pages_two_heads_per_program():
+    """Each program serves two KV heads (a word of int8 K0, V0, K1, V1) and reads the
+    sinks of both heads' query heads; the odd head count pads a program."""
+    settings = dict(QUANT, num_kv_heads=3, sinks=make_sinks(6))
+    _run_case(SCENARIOS["page_boundary"], dtype=jnp.bfloat16, kv_dtype=jnp.int8,
+              num_heads=6, num_kv_heads=3, settings=settings)
+
+
+def test_rpa_tpu_sinks_with_per_token_scales(small_blocks):
+    quantized, kv_scales, _ = make_scaled_case(SCENARIOS["prefix_hit"], kv_dtype=jnp.int8)
+    sinks = make_sinks(8)
+    settings = {"sm_scale": 0.2, "sliding_window": 30, "sinks": sinks}
+    out = jax.jit(lambda *a, s: ragged_paged_attention(*a, **settings, kv_scales=s,
+                                                      impl="tpu", interpret=True))(
+        *quantized, s=kv_scales)
+    ref = reference.ragged_paged_attention(*quantized, **settings, kv_scales=kv_scales)
+    check(out, ref, sum(q for q, _ in SCENARIOS["prefix_hit"]), jnp.float32)
 
 
 @pytest.mark.parametrize("window", [None, 20])
@@ -200,15 +231,20 @@ def _export_shapes(dtype, kv_dtype):
     (jnp.bfloat16, jnp.int8),
     (jnp.bfloat16, jnp.float8_e4m3fn),
 ])
-def test_rpa_tpu_exports_for_tpu(dtype, kv_dtype):
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_rpa_tpu_exports_for_tpu(dtype, kv_dtype, sinks):
     quantized = kv_dtype in (jnp.int8, jnp.float8_e4m3fn)
     settings = QUANT if quantized else {"sm_scale": 128 ** -0.5, "sliding_window": 1024}
+    shapes = _export_shapes(dtype, kv_dtype)
+    if sinks:
+        shapes += (jax.ShapeDtypeStruct((32,), jnp.float32),)
 
     def attend(*args):
-        return ragged_paged_attention(*args, **settings, impl="tpu", interpret=False)
+        *args, sink_logits = args if sinks else (*args, None)
+        return ragged_paged_attention(*args, **settings, sinks=sink_logits, impl="tpu",
+                                      interpret=False)
 
-    exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(
-        *_export_shapes(dtype, kv_dtype))
+    exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(*shapes)
     text = exported.mlir_module()
     assert text.count("tpu_custom_call") == 2  # the prefill pass and the decode pass
     assert exported.out_avals[0].shape == (256, 32, 128)

@@ -3,9 +3,9 @@
 The matrix: queries f32/bf16; KV pages f32, bf16, int8, fp8_e4m3fn; head_dim 64/128/256;
 pages of 16-256 tokens; GQA ratios 1, 2, 3, 4 and 8 (odd KV head counts pad 8-bit
 pages); sliding window; soft cap. The default run compiles a pairwise-covering subset
-on each generation; the full matrix is `slow`. Before the packed KV layout, every
-bf16, int8 and fp8 cell failed here ("Offsets along tiled dimensions must be aligned
-to tiles").
+on each generation; the full matrix is `slow`. Attention sinks compile in a few cells of
+their own (`SINKS`). Before the packed KV layout, every bf16, int8 and fp8 cell failed
+here ("Offsets along tiled dimensions must be aligned to tiles").
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ SCALED = [dict(dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, page_size=page
               ("bfloat16", "int8", 128, 64, (32, 8), 128),
               ("float32", "float8_e4m3fn", 128, 16, (16, 8), None),
               ("bfloat16", "float8_e4m3fn", 64, 128, (9, 3), None)]]
+# Attention sinks f32[N] (gpt-oss), with the window, the soft cap and 8-bit pages.
+SINKS = [dict(dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, page_size=page_size,
+              heads=heads, sliding_window=window, soft_cap=cap)
+         for dtype, kv_dtype, head_dim, page_size, heads, window, cap in [
+             ("bfloat16", "bfloat16", 64, 16, (64, 8), 128, None),  # gpt-oss's heads
+             ("float32", "float32", 128, 32, (16, 8), None, 30.0),
+             ("bfloat16", "int8", 128, 64, (9, 3), 128, 30.0)]]
 TOKENS, SLOTS, CONTEXT = 128, 16, 2048
 PAIRWISE = pairwise(MATRIX)
 FULL = [dict(zip(MATRIX, values, strict=True)) for values in itertools.product(*MATRIX.values())]
@@ -49,9 +56,11 @@ def _case_id(case: dict) -> str:
             f"-n{n}g{g}-w{case['sliding_window']}-c{case['soft_cap']}")
 
 
-def compile_kernel(case: dict, chip, per_token_scales: bool = False) -> str:
+def compile_kernel(case: dict, chip, per_token_scales: bool = False, sinks: bool = False
+                   ) -> str:
     """Compile the kernel for `chip`; returns the compiled HLO text. `per_token_scales`:
-    8-bit pages read with kv_scales f32[P, K, 2G] (pallas/kv_quant.py)."""
+    8-bit pages read with kv_scales f32[P, K, 2G] (pallas/kv_quant.py); `sinks`: with
+    attention sinks f32[N] (the last argument)."""
     sharding = jax.sharding.SingleDeviceSharding(chip)
     num_heads, num_kv_heads = case["heads"]
     kv_dtype, head_dim, page_size = jnp.dtype(case["kv_dtype"]), case["head_dim"], case["page_size"]
@@ -65,8 +74,12 @@ def compile_kernel(case: dict, chip, per_token_scales: bool = False) -> str:
     if per_token_scales:
         specs.append((kv_quant.scales_shape(shape[0], page_size, num_kv_heads), jnp.float32))
         scales = {}
+    if sinks:
+        specs.append(((num_heads,), jnp.float32))
 
     def attend(*args):
+        if sinks:
+            *args, scales["sinks"] = args
         if per_token_scales:
             *args, kv_scales = args
             scales["kv_scales"] = kv_scales
@@ -108,5 +121,16 @@ def test_kernel_compiles_full_matrix(case, generation, chips):
 @pytest.mark.parametrize("case", SCALED, ids=_case_id)
 def test_kernel_with_per_token_scales_compiles(case, generation, chips):
     text = compile_kernel(case, chips[generation], per_token_scales=True)
+    assert text.count("tpu_custom_call") >= 2
+    assert "rpa_prefill" in text and "rpa_decode" in text
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("case", SINKS, ids=_case_id)
+def test_kernel_with_sinks_compiles(case, generation, chips):
+    """8-bit pages read with kv_scales (the engine's quantized cache)."""
+    per_token_scales = jnp.dtype(case["kv_dtype"]).itemsize == 1
+    text = compile_kernel(case, chips[generation], per_token_scales=per_token_scales,
+                          sinks=True)
     assert text.count("tpu_custom_call") >= 2
     assert "rpa_prefill" in text and "rpa_decode" in text
