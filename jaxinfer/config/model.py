@@ -258,9 +258,10 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
+    theta, scaling = _rope_from_hf(hf)
     return _common_fields(arch, hf) | {
-        "rope_theta": _rope_from_hf(hf)[0],
-        "rope_scaling": _rope_from_hf(hf)[1],
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "qkv_bias": arch in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
         "qk_norm": arch in ("qwen3", "qwen3_moe"),
         "sliding_window": _sliding_window_from_hf(arch, hf),
