@@ -120,7 +120,7 @@ def rope_scale(cfg: ModelConfig, kind: str = "global") -> float:
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
                 ) -> tuple[jax.Array, jax.Array]:
     """cos and sin f32[..., 1, H] of positions i32[...], times `scale` (rope_scale):
-    computed once per step and shared by every layer."""
+    computed once per step and RoPE kind, shared by that kind's layers."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]
     if scale == 1.0:

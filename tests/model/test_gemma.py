@@ -266,6 +266,24 @@ def test_from_hf_reads_legacy_gemma3_and_a_sparse_text_config():
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
+def test_from_hf_reads_legacy_gemma3_1b():
+    """google/gemma-3-1b-it's config.json (transformers 4.x): a text model of its own,
+    no RoPE scaling, a 512-token window."""
+    hf = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+          "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+          "intermediate_size": 6912, "max_position_embeddings": 32768,
+          "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+          "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+          "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+          "sliding_window_pattern": 6, "vocab_size": 262144}
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+    assert cfg.sliding_layers() == tuple(i for i in range(26) if (i + 1) % 6)
+    assert cfg.sliding_window == 512 and cfg.qk_norm and cfg.tie_word_embeddings
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
 def test_gemma2_9b_preset_is_its_published_config():
     """google/gemma-2-9b's config.json (transformers 4.x: no layer_types, rope_theta)."""
     hf = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
