@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 
-from jaxinfer.checkpoint import compressed_tensors
+from jaxinfer.checkpoint import compressed_tensors, mxfp4
 from jaxinfer.checkpoint.hf import read_hf_config
 from jaxinfer.model import quantization
 
@@ -27,10 +27,12 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     path = pathlib.Path(model_dir) / QUANTIZATION_FILE
     if not path.is_file():
         config = pathlib.Path(model_dir) / "config.json"
-        if config.is_file() and compressed_tensors.scheme_of(read_hf_config(model_dir),
-                                                             config):
+        if not config.is_file():
+            return None
+        hf = read_hf_config(model_dir)
+        if not mxfp4.is_mxfp4(hf) and compressed_tensors.scheme_of(hf, config):
             return compressed_tensors.MODE
-        return None
+        return None  # MXFP4 experts are decoded to floats on load (mxfp4.py)
     try:
         written = json.loads(path.read_text())
         mode, layout = written.get("mode"), written.get("layout", 1)

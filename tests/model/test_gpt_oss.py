@@ -19,7 +19,7 @@ import transformers
 from jaxinfer import LLM, SamplingParams, checkpoint, config, testing
 from jaxinfer.checkpoint import mxfp4, safetensors_file
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import transformer
+from jaxinfer.model import quantization, transformer
 
 TOL = 1e-4
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -197,6 +197,25 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(gpt_oss, tmp_path):
     diff = np.abs(_paged_logits(tmp_path, ids) - want).max()
     print(f"gpt-oss MXFP4: max abs logit diff {diff:.2e}")
     assert diff < TOL
+
+
+def test_mxfp4_experts_quantize_to_fp8_after_decoding(gpt_oss, tmp_path):
+    """`--quantization=fp8` on an MXFP4 checkpoint: decoded, then quantized as any float
+    experts (a scale per expert and row); logits near the decoded float model's."""
+    path, _ = gpt_oss
+    _write_mxfp4(path, tmp_path)
+    assert checkpoint.served_quantization(tmp_path, "fp8") == "fp8"
+    cfg = checkpoint.load_config(tmp_path)
+    params = checkpoint.load_params(tmp_path, cfg)
+    fp8 = quantization.quantize_params(params, "fp8")
+    assert quantization.is_quantized(fp8["layers"][0]["we_gate_up"])
+    assert fp8["layers"][0]["we_gate_up"].value.shape == (8, 64, 64)
+    ids = jnp.asarray(_prompt(2, 24))[None]
+    want = transformer.forward_dense(params, ids, cfg=cfg)
+    got = transformer.forward_dense(fp8, ids, cfg=cfg)
+    diff = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    print(f"gpt-oss MXFP4 -> fp8: max abs logit diff {diff:.2e}")
+    assert diff < 0.25  # fp8 e4m3 keeps 3 mantissa bits: steps of 1/16 relative
 
 
 # openai/gpt-oss-20b's config.json, the fields that shape the model (the Hub file also
