@@ -1,5 +1,5 @@
-"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3; Mixtral, Qwen2-MoE
-and Qwen3-MoE with model/moe.py) as pure functions.
+"""The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3; Mixtral, Qwen2-MoE,
+Qwen3-MoE and gpt-oss with model/moe.py) as pure functions.
 
 Params are a dict pytree whose structure is fixed by the `ModelConfig`:
   embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
@@ -7,8 +7,9 @@ Params are a dict pytree whose structure is fixed by the `ModelConfig`:
   bqkv [(N + 2G) * H] (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
   w_gate_up [D, 2F], w_down [F, D], post_attn_norm/post_mlp_norm [D] (post_norms:
   Gemma's block outputs normed before each residual add); a MoE layer has w_router [D, E],
-  we_gate_up [E, D, 2F'], we_down [E, F', D] in place of the MLP (and Qwen2-MoE's
-  shared expert ws_gate_up, ws_down, w_shared_gate [D, 1]).
+  we_gate_up [E, 2F', D], we_down [E, D, F'] in place of the MLP (and Qwen2-MoE's
+  shared expert ws_gate_up, ws_down, w_shared_gate [D, 1]; gpt-oss's b_router [E],
+  be_gate_up [E, 2F'], be_down [E, D], and in attention bo [D] and sinks [N]).
 Linear weights are stored [in, out]. q/k/v and gate/up are fused, so a layer runs four
 matmuls: `wqkv` is grouped by KV head (each KV head's query heads, then its k, then its
 v) and `w_gate_up` interleaves gate and up in blocks, so a tensor-parallel split of the
