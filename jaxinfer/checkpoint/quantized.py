@@ -26,13 +26,7 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     (compressed_tensors.py); None for float weights."""
     path = pathlib.Path(model_dir) / QUANTIZATION_FILE
     if not path.is_file():
-        config = pathlib.Path(model_dir) / "config.json"
-        if not config.is_file():
-            return None
-        hf = read_hf_config(model_dir)
-        if not mxfp4.is_mxfp4(hf) and compressed_tensors.scheme_of(hf, config):
-            return compressed_tensors.MODE
-        return None  # MXFP4 experts are decoded to floats on load (mxfp4.py)
+        return compressed_tensors.MODE if _compressed(pathlib.Path(model_dir)) else None
     try:
         written = json.loads(path.read_text())
         mode, layout = written.get("mode"), written.get("layout", 1)
@@ -55,9 +49,17 @@ def quantized_head(model_dir: str | os.PathLike) -> bool:
     if (root / QUANTIZATION_FILE).is_file():
         return bool(json.loads((root / QUANTIZATION_FILE).read_text()).get("quantized_head",
                                                                           True))
+    return not _compressed(root)
+
+
+def _compressed(root: pathlib.Path) -> bool:
+    """Whether `root` holds an HF compressed-tensors FP8 checkpoint. MXFP4 experts
+    (gpt-oss) are not: they are decoded to floats on load (mxfp4.py)."""
     config = root / "config.json"
-    return not (config.is_file() and compressed_tensors.scheme_of(read_hf_config(root),
-                                                                   config))
+    if not config.is_file():
+        return False
+    hf = read_hf_config(root)
+    return not mxfp4.is_mxfp4(hf) and compressed_tensors.scheme_of(hf, config) is not None
 
 
 def served_quantization(model_dir: str | os.PathLike, requested: str | None) -> str | None:

@@ -199,6 +199,20 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(gpt_oss, tmp_path):
     assert diff < TOL
 
 
+@pytest.mark.slow
+def test_mxfp4_checkpoint_generates_as_transformers(gpt_oss, tmp_path):
+    """An MXFP4 directory served by `LLM` (decoded on load) gives transformers' greedy
+    tokens for the same file."""
+    _write_mxfp4(gpt_oss[0], tmp_path)
+    testing.write_byte_tokenizer(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32, attn_implementation="eager")
+    hf.generation_config = gpt_oss[1].generation_config
+    outs = _llm(tmp_path).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [_hf_generate(hf, p, 20) for p in PROMPTS]
+
+
 def test_mxfp4_experts_quantize_to_fp8_after_decoding(gpt_oss, tmp_path):
     """`--quantization=fp8` on an MXFP4 checkpoint: decoded, then quantized as any float
     experts (a scale per expert and row); logits near the decoded float model's."""
