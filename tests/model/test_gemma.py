@@ -196,8 +196,9 @@ def _hf_generate(model: torch.nn.Module, ids: list[int], steps: int) -> list[int
                                         "gemma3"])
 def gemma_llm(request, hf_model_dirs):
     """16-token steps (prompts prefill in chunks across the 12-token window) and a KV
-    pool of 14 pages of 8 tokens: the four requests below need 24, so some are
-    preempted and recomputed."""
+    pool of the bytes of 14 every-layer pages of 8 tokens, which the hybrid KV cache
+    splits between the global and the sliding layers' pages: the four requests below
+    do not fit at once, so some are preempted and recomputed."""
     cfg = checkpoint.load_config(hf_model_dirs[request.param])
     page_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 8  # K and V
     llm = LLM(model=hf_model_dirs[request.param], page_size=8, max_model_len=96,
@@ -217,6 +218,7 @@ def test_generate_greedy_matches_transformers_with_batching(gemma_llm, hf_models
     metrics = llm.metrics()
     assert metrics["preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] >= 16
     assert metrics["compiles_after_warmup"] == 0
+    assert "kv_pages_sliding_free" in metrics  # the sliding layers have their own pages
 
 
 def test_prompt_logprobs_are_of_the_soft_capped_logits(hf_model_dirs, hf_models):
