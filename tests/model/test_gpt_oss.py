@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer import LLM, SamplingParams, checkpoint, config, testing
 from jaxinfer.checkpoint import mxfp4, safetensors_file
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import quantization, transformer
+from jaxinfer.model import quantization, sharding, transformer
 
 TOL = 1e-4
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -150,6 +151,25 @@ def test_generate_greedy_matches_transformers_with_batching(gpt_oss):
     metrics = llm.metrics()
     assert metrics["prefix_cache_hit_tokens"] >= 16
     assert metrics["compiles_after_warmup"] == 0
+
+
+def test_logits_on_two_devices_match_transformers(gpt_oss):
+    """Each device its heads' sinks and its slice of the stacked, interleaved experts:
+    whole experts (expert parallelism), or half of every expert's gate/up block pairs
+    and down columns."""
+    path, model = gpt_oss
+    ids = _prompt(1, 34)
+    want = _hf_logits(model, ids)
+    for ep in (True, False):
+        cfg = dataclasses.replace(checkpoint.load_config(path), expert_parallel=ep)
+        mesh = sharding.make_mesh(2)
+        params = checkpoint.load_params(path, cfg, mesh=mesh)
+        assert params["layers"][0]["sinks"].sharding.spec == P("model")
+        runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64, mesh=mesh)
+        pages = [5, 2, 11, 7, 3]
+        got = np.concatenate([runner.logits([Chunk(ids[:30], 0, pages)])] + [
+            runner.logits([Chunk(ids[i:i + 1], i, pages)]) for i in range(30, 34)])
+        assert np.abs(got - want).max() < TOL, f"EP={ep}"
 
 
 @pytest.mark.slow
