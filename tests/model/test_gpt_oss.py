@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer import LLM, SamplingParams, checkpoint, config, testing
 from jaxinfer.checkpoint import mxfp4, safetensors_file
 from jaxinfer.engine.runner import Chunk, Runner
-from jaxinfer.model import quantization, sharding, transformer
+from jaxinfer.model import layers, quantization, sharding, transformer
 
 TOL = 1e-4
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -66,6 +66,21 @@ def test_config_reads_every_gpt_oss_field(gpt_oss):
         "topk_softmax", True, True, "clamped_swiglu")
     assert (moe.swiglu_alpha, moe.swiglu_limit) == (1.702, 0.4)
     assert checkpoint.load_config(gpt_oss[0]).to_hf()["layer_types"] == list(cfg.layer_types)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_tables_match_transformers(truncate):
+    """gpt-oss-20b's YaRN (and with `truncate`): inverse frequencies and the cos/sin
+    factor as transformers' `_compute_yarn_parameters`."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.GptOssConfig(num_hidden_layers=2)
+    hf.rope_parameters = hf.rope_parameters | {"truncate": truncate}
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    cfg = config.ModelConfig.from_hf(hf.to_dict() | {"architectures": ["GptOssForCausalLM"]})
+    assert cfg.rope_scaling.truncate == truncate
+    np.testing.assert_allclose(layers.rope_inv_freq(cfg), want.numpy(), rtol=1e-6)
+    assert layers.rope_scale(cfg) == pytest.approx(factor, rel=1e-12)
 
 
 def test_logits_match_transformers(gpt_oss):
