@@ -43,15 +43,20 @@ def split_pages(kv_cache_bytes: int, full_page_bytes: int, sliding_page_bytes: i
 
 def page_groups(cfg: ModelConfig, kv_cache_bytes: int, per_token: int, draft_per_token: int,
                 *, page_size: int, max_model_len: int, max_num_batched_tokens: int,
-                hybrid: bool) -> tuple[int, dict[str, int]]:
-    """(full-group pages, MemoryPlan's hybrid fields) of `kv_cache_bytes`: one group of
-    pages of every layer (no fields) unless `hybrid` and `sliding_split` says it pays;
-    then bytes = page_bytes_per_layer x (n_full x P_full + n_sliding x P_sliding), a
-    draft's K/V riding with the full group (its pages are the full group's ids)."""
+                hybrid: bool) -> dict[str, int]:
+    """MemoryPlan's page fields for `kv_cache_bytes`: one group of pages of every layer
+    unless `hybrid` and `sliding_split` says it pays; then bytes = page_bytes_per_layer x
+    (n_full x P_full + n_sliding x P_sliding), a draft's K/V riding with the full group
+    (its pages are the full group's ids). Requests at max_model_len that fit: by the
+    full pages, and by the sliding pages each decoding request holds."""
     page_bytes = page_size * (per_token + draft_per_token)
+    context_pages = -(-max_model_len // page_size)
     split = sliding_split(cfg, page_size, max_model_len) if hybrid else None
     if split is None:
-        return kv_cache_bytes // page_bytes, {}
+        pages = kv_cache_bytes // page_bytes
+        return {"page_bytes": page_bytes, "num_pages": pages,
+                "kv_cache_bytes": pages * page_bytes,
+                "max_concurrent_requests": (pages - 1) // context_pages}
     num_full, num_sliding = split
     per_layer = per_token // cfg.num_layers
     full_bytes = page_size * (per_layer * num_full + draft_per_token)
@@ -59,11 +64,14 @@ def page_groups(cfg: ModelConfig, kv_cache_bytes: int, per_token: int, draft_per
     window_pages = -(-cfg.sliding_window // page_size) + 1
     full, sliding = split_pages(
         kv_cache_bytes, full_bytes, sliding_bytes, window_pages=window_pages,
-        context_pages=-(-max_model_len // page_size),
-        slack=-(-max_num_batched_tokens // page_size) + 1)
-    return full, {"page_bytes": full_bytes, "num_sliding_pages": sliding,
-                  "sliding_page_bytes": sliding_bytes, "sliding_window_pages": window_pages,
-                  "unified_num_pages": kv_cache_bytes // page_bytes}
+        context_pages=context_pages, slack=-(-max_num_batched_tokens // page_size) + 1)
+    return {"page_bytes": full_bytes, "num_pages": full,
+            "kv_cache_bytes": full * full_bytes + sliding * sliding_bytes,
+            "max_concurrent_requests": min((full - 1) // context_pages,
+                                           (sliding - 1) // window_pages),
+            "num_sliding_pages": sliding, "sliding_page_bytes": sliding_bytes,
+            "sliding_window_pages": window_pages,
+            "unified_num_pages": kv_cache_bytes // page_bytes}
 
 
 def hybrid_summary(plan: object) -> dict[str, object]:

@@ -364,28 +364,19 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     if memory_bytes is not None:
         kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
                                     max_model_len, pages_per_request, page_bytes, tp, state)
-    num_pages, groups = page_groups(
-        cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-        hybrid=hybrid_kv_cache)
-    if num_pages - 1 < pages_per_request:
+    groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
+                         max_model_len=max_model_len, hybrid=hybrid_kv_cache,
+                         max_num_batched_tokens=max_num_batched_tokens)
+    if groups["num_pages"] - 1 < pages_per_request:
         raise ValueError(
-            f"a KV cache of {kv_cache_bytes} bytes holds {num_pages} pages of {page_bytes} "
+            f"a KV cache of {kv_cache_bytes} bytes holds {groups['num_pages']} pages of "
+            f"{groups['page_bytes']} "
             f"bytes; one request of max_model_len={max_model_len} needs {pages_per_request} "
             f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
             "max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
-    concurrent = (num_pages - 1) // pages_per_request
-    if groups:
-        page_bytes = groups.pop("page_bytes")
-        concurrent = min(concurrent, (groups["num_sliding_pages"] - 1)
-                         // groups["sliding_window_pages"])
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
-                      page_bytes=page_bytes, num_pages=num_pages,
-                      kv_cache_bytes=num_pages * page_bytes + groups.get(
-                          "num_sliding_pages", 0) * groups.get("sliding_page_bytes", 0),
                       max_model_len=max_model_len, pages_per_request=pages_per_request,
-                      max_concurrent_requests=concurrent,
                       max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
                       tensor_parallel_size=tp, replicas=num_devices // tp,
                       unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization,

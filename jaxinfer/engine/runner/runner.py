@@ -310,6 +310,8 @@ class Runner:
     def logits(self, chunks: typing.Sequence[Chunk]) -> np.ndarray:
         """Write the chunks' K/V and return f32[tokens, V] logits for every real token
         (for parity tests; compiles per shape, outside the bucket set)."""
+        if self.sliding:  # build_metadata writes one page group's metadata
+            raise NotImplementedError("logits() of a runner with a sliding page group")
         total = sum(len(c.token_ids) for c in chunks)
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
                                        pages_per_seq=self.pages_per_seq, all_logits=True,
