@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,6 +26,18 @@ HYBRID = ModelConfig(architecture="mistral", vocab_size=256, hidden_size=64,
 SMALL = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
              compilation_cache_dir="", strict_compile=True)
 LAYER_PAGE_BYTES = PAGE * 2 * 2 * 16 * 4  # a page of one layer: K and V, 2 heads x 16 f32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def full_precision_matmuls():
+    """Float32 dots at full precision: on a GPU the default (TF32) rounds a recompute
+    after preemption, in another batch shape, differently enough to flip a near-tie of
+    this random model (seen on an H200: equal at full precision). XLA:CPU's
+    float32 dots are full precision already."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(scope="module")
