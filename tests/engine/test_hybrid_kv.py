@@ -130,3 +130,16 @@ def test_hybrid_tokens_equal_one_group_with_prefix_hits(hybrid_dir, reference):
     assert metrics["prefix_cache_hit_tokens"] > 0 and metrics["compiles_after_warmup"] == 0
     assert max(s for _, s in peak) < max(f for f, _ in peak)  # the window, not the context
     assert engine.scheduler.pages.sliding_pool.num_cached > 0
+
+
+def test_hybrid_tokens_equal_one_group_with_ngram_speculation(hybrid_dir, reference):
+    # drafts reserve sliding pages without freeing; rejected ones are trimmed in both groups
+    engine = Engine(hybrid_dir, EngineConfig(
+        **SMALL, kv_cache_memory_bytes=100 * LAYER_PAGE_BYTES, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "adaptive": False}))
+    assert _greedy(engine, *_workload(0)) == reference[0]
+    metrics = engine.metrics.summary()
+    assert metrics["spec_accepted_tokens"] > 0 and metrics["spec_draft_tokens"] > \
+        metrics["spec_accepted_tokens"]  # some drafts rejected, their pages trimmed
+    assert metrics["preemptions"] > 0 and metrics["compiles_after_warmup"] == 0
+    assert metrics["kv_pages_full_in_use"] == metrics["kv_pages_sliding_in_use"] == 0
