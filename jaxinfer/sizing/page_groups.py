@@ -74,6 +74,24 @@ def page_groups(cfg: ModelConfig, kv_cache_bytes: int, per_token: int, draft_per
             "unified_num_pages": kv_cache_bytes // page_bytes}
 
 
+def one_request_bytes(cfg: ModelConfig, per_token: int, draft_per_token: int, *,
+                      page_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      hybrid: bool) -> int:
+    """KV bytes one request of max_model_len needs, trash pages included: every layer's
+    pages for all its tokens in one group; with the hybrid split, the full layers' pages
+    for all its tokens and the sliding layers' for a window and a prefill chunk."""
+    context_pages = -(-max_model_len // page_size)
+    split = sliding_split(cfg, page_size, max_model_len) if hybrid else None
+    if split is None:
+        return (context_pages + 1) * page_size * (per_token + draft_per_token)
+    num_full, num_sliding = split
+    per_layer = per_token // cfg.num_layers
+    window_pages = -(-cfg.sliding_window // page_size) + 1
+    slack = -(-max_num_batched_tokens // page_size) + 1
+    full = (context_pages + 1) * page_size * (per_layer * num_full + draft_per_token)
+    return full + (window_pages + slack + 1) * page_size * per_layer * num_sliding
+
+
 def hybrid_summary(plan: object) -> dict[str, object]:
     """A MemoryPlan's page groups, and what its KV bytes hold without the hybrid cache
     (nothing without a sliding group)."""

@@ -32,7 +32,7 @@ from jaxinfer.model import sharding
 from jaxinfer.model.params_table import EXPERTS, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
-from jaxinfer.sizing.page_groups import hybrid_summary, page_groups
+from jaxinfer.sizing.page_groups import hybrid_summary, one_request_bytes, page_groups
 
 GB = 1e9
 EXPERT_WEIGHTS = EXPERTS
@@ -308,7 +308,7 @@ def batch_state_bytes(max_num_seqs: int, max_model_len: int, page_size: int) -> 
 
 
 def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model_len: int,
-               pages_per_request: int, page_bytes: int, tp: int, state: int) -> int:
+               tp: int, state: int) -> int:
     """The KV bytes left in `memory_bytes` per device after the weights and the batch
     state; ValueError saying by how much it falls short of one request."""
     kv_cache_bytes = memory_bytes - weights - state
@@ -320,8 +320,7 @@ def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model
         f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} "
         f"weights, {state / GB:.3f} GB of per-request state and "
         f"{max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
-        f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV "
-        f"({pages_per_request} pages of {page_bytes} bytes plus the trash page), "
+        f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV, "
         f"{(weights + state + need - memory_bytes) / GB:.3f} GB short: give at least "
         f"{(weights + state + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
 
@@ -357,13 +356,14 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     if draft is not None:
         draft_weights = weight_bytes(draft, dtype, tp)
         draft_per_token = kv_bytes_per_token(draft, kv_dtype, tp)
-    page_bytes = page_size * (per_token + draft_per_token)
     pages_per_request = -(-max_model_len // page_size)
-    need = (pages_per_request + 1) * page_bytes
+    need = one_request_bytes(cfg, per_token, draft_per_token, page_size=page_size,
+                             max_model_len=max_model_len, hybrid=hybrid_kv_cache,
+                             max_num_batched_tokens=max_num_batched_tokens)
     state = batch_state_bytes(max_num_seqs, max_model_len, page_size)
     if memory_bytes is not None:
         kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
-                                    max_model_len, pages_per_request, page_bytes, tp, state)
+                                    max_model_len, tp, state)
     groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
                          max_model_len=max_model_len, hybrid=hybrid_kv_cache,
                          max_num_batched_tokens=max_num_batched_tokens)

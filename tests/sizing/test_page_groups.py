@@ -62,3 +62,22 @@ def test_a_window_as_long_as_the_context_keeps_one_group():
     assert sliding_split(GEMMA3_LIKE, 16, 1024) is None  # 65 window pages >= 64
     assert split_pages(1000, 10, 50, window_pages=1, context_pages=4, slack=1) == (
         int((1000 - 50 * 1.75) // 22.5), (1000 - 40 * 10) // 50)
+
+
+def test_memory_that_fits_one_request_only_with_the_hybrid_cache():
+    """`memory_bytes` is checked against what one request needs in its page groups."""
+    cfg = dataclasses.replace(GEMMA3_LIKE, max_position_embeddings=65536)
+    kw = dict(max_model_len=65536, page_size=16, max_num_batched_tokens=512,
+              max_num_seqs=1)
+    one_group = planner.plan(cfg, kv_cache_bytes=10**9, hybrid_kv_cache=False, **kw)
+    weights = one_group.weight_bytes + one_group.batch_state_bytes
+    pages = 65536 // 16
+    full_need = (pages + 1) * 16 * 2 * LAYER_TOKEN_BYTES
+    sliding_need = (1024 // 16 + 1 + 512 // 16 + 1 + 1) * 16 * 10 * LAYER_TOKEN_BYTES
+    memory = weights + full_need + sliding_need
+    with pytest.raises(ValueError, match="one request of max_model_len=65536 needs"):
+        planner.plan(cfg, memory_bytes=memory, hybrid_kv_cache=False, **kw)
+    plan = planner.plan(cfg, memory_bytes=memory, **kw)
+    assert plan.max_concurrent_requests == 1
+    with pytest.raises(ValueError, match="short"):
+        planner.plan(cfg, memory_bytes=memory - 16 * LAYER_TOKEN_BYTES, **kw)
