@@ -132,6 +132,10 @@ def _engine(model_dir: str, hybrid: bool, kv_bytes: int) -> tuple[LLM, dict]:
 
 def main(argv: list[str]) -> None:
     del argv
+    # Full-precision float32 dots: a GPU's default (TF32) rounds a recompute after
+    # preemption differently, which flips near-ties of this random model between the arms
+    # (seen on an H200); XLA:CPU's float32 dots are full precision already.
+    jax.config.update("jax_default_matmul_precision", "highest")
     kv_bytes = (FLAGS.one_group_requests * CONTEXT // PAGE + 1) * PAGE * TOKEN_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(testing.make_random_model(tmp, MODEL))
