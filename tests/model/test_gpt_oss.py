@@ -158,14 +158,20 @@ def _llm(path: pathlib.Path, **kw: object) -> LLM:
 
 
 def test_generate_greedy_matches_transformers_with_batching(gpt_oss):
+    """A KV pool of the bytes of 14 every-layer pages of 8 tokens, split by the hybrid
+    KV cache between the full and the sliding layers' pages: the four requests do not
+    fit at once, so some are preempted and recomputed."""
     path, model = gpt_oss
-    llm = _llm(path)
+    cfg = checkpoint.load_config(path)
+    page_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 8  # K and V
+    llm = _llm(path, kv_cache_memory_bytes=14 * page_bytes)
     outs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == _hf_generate(model, prompt, 20)
     metrics = llm.metrics()
-    assert metrics["prefix_cache_hit_tokens"] >= 16
+    assert metrics["preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] >= 16
     assert metrics["compiles_after_warmup"] == 0
+    assert "kv_pages_sliding_free" in metrics  # the sliding layers have their own pages
 
 
 def test_logits_on_two_devices_match_transformers(gpt_oss):
