@@ -91,6 +91,8 @@ class Settings:
     tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
     quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
+    hybrid_kv_cache: bool = True  # not EngineConfig.disable_hybrid_kv_cache_manager: a
+    # model with sliding and full layers compiles with the sliding layers' own pages
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -117,8 +119,7 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
                   tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
-                  quantized_head=s.quantized_head,
-                  hybrid_kv_cache=False)  # the compiled step has one page group (not built)
+                  quantized_head=s.quantized_head, hybrid_kv_cache=s.hybrid_kv_cache)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)
@@ -136,20 +137,23 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
         params = jax.eval_shape(functools.partial(
             quantization.quantize_params, mode=s.quantization, head=s.quantized_head), params)
     kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
-                       dtype=s.kv_dtype, backend="tpu", shards=shards)
+                       dtype=s.kv_dtype, backend="tpu", shards=shards,
+                       num_sliding_pages=plan.num_sliding_pages)
     return params, kv
 
 
 def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
-                    s: Settings, mesh: jax.sharding.Mesh
+                    s: Settings, mesh: jax.sharding.Mesh, sliding: bool = False
                     ) -> list[jax.stages.Compiled | Exception]:
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
-    kernel (the compiler's exception in place of a bucket it refused)."""
+    kernel (the compiler's exception in place of a bucket it refused); `sliding`: `kv`
+    has the sliding layers' own page group (the plan's `num_sliding_pages`)."""
     tpu_cfg = dataclasses.replace(served, attention_impl="tpu", attention_interpret=False)
     # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
     # running in one process, once in four runs of the TPU compile suite.
     return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
-                                    max_model_len=s.max_model_len, mesh=mesh, threads=1)
+                                    max_model_len=s.max_model_len, mesh=mesh, threads=1,
+                                    sliding=sliding)
 
 
 def kv_page_shapes(hlo_text: str) -> list[str]:
@@ -225,7 +229,8 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
                                     max_num_seqs=settings.max_num_seqs), buckets)
     planned = plan.weight_bytes + plan.kv_cache_bytes
     began = time.perf_counter()
-    results = compile_buckets(served, params, kv, chosen, settings, mesh)
+    results = compile_buckets(served, params, kv, chosen, settings, mesh,
+                              sliding=plan.num_sliding_pages > 0)
     report["compile_s"] = round(time.perf_counter() - began, 1)
     report["buckets"] = [report_row(bucket, compiled, acc, planned)
                          for bucket, compiled in zip(chosen, results, strict=True)]

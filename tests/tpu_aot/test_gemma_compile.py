@@ -1,6 +1,8 @@
 """Gemma 3 27B's step compiled by libtpu's compiler over a v6e:2x2 slice (never run).
 
-bf16 weights and pages, split over the 4 chips (8 query heads and 4 KV heads a chip).
+bf16 weights and pages, split over the 4 chips (8 query heads and 4 KV heads a chip);
+the sliding layers have their own page group (the hybrid KV cache), the global ones the
+rest of the pool.
 The default run compiles a 4-layer variant with one global layer (3 sliding layers of
 1,024-token windows and local RoPE, then a global one with scaled RoPE) for two
 buckets; `slow` compiles the whole 62 layers. The Gemma block adds no collective:
@@ -36,11 +38,14 @@ def gemma3_27b(num_layers: int | None = None):
 def _check(report: dict, cfg) -> None:
     assert report["fits"], report
     assert report["chips_used"] == CHIPS and report["plan"]["tensor_parallel_size"] == CHIPS
-    kv_shape = f"bf16[{report['plan']['num_pages']},16,4,2,{cfg.head_dim}]"  # 4 KV heads
+    plan = report["plan"]  # the hybrid KV cache: the sliding layers' own, fewer pages
+    assert 0 < plan["num_sliding_pages"] < plan["num_pages"]
+    kv_shapes = {f"bf16[{plan[pages]},16,4,2,{cfg.head_dim}]"  # 4 KV heads a chip
+                 for pages in ("num_pages", "num_sliding_pages")}
     for row in report["buckets"]:
         assert row["compiled"], row
         assert row["mosaic_kernels"] == 2 * cfg.num_layers  # prefill + decode pass a layer
-        assert set(row["kv_pages"]) == {kv_shape}
+        assert set(row["kv_pages"]) == kv_shapes
         assert row["args_vs_plan"] < 0.01
         assert row["total_bytes"] <= report["chip_usable_hbm_bytes"]
         one_row = row["slots"] * NUM_SAMPLE_POSITIONS == 1

@@ -98,12 +98,14 @@ def input_spec(bucket: Bucket, *, page_size: int,
 
 
 def state_spec(num_slots: int, *, page_size: int, max_model_len: int,
-               experts: tuple[int, int] = (0, 0)) -> batch_state.BatchState:
+               experts: tuple[int, int] = (0, 0), sliding: bool = False
+               ) -> batch_state.BatchState:
     """ShapeDtypeStructs of the batch state of `num_slots` slots (model/batch_state.py);
-    `experts`: `moe.routing_shape(cfg)`."""
+    `experts`: `moe.routing_shape(cfg)`; `sliding`: with a second page group's table."""
     return jax.eval_shape(functools.partial(
         batch_state.init, num_slots, pages_per_seq=-(-max_model_len // page_size),
-        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, experts=experts))
+        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, experts=experts,
+        sliding_group=sliding))
 
 
 def _specs(tree: object) -> object:
@@ -112,7 +114,7 @@ def _specs(tree: object) -> object:
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
-                      mesh: Mesh, threads: int = COMPILE_THREADS
+                      mesh: Mesh, threads: int = COMPILE_THREADS, sliding: bool = False
                       ) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the devices of `mesh` from specs alone
     (ShapeDtypeStructs: nothing is allocated), e.g. n chips of a TPU topology on a CPU
@@ -122,7 +124,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     `cfg` is the served model (`sharding.served_config`). Lowering is serial, under the
     mesh (tracing is not thread-safe); compiles run on `threads` threads.
     `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
-    default backend."""
+    default backend. `sliding`: `kv_cache` gives the sliding layers their own page group
+    (the hybrid KV cache), so the state and deltas carry its page table."""
     if cfg.attention_impl == "auto":
         raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
@@ -143,10 +146,10 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
              for decode in (False, True)}
     state = on_shardings(state_spec(max((b.num_slots for b in buckets), default=1),
                                     page_size=page_size, max_model_len=max_model_len,
-                                    experts=moe.routing_shape(cfg)), whole)
+                                    experts=moe.routing_shape(cfg), sliding=sliding), whole)
     with jax.set_mesh(mesh):
         lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
-            b, page_size=page_size), whole)) for b in buckets]
+            b, page_size=page_size, sliding=sliding), whole)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:
