@@ -20,7 +20,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import start_server
+from serving import start_server
 
 HEADER_S, BODY_S, SHUTDOWN_S = 1, 3, 2
 BODY = json.dumps({"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}).encode()

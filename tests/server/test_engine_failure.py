@@ -12,7 +12,7 @@ import time
 import httpx2 as httpx
 import pytest
 import uvicorn
-from conftest import ENGINE_FLAGS
+from serving import ENGINE_FLAGS
 
 from jaxinfer import LLM, server
 from jaxinfer.config import DEFAULT_MODEL, ServerConfig

@@ -17,8 +17,7 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from conftest import ENGINE_FLAGS, start_server
-from serving import greedy, metric_values
+from serving import ENGINE_FLAGS, greedy, metric_values, start_server
 
 KEY, WAITING, SHUTDOWN_S = "sekrit", 4, 1
 SLOTS = ENGINE_FLAGS["max_num_seqs"]

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ENGINE_FLAGS, SCORING
-from serving import greedy
+from serving import ENGINE_FLAGS, SCORING, greedy
 
 from jaxinfer import LLM
 from jaxinfer.config import DEFAULT_MODEL

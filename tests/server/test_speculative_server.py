@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import start_server
-from serving import greedy, metric_values
+from serving import greedy, metric_values, start_server
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def push(self, x):\n"]
