@@ -114,7 +114,8 @@ def scales_report(windows: list[list[int]], length: int) -> dict:
     caches = []  # per window and layer: f32[pages, K, C, H]
     for window in windows:
         window_nll(engine, window)
-        caches += [np.asarray(kv_layout.combined_view(layer))[1:used + 1]
+        head_dim = engine.model_config.head_dim
+        caches += [np.asarray(kv_layout.combined_view(layer, head_dim))[1:used + 1]
                    for layer in jax.device_get(engine.runner.kv_cache)]
     out = {}
     for name, dtype in (("int8", np.dtype("int8")),

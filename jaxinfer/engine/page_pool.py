@@ -10,7 +10,7 @@ parent (by a serial number no other registration reuses), so a hash collision
 is never served. Pages whose count drops to zero stay cached in an LRU and are
 evicted only when a new page is needed (uncached free pages go first). Every
 operation is O(1) per page. The pool deals in page ids only, whatever a page
-holds on the device (per layer [K, W, packing, H], see pallas/kv_layout.py), so
+holds on the device (per layer [K, W, packing, L], see pallas/kv_layout.py), so
 the packed KV layout changed nothing here: a cached page is reused whole, all
 KV heads of all layers. Plain Python.
 """

@@ -1,9 +1,10 @@
 """Attention metadata, the paged KV cache pytree, and the attention block.
 
-The KV cache is a list with one array per layer, each [P, K, W, packing, H]
+The KV cache is a list with one array per layer, each [P, K, W, packing, L]
 (`pallas/kv_layout.py`): K and V interleaved on the combined-head axis (K at
 even, V at odd, JAX's `ref_ragged_paged_attention` order), packed into 32-bit
-words so TPU copies of one head's words are tile-aligned. Page 0 is the trash
+words so TPU copies of one head's words are tile-aligned (with head_dim 64, K and V
+of a head side by side on a row's 128 lanes). Page 0 is the trash
 page that padding tokens write into. With an 8-bit KV dtype (int8, fp8) each layer
 is a `QuantizedPages`: the pages and their scales f32[P, K, 2G], one per token and
 combined head, written at the same page slots (pallas/kv_quant.py). The structure is
@@ -32,7 +33,7 @@ KV_SCALES_SPEC = P(None, None, sharding.MODEL_AXIS)  # split by KV head, like th
 class QuantizedPages:
     """One layer of an 8-bit KV cache: values and their per-token scales."""
 
-    pages: jax.Array  # int8/fp8[P, K, W, packing, H]
+    pages: jax.Array  # int8/fp8[P, K, W, packing, L]
     scales: jax.Array  # f32[P, K, 2G]: K scale of head g at 2g, V scale at 2g + 1
 
 
@@ -78,7 +79,7 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
 def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, backend: str | None = None,
                   shards: int = 1, num_sliding_pages: int = 0) -> list:
-    """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, H] each
+    """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, L] each
     (a `QuantizedPages` with scales f32[P, K, 2G] for 8-bit `dtype`, "int8" or "fp8");
     with `shards` devices on the model axis, W is each device's words (its G / shards
     heads, padded to whole words) times `shards`, so a split of W gives whole heads.
@@ -87,9 +88,9 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
     stored = kv_storage_dtype(kv_quant.storage_dtype(dtype), backend)
 
     def layer(count: int) -> jax.ShapeDtypeStruct | QuantizedPages:
-        pages, size, words, packing, head_dim = kv_layout.kv_cache_shape(
+        pages, size, words, packing, lanes = kv_layout.kv_cache_shape(
             count, page_size, cfg.num_kv_heads // shards, cfg.head_dim, stored)
-        spec = jax.ShapeDtypeStruct((pages, size, words * shards, packing, head_dim), stored)
+        spec = jax.ShapeDtypeStruct((pages, size, words * shards, packing, lanes), stored)
         if kv_quant.is_quantized(stored):
             scales = kv_quant.scales_shape(count, page_size, cfg.num_kv_heads)
             spec = QuantizedPages(spec, jax.ShapeDtypeStruct(scales, jnp.float32))
@@ -113,7 +114,7 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, shards: int = 1,
                   num_sliding_pages: int = 0) -> KVCache:
-    """Zeroed cache: L layers of [P, K, W, packing, H] in the storage dtype of `dtype`
+    """Zeroed cache: L layers of [P, K, W, packing, L] in the storage dtype of `dtype`
     (with their scales for 8-bit KV; jit it with out_shardings to build a sharded cache
     without a whole copy)."""
     return jax.tree.map(lambda spec: jnp.zeros(spec.shape, spec.dtype),
@@ -136,7 +137,7 @@ def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
 def attention_block(
     layer: dict[str, jax.Array],
     x: jax.Array,  # f32[T, D], already normed
-    kv_pages: jax.Array | QuantizedPages,  # [P, K, W, packing, H] (and scales)
+    kv_pages: jax.Array | QuantizedPages,  # [P, K, W, packing, L] (and scales)
     md: AttentionMetadata,
     cfg: ModelConfig,
     *,

@@ -6,7 +6,7 @@
 "reference" (`reference.py`, pure jnp), or "auto" (the kernel of the default
 backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
 kernel in interpret mode on CPU (the TPU kernel in the TPU interpreter, with
-out-of-bounds reads raising). KV pages are `[P, K, W, packing, H]`
+out-of-bounds reads raising). KV pages are `[P, K, W, packing, L]`
 (`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
 when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
 read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
@@ -30,7 +30,7 @@ QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
 
 def validate_inputs(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -61,7 +61,8 @@ def validate_inputs(
                        v_scale=v_scale, per_token=kv_scales is not None)
     if kv_scales is not None:
         _validate_kv_scales(kv_pages, kv_scales,
-                            num_kv_heads or kv_layout.padded_heads(kv_pages) // 2)
+                            num_kv_heads or kv_layout.padded_heads(
+                                kv_pages, queries.shape[2]) // 2)
     if sinks is not None:
         _validate_sinks(sinks, queries.shape[1])
 
@@ -93,22 +94,22 @@ def _validate_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array, num_kv_heads:
 
 def _validate_layout(queries: jax.Array, kv_pages: jax.Array, num_kv_heads: int | None
                      ) -> None:
-    """kv_pages is [P, K, W, packing, H] for its dtype and holds `num_kv_heads` heads."""
+    """kv_pages is [P, K, W, packing, L] for its dtype and holds `num_kv_heads` heads."""
     packing = kv_layout.packing(kv_pages.dtype)
     if kv_pages.ndim != 5 or kv_pages.shape[3] != packing:
-        raise ValueError(f"kv_pages must be [P, K, W, packing={packing}, H] for "
+        raise ValueError(f"kv_pages must be [P, K, W, packing={packing}, L] for "
                          f"{jnp.dtype(kv_pages.dtype).name} pages (see kv_layout.py), got "
                          f"shape {kv_pages.shape}")
     _, num_heads, head_dim = queries.shape
-    if kv_pages.shape[4] != head_dim:
-        raise ValueError(f"kv_pages head_dim {kv_pages.shape[4]} != queries head_dim "
-                         f"{head_dim}")
-    words = kv_pages.shape[2]
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
-    if kv_layout.num_words(num_kv_heads, kv_pages.dtype) != words:
-        raise ValueError(f"num_kv_heads={num_kv_heads} needs "
-                         f"{kv_layout.num_words(num_kv_heads, kv_pages.dtype)} words of "
-                         f"{packing} combined heads, kv_pages has W={words}")
+    if kv_pages.shape[4] % head_dim:
+        raise ValueError(f"kv_pages lanes {kv_pages.shape[4]} are not whole heads of the "
+                         f"queries head_dim {head_dim}")
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    want = kv_layout.kv_cache_shape(1, 1, num_kv_heads, head_dim, kv_pages.dtype)[2:]
+    if tuple(kv_pages.shape[2:]) != want:
+        raise ValueError(f"num_kv_heads={num_kv_heads} and head_dim={head_dim} need "
+                         f"[W, packing, L] = {want} for {jnp.dtype(kv_pages.dtype).name} "
+                         f"pages (kv_layout.py), kv_pages has {tuple(kv_pages.shape[2:])}")
     if num_heads % num_kv_heads:
         raise ValueError(f"queries heads {num_heads} must be a multiple of kv heads "
                          f"{num_kv_heads}")
@@ -168,7 +169,7 @@ def resolve_impl(impl: str) -> str:
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]

@@ -95,7 +95,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def write_quantized_kv(
-    kv_pages: jax.Array,  # int8/fp8[P, K, W, packing, H]
+    kv_pages: jax.Array,  # int8/fp8[P, K, W, packing, L]
     kv_scales: jax.Array,  # f32[P, K, C]
     new_k: jax.Array,  # f[T, G, H]
     new_v: jax.Array,  # f[T, G, H]

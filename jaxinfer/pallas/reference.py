@@ -1,8 +1,8 @@
 """Pure-jnp twins of the Pallas kernels: the path the engine runs on CPU/XLA.
 
 `ragged_paged_attention` keeps the contract of JAX's
-`ref_ragged_paged_attention`: queries f[T, N, H]; KV pages [P, K, W, packing, H]
-(`kv_layout.py`: in row-major order the combined-head axis [P, K, W * packing, H]
+`ref_ragged_paged_attention`: queries f[T, N, H]; KV pages [P, K, W, packing, L]
+(`kv_layout.py`: in row-major order the combined-head axis [P, K, C, H]
 with K at even and V at odd combined heads, padded to whole 32-bit words);
 `kv_lens` counts this step's tokens; causal masking aligns each request's queries to the
 end of its KV. It is vectorised: every token gathers the pages of its own
@@ -47,7 +47,7 @@ BF16_STORAGE = jnp.uint16  # page dtype that stores bfloat16 bits (see the modul
 
 
 def write_kv_pages(
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     new_k: jax.Array,  # [T, G, H]
     new_v: jax.Array,  # [T, G, H]
     slot_mapping: jax.Array,  # i32[T], page * K + offset; padding rows -> page 0
@@ -57,16 +57,17 @@ def write_kv_pages(
 ) -> jax.Array:
     """Scatter this step's K/V into their page slots, K/V interleaved on heads (padded
     combined heads written as zeros)."""
-    num_pages, page_size, words, packing, head_dim = kv_pages.shape
-    tokens, num_kv_heads, _ = new_k.shape
+    page_size = kv_pages.shape[1]
+    tokens, num_kv_heads, head_dim = new_k.shape
     new_k = _quantize(new_k, k_scale, kv_pages.dtype)
     new_v = _quantize(new_v, v_scale, kv_pages.dtype)
     kv = jnp.stack([new_k, new_v], axis=2).reshape(tokens, 2 * num_kv_heads, head_dim)
-    kv = jnp.pad(kv, ((0, 0), (0, words * packing - 2 * num_kv_heads), (0, 0)))
+    padding = kv_layout.padded_heads(kv_pages, head_dim) - 2 * num_kv_heads
+    kv = jnp.pad(kv, ((0, 0), (0, padding), (0, 0)))
     if kv_pages.dtype == BF16_STORAGE:
         kv = jax.lax.bitcast_convert_type(kv, BF16_STORAGE)
     return kv_pages.at[slot_mapping // page_size, slot_mapping % page_size].set(
-        kv.reshape(tokens, words, packing, head_dim), mode="drop")
+        kv.reshape(tokens, *kv_pages.shape[2:]), mode="drop")
 
 
 def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
@@ -82,7 +83,7 @@ def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -105,8 +106,8 @@ def ragged_paged_attention(
     block for all its queries and the per-request loop is not compiled; 0: any mix."""
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
-    kv_pages = kv_layout.combined_view(kv_pages)  # [P, K, C, H], C >= 2G
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    kv_pages = kv_layout.combined_view(kv_pages, head_dim)  # [P, K, C, H], C >= 2G
     num_slots, pages_per_seq = page_indices.shape
     token = jnp.arange(tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32)

@@ -22,8 +22,8 @@ With `kv_scales` f32[P, K, 2G] (`kv_quant.py`) each K and V row is multiplied by
 own scale, gathered by page id like the row, before the dots.
 With `sinks` f32[N] (one softmax logit per query head, no value) the online softmax of
 split 0 starts from the sink (`_init_carry`), so the split combine carries it too.
-KV pages arrive as [P, K, W, packing, H] (`kv_layout.py`) and are read through
-the free reshape to [P, K, W * packing, H]: row-major order makes the packed
+KV pages arrive as [P, K, W, packing, L] (`kv_layout.py`) and are read through
+the free reshape to [P, K, C, H]: row-major order makes the packed
 layout the familiar combined-head axis.
 """
 
@@ -262,7 +262,7 @@ def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: float,
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -284,8 +284,8 @@ def ragged_paged_attention(
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
     slots, pages_per_seq = page_indices.shape
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
-    kv_pages = kv_layout.combined_view(kv_pages)  # [P, K, C, H], C >= 2G
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    kv_pages = kv_layout.combined_view(kv_pages, head_dim)  # [P, K, C, H], C >= 2G
     if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= {MIN_DOT_DIM} "
                          "for the GPU kernel")

@@ -13,9 +13,10 @@ tokens) and then a decode pass (requests with q_len == 1, one token). Both have 
 requests and padding slots skipped with `pl.when` before any DMA. Queries, outputs and
 KV pages stay in HBM and move by manual, double-buffered DMA (see `rpa_tpu_kernel.py`).
 
-KV layout (`kv_layout.py`): pages are [P, K, W, packing, H], the K and V rows of a head
-packed into 32-bit words; a program copies whole words, so it serves
-`heads_per_program` = max(1, packing // 2) KV heads. Scales per token (`kv_scales`
+KV layout (`kv_layout.py`): pages are [P, K, W, packing, L], the K and V rows of a head
+packed into 32-bit words (side by side on the lanes when L = fold * H, H < 128); a
+program copies whole words, so it serves `heads_per_program` = max(1, packing * fold // 2)
+KV heads. Scales per token (`kv_scales`
 f32[P, K, C], `kv_quant.py`) are copied beside the words into their own VMEM buffer.
 Sinks (f32[N], one softmax logit per query head) are scalar-prefetched into SMEM with
 the page table: a program reads R of them once per query block.
@@ -52,14 +53,19 @@ def block_sizes(heads_per_kv: int, page_size: int, pages_per_seq: int) -> tuple[
     return q_block, pages_per_block
 
 
-def heads_per_program(kv_dtype: jnp.dtype) -> int:
+def heads_per_program(kv_pages: jax.Array, head_dim: int) -> int:
     """KV heads whose K and V share the words one program copies (see module doc)."""
-    return max(1, kv_layout.packing(kv_dtype) // 2)
+    return max(1, _per_word(kv_pages, head_dim) // 2)
+
+
+def _per_word(kv_pages: jax.Array, head_dim: int) -> int:
+    """Combined heads in one word of every lane: packing * fold."""
+    return kv_pages.shape[3] * kv_pages.shape[4] // head_dim
 
 
 def ragged_paged_attention(
     queries: jax.Array,  # f[T, N, H]
-    kv_pages: jax.Array,  # [P, K, W, packing, H]
+    kv_pages: jax.Array,  # [P, K, W, packing, L]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -84,9 +90,9 @@ def ragged_paged_attention(
     """
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages) // 2
+    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
     heads_per_kv = num_heads // num_kv_heads
-    per_program = heads_per_program(kv_pages.dtype)
+    per_program = heads_per_program(kv_pages, head_dim)
     programs = -(-num_kv_heads // per_program)
     pages_per_seq = page_indices.shape[1]
     q_block, pages_per_block = block_sizes(heads_per_kv, page_size, pages_per_seq)
@@ -96,7 +102,7 @@ def ragged_paged_attention(
                   sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
                   mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale,
                   heads_per_program=per_program,
-                  words_per_program=max(1, 2 // kv_layout.packing(kv_pages.dtype)),
+                  words_per_program=max(1, 2 // _per_word(kv_pages, head_dim)),
                   scaled=kv_scales is not None, sinks=sinks is not None)
     # Token-major, heads grouped by KV head (padded to whole programs), `q_block` padding
     # tokens at the end so a fixed-size block copy starting at any real token stays in
@@ -129,7 +135,7 @@ def _attention_pass(cfg: PassConfig, scalars: tuple[jax.Array, ...], grouped: ja
     scratch = [
         pltpu.VMEM(block, grouped.dtype),  # q_buf
         pltpu.VMEM(block, grouped.dtype),  # o_buf
-        pltpu.VMEM((2, cfg.words_per_program, cfg.kv_block, packing, head_dim),
+        pltpu.VMEM((2, cfg.words_per_program, cfg.kv_block, packing, kv_pages.shape[4]),
                    kv_pages.dtype),  # kv_buf
         pltpu.SemaphoreType.DMA((2,)),  # kv_sems
         pltpu.SemaphoreType.DMA((2,)),  # io_sems
@@ -167,7 +173,7 @@ def _cost_estimate(cfg: PassConfig, grouped: jax.Array, kv_pages: jax.Array, *, 
     context = cfg.pages_per_seq * cfg.page_size
     kv_token_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.dtype.itemsize
     if cfg.scaled:  # f32 scales of every combined head beside the values
-        kv_token_bytes += 4 * kv_layout.padded_heads(kv_pages)
+        kv_token_bytes += 4 * kv_layout.padded_heads(kv_pages, grouped.shape[3])
     if cfg.decode:
         queries = blocks = min(num_slots, tokens)
     else:

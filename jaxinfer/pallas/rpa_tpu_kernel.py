@@ -12,13 +12,15 @@ copy started before the current block is computed. The KV loop covers only the b
 the causal mask and the sliding window can see; an online softmax (running max, sum
 and accumulator in f32) per KV head combines them.
 
-KV layout (`kv_layout.py`): pages are [P, K, W, packing, H], the K and V rows of a head
-packed into 32-bit words. A program copies whole words (W is not a tiled axis, so every
-copy is tile-aligned for every dtype) and unpacks K and V from the words as uint32 with
-shifts (`tpu_words.py`): float32 takes two words per head (K, V), bfloat16 one word per
-head (K low half, V high half), 8-bit one word per two heads (bytes K0, V0, K1, V1). So
-a program serves `heads_per_program` = max(1, packing // 2) KV heads and reads no byte
-it does not use.
+KV layout (`kv_layout.py`): pages are [P, K, W, packing, L], the K and V rows of a head
+packed into 32-bit words, `fold` = L / H combined heads side by side on the lanes. A
+program copies whole words (W is not a tiled axis, so every copy is tile-aligned for
+every dtype) and unpacks K and V from the words as uint32 with lane slices and shifts
+(`tpu_words.py`): with H = 128, float32 takes two words per head (K, V), bfloat16 one
+word per head (K low half, V high half), 8-bit one word per two heads (bytes K0, V0,
+K1, V1); with H = 64 (fold 2) K takes lanes 0-63 and V lanes 64-127 of the same row, so
+a word holds packing heads. A program serves `heads_per_program` =
+max(1, packing * fold // 2) KV heads and reads no byte it does not use.
 
 Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
 are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
@@ -60,8 +62,8 @@ class PassConfig:
     mask_value: float
     k_scale: float | None
     v_scale: float | None
-    heads_per_program: int  # KV heads one program serves: max(1, packing // 2)
-    words_per_program: int  # words of each token it copies: max(1, 2 // packing)
+    heads_per_program: int  # KV heads one program serves: max(1, packing * fold // 2)
+    words_per_program: int  # words of each token it copies: max(1, 2 // (packing * fold))
     scaled: bool = False  # kv_scales given: a scale per token and combined head
     sinks: bool = False  # sinks given: a softmax sink logit per query head (SMEM)
 
@@ -73,11 +75,11 @@ class PassConfig:
 class _Refs(NamedTuple):
     page_table: Any  # SMEM i32[S * pages_per_seq]
     queries: Any  # HBM f[T + bq, Gp, R, H], Gp = programs * heads_per_program
-    kv_pages: Any  # HBM [P, K, W, packing, H]
+    kv_pages: Any  # HBM [P, K, W, packing, L]
     out: Any  # HBM f[T + bq, Gp, R, H]
     q_buf: Any  # VMEM f[bq, heads_per_program, R, H]
     o_buf: Any  # VMEM f[bq, heads_per_program, R, H]
-    kv_buf: Any  # VMEM [2 slots, words_per_program, kv_block, packing, H]
+    kv_buf: Any  # VMEM [2 slots, words_per_program, kv_block, packing, L]
     kv_sems: Any  # DMA semaphores [2], one per KV slot
     io_sems: Any  # DMA semaphores [2]: query copy, output copy
     scales: Any = None  # HBM f32[P, K, C] (kv_scales), or None
@@ -175,7 +177,8 @@ def _query_block(refs: _Refs, req: _Request, j: jax.Array, cfg: PassConfig) -> N
         words = [pltpu.bitcast(refs.kv_buf[slot, w], jnp.uint32).reshape(cfg.kv_block, -1)
                  for w in range(cfg.words_per_program)]  # u32[kv_block, H] each
         return tuple(
-            _online_softmax(q, *tpu_words.unpack_kv(words, h, refs.kv_buf.dtype), carry[h],
+            _online_softmax(q, *tpu_words.unpack_kv(words, h, refs.kv_buf.dtype,
+                                                    q.shape[1]), carry[h],
                             kb * cfg.kv_block, first_pos, keys, cfg,
                             _scales(refs, slot, req.group * cfg.heads_per_program + h, cfg))
             for h, q in enumerate(qs))

@@ -2,8 +2,11 @@
 
 The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
 uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
-(K in the low half, V in the high half), or four 8-bit ones (K0, V0, K1, V1 from the
-low byte up); `dequantize` then applies the scale (scalar or per token). Unpacking with shifts keeps
+(row 0 in the low half, row 1 in the high half), or four 8-bit ones (rows 0-3 from the
+low byte up). With `fold` heads on a row's lanes (head_dim below 128) a head is first a
+static lane slice. So with fold 1: bfloat16 K low, V high; 8-bit K0, V0, K1, V1; with
+fold 2 (H = 64): K in lanes 0-63, V in lanes 64-127, heads on the rows. `dequantize`
+then applies the scale (scalar or per token). Unpacking with shifts keeps
 every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
 the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
 way.
@@ -17,23 +20,33 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 
-def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype
+def unpack_kv(words: list[jax.Array], head: int, dtype: jnp.dtype, head_dim: int
               ) -> tuple[jax.Array, jax.Array]:
-    """K and V of the program's `head`-th KV head from its u32 words, as stored (f32 for
-    32/16-bit pages, the 8-bit dtype for 8-bit pages). See the module doc for the packing.
-    """
-    if len(words) == 2:  # float32: one word each
-        return pltpu.bitcast(words[0], jnp.float32), pltpu.bitcast(words[1], jnp.float32)
-    (word,) = words
-    if jnp.dtype(dtype).itemsize == 2:  # bfloat16: K low half, V high half; exact in f32
-        k = pltpu.bitcast(lax.shift_left(word, jnp.uint32(16)), jnp.float32)
-        return k, pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
+    """K and V [kv_block, H] of the program's `head`-th KV head from its u32 words
+    [kv_block, L], as stored (f32 for 32/16-bit pages, the 8-bit dtype for 8-bit pages).
+    Combined head c of the program is lanes [j * H, (j + 1) * H) of row p of word w,
+    c = (w * packing + p) * fold + j (kv_layout.py)."""
+    return (_combined(words, 2 * head, dtype, head_dim),
+            _combined(words, 2 * head + 1, dtype, head_dim))
 
-    def byte(index: int) -> jax.Array:
-        shifted = lax.shift_right_logical(word, jnp.uint32(8 * index))
-        return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
 
-    return byte(2 * head), byte(2 * head + 1)
+def _combined(words: list[jax.Array], index: int, dtype: jnp.dtype, head_dim: int
+              ) -> jax.Array:
+    """The program's combined head `index` out of its words (see `unpack_kv`)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    fold = words[0].shape[1] // head_dim
+    word, rest = divmod(index, (4 // itemsize) * fold)
+    row, part = divmod(rest, fold)
+    x = words[word]
+    if fold > 1:  # a static lane slice: the head's H lanes of the row
+        x = x[:, part * head_dim:(part + 1) * head_dim]
+    if itemsize == 4:
+        return pltpu.bitcast(x, jnp.float32)
+    if itemsize == 2:  # bfloat16 bits into the high half of an f32: exact
+        high = lax.shift_left(x, jnp.uint32(16)) if row == 0 else x & jnp.uint32(0xFFFF0000)
+        return pltpu.bitcast(high, jnp.float32)
+    shifted = lax.shift_right_logical(x, jnp.uint32(8 * row))
+    return pltpu.bitcast(shifted.astype(jnp.uint8), dtype)
 
 
 def dequantize(x: jax.Array, scale: float | jax.Array | None, dtype: jnp.dtype

@@ -6,7 +6,8 @@ and padding request slots, and returns the positional arguments of
 `ragged_paged_attention` (pages in the packed layout of `kv_layout.py`; padded
 combined heads of 8-bit pages hold 99, which no kernel may read).
 `combined(args)` gives the same arguments with [P, K, 2G, H] pages for JAX's
-`ref_ragged_paged_attention`. `check(out, ref, real, dtype)` compares real rows
+`ref_ragged_paged_attention`; `as_pages(combined)` lays [P, K, C, H] pages out in
+the packed layout. `check(out, ref, real, dtype)` compares real rows
 with the tolerance of `TOL[dtype]` and checks padding rows are finite.
 `make_sinks(num_heads)` gives attention sinks f32[N]; `dense_attention(args, ...)` is
 plain float64 numpy attention over float pages that follows transformers'
@@ -59,7 +60,7 @@ def make_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=32, page_size=1
         kv_pages = np.clip(np.round(kv_pages * 32), -127, 127)  # NaN stays NaN -> cast below
         kv_pages = np.where(np.isnan(kv_pages), 127, kv_pages)
     shape = kv_layout.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
-    padding = shape[2] * shape[3] - 2 * num_kv_heads
+    padding = kv_layout.padded_heads_for(num_kv_heads, kv_dtype, head_dim) - 2 * num_kv_heads
     kv_pages = np.pad(kv_pages, ((0, 0), (0, 0), (0, padding), (0, 0)), constant_values=99)
     return (jnp.asarray(queries, dtype), jnp.asarray(kv_pages, kv_dtype).reshape(shape),
             jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens, jnp.int32),
@@ -69,7 +70,14 @@ def make_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=32, page_size=1
 def combined(args):
     """The arguments with [P, K, 2G, H] pages (padding dropped), JAX's layout."""
     queries, kv_pages, *meta = args
-    return (queries, kv_layout.combined_view(kv_pages), *meta)
+    return (queries, kv_layout.combined_view(kv_pages, queries.shape[2]), *meta)
+
+
+def as_pages(combined_pages):
+    """[P, K, C, H] pages (no padding) in the packed layout of their dtype: a reshape."""
+    num_pages, page_size, heads, head_dim = combined_pages.shape
+    return combined_pages.reshape(kv_layout.kv_cache_shape(
+        num_pages, page_size, heads // 2, head_dim, combined_pages.dtype))
 
 
 def check(out, ref, real: int, dtype) -> None:
@@ -88,7 +96,8 @@ def make_scaled_case(seq_lens, *, kv_dtype, dtype=jnp.float32, **layout):
     from jaxinfer.pallas import kv_quant
 
     float_args = make_case(seq_lens, dtype=dtype, kv_dtype=jnp.float32, **layout)
-    pages = np.asarray(kv_layout.combined_view(float_args[1]))  # [P, K, 2G, H], NaN unused
+    pages = np.asarray(kv_layout.combined_view(float_args[1], float_args[0].shape[2]))
+    # [P, K, 2G, H], NaN unused
     unused = np.isnan(pages).any(axis=-1)  # [P, K, 2G]
     values, scales = kv_quant.quantize_numpy(np.where(np.isnan(pages), 0, pages), kv_dtype)
     values = np.where(unused[..., None], np.asarray(127, values.dtype), values)
@@ -98,11 +107,12 @@ def make_scaled_case(seq_lens, *, kv_dtype, dtype=jnp.float32, **layout):
     num_pages, page_size, combined_heads, head_dim = pages.shape
     shape = kv_layout.kv_cache_shape(num_pages, page_size, combined_heads // 2, head_dim,
                                      kv_dtype)
-    padded = np.pad(values, ((0, 0), (0, 0), (0, shape[2] * shape[3] - combined_heads),
-                             (0, 0)), constant_values=np.asarray(99, values.dtype))
+    padding = kv_layout.padded_heads_for(combined_heads // 2, kv_dtype, head_dim)
+    padded = np.pad(values, ((0, 0), (0, 0), (0, padding - combined_heads), (0, 0)),
+                    constant_values=np.asarray(99, values.dtype))
     quantized = (float_args[0], jnp.asarray(padded).reshape(shape), *float_args[2:])
-    reference_args = (float_args[0], jnp.asarray(dequantized[:, :, :, None]).reshape(
-        num_pages, page_size, combined_heads, 1, head_dim), *float_args[2:])
+    reference_args = (float_args[0], as_pages(jnp.asarray(dequantized, jnp.float32)),
+                      *float_args[2:])
     return quantized, jnp.asarray(scales), reference_args
 
 
@@ -118,7 +128,8 @@ def dense_attention(args, *, sm_scale=1.0, sliding_window=None, soft_cap=None, s
     array, the softmax written out as transformers' gpt-oss `eager_attention_forward`
     does (soft cap on key scores only); padding rows are 0. Float pages only."""
     queries = np.asarray(args[0], np.float64)
-    pages = np.asarray(kv_layout.combined_view(args[1]), np.float64)  # [P, K, 2G, H]
+    pages = np.asarray(kv_layout.combined_view(args[1], args[0].shape[2]),
+                       np.float64)  # [P, K, 2G, H]
     kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in args[2:])
     tokens, num_heads, head_dim = queries.shape
     num_kv_heads = pages.shape[2] // 2

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, make_scaled_case
+from cases import SCENARIOS, as_pages, check, make_scaled_case
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, kv_quant
@@ -32,7 +32,8 @@ def _written(kv_dtype, num_kv_heads=3, tokens=40, page_size=8, head_dim=16, seed
         jnp.zeros(shape, kv_dtype),
         jnp.zeros(kv_quant.scales_shape(num_pages, page_size, num_kv_heads), jnp.float32),
         jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
-    return k, v, np.asarray(kv_layout.combined_view(pages)), np.asarray(scales), slots
+    return (k, v, np.asarray(kv_layout.combined_view(pages, head_dim)), np.asarray(scales),
+            slots)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -108,7 +109,8 @@ def test_kernels_read_per_token_scales(impl, kv_dtype, scenario, heads):
                                                                 impl="reference"))
     check(out, float_attention(*dequantized), real, jnp.float32)
     if impl == "reference" and kv_dtype == jnp.float8_e4m3fn:  # the slow case: JAX's, eager
-        combined = (dequantized[0], kv_layout.combined_view(dequantized[1]),
+        combined = (dequantized[0], kv_layout.combined_view(dequantized[1],
+                                                            dequantized[0].shape[2]),
                     *dequantized[2:])
         check(out, ref_ragged_paged_attention(*combined, sm_scale=0.2), real, jnp.float32)
 
@@ -118,8 +120,8 @@ def _case():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda q, s: ((*q[:1], q[1].astype(jnp.float32).reshape(
-        *q[1].shape[:2], -1, 1, q[1].shape[-1])[:, :, :4], *q[2:]), s),
+    (lambda q, s: ((*q[:1], as_pages(kv_layout.combined_view(q[1], q[0].shape[2])[
+        :, :, :4].astype(jnp.float32)), *q[2:]), s),
      "kv_scales is for int8 or float8_e4m3fn kv_pages, not float32"),
     (lambda q, s: (q, s.astype(jnp.bfloat16)), "kv_scales dtype bfloat16 must be float32"),
     (lambda q, s: (q, s[:, :, :2]), r"kv_scales must be \[P, K, 2G\]"),

@@ -40,12 +40,13 @@ def _replace(index, value):
 
 @pytest.mark.parametrize("index, value, message", [
     (0, jnp.zeros((4, 8)), r"queries must be \[T, N, H\]"),
-    (0, jnp.zeros((24, 8, 16)), "kv_pages head_dim 32 != queries head_dim 16"),
+    (0, jnp.zeros((24, 8, 48)), "kv_pages lanes 128 are not whole heads of the queries "
+     "head_dim 48"),
     (0, jnp.zeros((24, 7, 32)), "queries heads 7 must be a multiple of kv heads 2"),
     (0, jnp.zeros((24, 8, 32), jnp.int32), "queries dtype int32 must be float32 or bfloat16"),
     (1, jnp.zeros((9, 16, 4, 1, 32), jnp.float16), "kv_pages dtype float16 must be one of"),
-    (1, jnp.zeros((9, 16, 2, 2, 32)), r"must be \[P, K, W, packing=1, H\] for float32"),
-    (1, jnp.zeros((9, 16, 4, 32)), r"kv_pages must be \[P, K, W, packing=1, H\]"),
+    (1, jnp.zeros((9, 16, 2, 2, 32)), r"must be \[P, K, W, packing=1, L\] for float32"),
+    (1, jnp.zeros((9, 16, 4, 32)), r"kv_pages must be \[P, K, W, packing=1, L\]"),
     (1, jnp.zeros((9, 16, 3, 2, 32), jnp.bfloat16),
      "queries heads 8 must be a multiple of kv heads 3"),
     (2, jnp.zeros((6,), jnp.float32), "kv_lens dtype float32 must be int32"),
@@ -72,7 +73,9 @@ def test_validator_names_the_setting(settings, message):
 
 
 def test_validator_checks_num_kv_heads_against_the_words():
-    with pytest.raises(ValueError, match="num_kv_heads=3 needs 6 words of 1 combined heads"):
+    match = (r"num_kv_heads=3 and head_dim=32 need \[W, packing, L\] = \(6, 1, 32\) for "
+             r"float32 pages \(kv_layout.py\), kv_pages has \(1, 1, 128\)")
+    with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*_args(), num_kv_heads=3)
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, TOL, check, combined, dense_attention, make_case, make_sinks
+from cases import SCENARIOS, TOL, as_pages, check, combined, dense_attention, make_case, make_sinks
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.pallas import kv_layout, reference
@@ -55,7 +55,7 @@ def test_reference_skips_padded_heads_of_8bit_pages():
     q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8, **layout)
     assert kv.shape[2:4] == (2, 4)
     run = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings, num_kv_heads=3))
-    unpadded = kv_layout.combined_view(kv)[:, :, :6].astype(jnp.float32)[:, :, :, None]
+    unpadded = as_pages(kv_layout.combined_view(kv, q.shape[2])[:, :, :6].astype(jnp.float32))
     expected = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(
         q, unpadded, *meta)
     np.testing.assert_allclose(run(q, kv, *meta), expected, rtol=1e-6, atol=1e-6)
@@ -208,6 +208,6 @@ def test_reference_sinks_with_8bit_pages():
     q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8)
     sinks = make_sinks(q.shape[1])
     ours = reference.ragged_paged_attention(q, kv, *meta, **settings, sinks=sinks)
-    dequantized = (kv_layout.combined_view(kv).astype(jnp.float32) / 32)[:, :, :, None]
+    dequantized = as_pages(kv_layout.combined_view(kv, q.shape[2]).astype(jnp.float32) / 32)
     check(ours, dense_attention((q, dequantized, *meta), sm_scale=0.2, sinks=sinks), 20,
           jnp.float32)

@@ -84,6 +84,23 @@ def test_rpa_tpu_head_dims_and_page_sizes(head_dim, page_size, dtype):
               num_kv_heads=2, settings={"sm_scale": head_dim ** -0.5})
 
 
+@pytest.mark.parametrize("dtype, kv_dtype, num_kv_heads, settings", [
+    (jnp.bfloat16, jnp.bfloat16, 2, {"sm_scale": 0.125, "sinks": make_sinks(8),
+                                     "sliding_window": 20}),
+    (jnp.bfloat16, jnp.int8, 4, dict(QUANT, num_kv_heads=4)),
+], ids=["bf16_sinks", "int8"])
+def test_rpa_tpu_head_dim_64_folds_two_heads_on_a_row(dtype, kv_dtype, num_kv_heads,
+                                                      settings, small_blocks):
+    """head_dim 64: K in lanes 0-63, V in lanes 64-127 of a row (kv_layout.py); a bf16
+    word serves two KV heads a program, an int8 word four."""
+    args = make_case(SCENARIOS["mixed"], dtype=dtype, kv_dtype=kv_dtype, head_dim=64,
+                     num_heads=8, num_kv_heads=num_kv_heads)
+    assert args[1].shape[2:] == (1, kv_layout.packing(kv_dtype), 128)
+    out = _kernel(args, settings)
+    for ref in _references(args, settings):
+        check(out, ref, sum(q for q, _ in SCENARIOS["mixed"]), dtype)
+
+
 def test_rpa_tpu_bfloat16(small_blocks):
     _run_case(SCENARIOS["mixed"], dtype=jnp.bfloat16, settings={"sm_scale": 32 ** -0.5})
 
