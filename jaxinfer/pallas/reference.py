@@ -118,8 +118,7 @@ def ragged_paged_attention(
     q_pos = kv_len - q_len + token - q_start  # i32[T], position of the query in its KV
     pages_per_block = _pages_per_block(KV_BLOCK_TOKENS, page_size, pages_per_seq)
     shared_block = _pages_per_block(SHARED_KV_BLOCK_TOKENS, page_size, pages_per_seq)
-    whole = math.lcm(pages_per_block, shared_block)
-    padded = -(-pages_per_seq // whole) * whole  # whole KV blocks of either path
+    padded = _round_up(pages_per_seq, math.lcm(pages_per_block, shared_block))  # both paths
     padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
@@ -237,6 +236,10 @@ def _attend_by_requests(
     out = jnp.zeros((tokens + block_q, *shape[1:]), jnp.float32)
     out = jax.lax.fori_loop(0, ends[-1], item, out)
     return out[:tokens].reshape(tokens, num_heads, head_dim).astype(queries.dtype)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _pages_per_block(block_tokens: int, page_size: int, pages_per_seq: int) -> int:

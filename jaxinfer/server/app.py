@@ -12,8 +12,7 @@ Prompt logprobs (vLLM's `prompt_logprobs`, or the legacy `echo` with `logprobs`)
 server started with --enable_prompt_logprobs, else they are a 400 naming the flag. A
 completion choice carries `prompt_logprobs` in its whole body, or streamed in its first
 chunk (with the echoed prompt); a chat response carries them beside `choices`, and chat
-refuses them with `stream` (as vLLM does). Under --reasoning_parser a chat choice's
-reasoning leaves in its own field (server/reasoning.py).
+refuses them with `stream` (as vLLM does). Reasoning apart: server/reasoning.py.
 """
 
 from __future__ import annotations

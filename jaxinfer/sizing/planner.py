@@ -370,10 +370,9 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     if groups["num_pages"] - 1 < pages_per_request:
         raise ValueError(
             f"a KV cache of {kv_cache_bytes} bytes holds {groups['num_pages']} pages of "
-            f"{groups['page_bytes']} "
-            f"bytes; one request of max_model_len={max_model_len} needs {pages_per_request} "
-            f"plus the trash page: give kv_cache_memory_bytes >= {need} or lower "
-            "max_model_len")
+            f"{groups['page_bytes']} bytes; one request of max_model_len={max_model_len} "
+            f"needs {pages_per_request} plus the trash page: give kv_cache_memory_bytes >= "
+            f"{need} or lower max_model_len")
     matmul_flops, attention_flops = decode_flops(cfg, tp)
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       max_model_len=max_model_len, pages_per_request=pages_per_request,
