@@ -1,5 +1,6 @@
-"""The offline batch runner: results, error records, logprobs and prompt logprobs, and
-exactly-once resume."""
+"""The offline batch runner: results, error records, logprobs and prompt logprobs,
+exactly-once resume, error records retried, duplicate ids and bad paths refused before
+the model loads."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ LINES = [
     {"id": "e", "prompt": "def f():", "bogus": 1},
     {"prompt": "no id"},
     {"id": "f", "prompt": "y", "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 1},
-    {"id": "a", "prompt": "dup"},
+    [1, 2],
     {"id": 7, "prompt": [1] * 600},
 ]
 
@@ -52,13 +53,14 @@ def test_batch_results_and_error_records(llm, tmp_path):
     assert records["b"]["prompt_tokens"] == 3 and records["b"]["completion_tokens"] == 5
     assert records["d"]["prompt_tokens"] > 5  # the chat template was applied
     assert len(records["f"]["outputs"]) == 2
-    assert records["line3"]["error"] == "the line has no 'id'"
+    assert records["line3"]["error"] == ("line 3 is not valid JSON: Expecting property "
+                                         "name enclosed in double quotes (column 2)")
     assert records["c"]["error"].startswith("temperature=-1 must be")
     assert "unknown field(s) ['bogus']" in records["e"]["error"]
     assert records["line7"]["error"] == "the line has no 'id'"
+    assert records["line9"]["error"] == "line 9 is not a JSON object"
     assert "the prompt has" in records["7"]["error"]  # too long, id given as a number
-    dup = [r for r in _records(tmp_path / "out.jsonl") if r.get("line") == 9]
-    assert dup and "appears twice" in dup[0]["error"]
+    assert summary["retried"] == 0 and summary["skipped"] == 0
 
 
 def test_batch_resume_skips_done_ids_and_cuts_a_torn_line(llm, tmp_path):
@@ -67,13 +69,89 @@ def test_batch_resume_skips_done_ids_and_cuts_a_torn_line(llm, tmp_path):
     out.write_text(json.dumps({"id": "a", "text": "earlier", "token_ids": []}) + "\n"
                    + '{"id": "b", "te')  # a crash mid-write
     summary = batch.run(llm, tmp_path / "in.jsonl", out, progress=False)
-    assert summary["skipped"] == 2  # "a" and its duplicate line
+    assert summary["skipped"] == 1  # "a"
     keys = sorted((r.get("id", ""), r.get("line", 0)) for r in _records(out))
-    assert keys == [("", 3), ("", 7), ("7", 10), ("a", 0), ("b", 0), ("c", 4), ("d", 0),
-                    ("e", 6), ("f", 0)]  # every id once; id-less bad lines by number
+    assert keys == [("", 3), ("", 7), ("", 9), ("7", 10), ("a", 0), ("b", 0), ("c", 4),
+                    ("d", 0), ("e", 6), ("f", 0)]  # every id once; id-less bad lines by number
     assert _records(out)[0]["text"] == "earlier"
+    kept = batch.run(llm, tmp_path / "in.jsonl", out, progress=False, retry_errors=False)
+    assert kept["done"] == kept["errors"] == kept["retried"] == 0 and kept["skipped"] == 10
     again = batch.run(llm, tmp_path / "in.jsonl", out, progress=False)
-    assert again["done"] == again["errors"] == 0 and len(_records(out)) == len(keys)
+    assert again["done"] == 0 and again["errors"] == again["retried"] == 6
+    assert sorted((r.get("id", ""), r.get("line", 0)) for r in _records(out)) == keys
+
+
+def test_a_rerun_retries_error_records_once_the_input_is_fixed(llm, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = {"id": "g", "prompt": "import os\n", "max_tokens": 4, "temperature": 0.0}
+    bad = {"id": "c", "prompt": "x", "max_tokens": 4, "temperature": -1}
+    inp.write_text(f"{json.dumps(good)}\n{json.dumps(bad)}\n{{oops\n")
+    first = batch.run(llm, inp, out, progress=False)
+    assert (first["done"], first["errors"]) == (1, 2)
+    fixed = dict(bad, temperature=0.0)
+    inp.write_text(f"{json.dumps(good)}\n{json.dumps(fixed)}\n"
+                   + json.dumps({"id": "n", "prompt": "y", "max_tokens": 2}) + "\n")
+    kept = batch.run(llm, inp, out, progress=False, retry_errors=False)
+    assert (kept["done"], kept["errors"], kept["skipped"]) == (1, 0, 2)  # "n" is new
+    assert [r.get("id") for r in _records(out)] == [None, "c", "g", "n"]
+    again = batch.run(llm, inp, out, progress=False)
+    assert (again["done"], again["errors"], again["skipped"], again["retried"]) == (1, 0, 2, 2)
+    records = _records(out)
+    assert [r["id"] for r in records] == ["g", "n", "c"]  # each id once, no error left
+    assert not any("error" in r for r in records)
+    assert records[2]["token_ids"] == llm.generate(
+        "x", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0].token_ids
+    assert not list(tmp_path.glob(".out.jsonl.*"))  # the rewrite left no temporary file
+
+
+def test_a_duplicate_id_refuses_the_file_naming_both_lines(llm, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in [
+        {"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y"}, {"id": "b", "prompt": "z"},
+        {"id": "7", "prompt": "w"}]) + "\n")
+    with pytest.raises(ValueError, match=r"id '7' is on line 2 and on line 4; each id "
+                                         r"must be unique"):
+        batch.run(llm, inp, out, progress=False)
+    assert not out.exists()
+
+
+def test_bad_paths_are_refused_before_any_work(llm, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    cases = [(tmp_path / "missing.jsonl", tmp_path / "out.jsonl", "no such file"),
+             (tmp_path, tmp_path / "out.jsonl", "is not a readable file"),
+             (inp, tmp_path, "is a directory; give a file path"),
+             (inp, tmp_path / "nowhere" / "out.jsonl", "does not exist")]
+    for source, sink, message in cases:
+        with pytest.raises(ValueError, match=message):
+            batch.run(llm, source, sink, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_batch_cli_checks_the_files_before_loading_the_model(tmp_path):
+    """A model directory that does not exist would fail the load: these errors must
+    come first."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n"
+                   + json.dumps({"id": "a", "prompt": "y"}) + "\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def cli(source, sink):
+        return subprocess.run(
+            [sys.executable, "-m", "jaxinfer", "batch", f"--input={source}",
+             f"--output={sink}", f"--model={tmp_path / 'no-model'}"], cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=300)
+
+    missing = cli(tmp_path / "missing.jsonl", tmp_path / "out.jsonl")
+    assert missing.returncode == 1
+    assert f"--input='{tmp_path / 'missing.jsonl'}': no such file" in missing.stderr
+    directory = cli(inp, tmp_path)
+    assert directory.returncode == 1 and "--output=" in directory.stderr
+    assert "is a directory" in directory.stderr
+    duplicate = cli(inp, tmp_path / "out.jsonl")
+    assert duplicate.returncode == 1
+    assert "id 'a' is on line 1 and on line 2" in duplicate.stderr
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_batch_records_carry_logprobs_and_prompt_logprobs(llm, tmp_path):

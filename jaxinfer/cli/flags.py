@@ -37,6 +37,17 @@ flags.DEFINE_integer("window", None, "eval_ppl: tokens per scored window, overla
 flags.DEFINE_integer("max_tokens_per_file", None, "eval_ppl: score only the first tokens of "
                      "each file; default: all")
 flags.DEFINE_string("output", None, "JSONL results (batch); orbax directory (convert)")
+flags.DEFINE_boolean("retry_errors", True, "batch: run again the lines whose earlier run "
+                     "ended in an error record (those records are dropped from the output "
+                     "first); false: keep them and skip those lines")
+flags.DEFINE_boolean("ray", False, "batch: run the requests on Ray Data, one engine per "
+                     "replica (pip install 'jaxinfer[ray]'; docs/batch.md)")
+flags.DEFINE_string("ray_address", None, "batch --ray: the Ray cluster to join (auto, "
+                    "host:6379, ray://host:10001); default: start a local one")
+flags.DEFINE_integer("num_replicas", 1, "batch --ray: engines, one Ray actor each, each on "
+                     "tensor_parallel_size devices (one CPU without accelerators)")
+flags.DEFINE_integer("ray_batch_size", None, "batch --ray: requests handed to a replica at "
+                     "a time, run together; default: 4 * max_num_seqs")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
 flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache, in GB; "
                   "default with --device: 90% of what one device lets a program use")
@@ -55,6 +66,7 @@ flags.DEFINE_enum("format", "table", ["table", "json"],
 flags.DEFINE_enum("buckets", "all", ["all", "ends"],
                   "every bucket, or the smallest, a mixed one and the largest")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
+RAY_FLAGS = ("ray_address", "num_replicas", "ray_batch_size")  # each needs --ray
 
 
 def define_config_flags(config_class: type) -> tuple[str, ...]:

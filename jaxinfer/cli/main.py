@@ -27,6 +27,7 @@ from jaxinfer.cli.flags import (
     DISTRIBUTED_FLAGS,
     ENGINE_FLAGS,
     FLAGS,
+    RAY_FLAGS,
     SAMPLING_FLAGS,
     SERVER_FLAGS,
     from_flags,
@@ -66,9 +67,9 @@ COMMANDS = {
                                *ENGINE_FLAGS, *DISTRIBUTED_FLAGS),
                         defaults=GENERATE_DEFAULTS),
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
-                     "results (resumable)",
-                     flags=("model", "input", "output", "format", *ENGINE_FLAGS,
-                            *DISTRIBUTED_FLAGS)),
+                     "results (resumable; --ray: over Ray Data replicas)",
+                     flags=("model", "input", "output", "format", "retry_errors", "ray",
+                            *RAY_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /health, /metrics)",
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
@@ -175,7 +176,8 @@ def main(argv: list[str]) -> None:
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         _refuse_foreign_flags(argv[1])
-        if "coordinator_address" in COMMANDS[argv[1]].flags:
+        # batch --ray runs no engine here (the replicas do) and refuses multi-host flags
+        if "coordinator_address" in COMMANDS[argv[1]].flags and not FLAGS.ray:
             _join_job()  # before anything starts a JAX backend
         COMMANDS[argv[1]].run()
     except app.UsageError as e:

@@ -10,6 +10,7 @@ runs, so `--help` and the other commands stay light.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -17,7 +18,16 @@ import sys
 from absl import app
 
 from jaxinfer.cli import report
-from jaxinfer.cli.flags import FLAGS, SERVER_FLAGS, from_flags, make_llm, sampling_params
+from jaxinfer.cli.flags import (
+    DISTRIBUTED_FLAGS,
+    FLAGS,
+    RAY_FLAGS,
+    SERVER_FLAGS,
+    engine_config,
+    from_flags,
+    make_llm,
+    sampling_params,
+)
 from jaxinfer.config import DEFAULT_MODEL, ServerConfig
 
 GENERATE_DEFAULTS = {"max_num_seqs": 1}  # over the flags; one prompt: fewer buckets
@@ -49,9 +59,42 @@ def batch() -> None:
 
     if not FLAGS.input or not FLAGS.output:
         raise app.UsageError("batch needs --input=IN.jsonl and --output=OUT.jsonl")
-    summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output)
-    if distributed.is_primary():
+    if FLAGS.ray:
+        return _batch_on_ray()
+    given = [name for name in RAY_FLAGS if FLAGS[name].present]
+    if given:
+        raise app.UsageError(f"--{given[0]} needs --ray")
+    # Bad paths and duplicate ids fail now, not after the model loaded and warmed up.
+    primary = distributed.is_primary()
+    batch_lib.check_paths(FLAGS.input, FLAGS.output if primary else None,
+                          input_name="--input", output_name="--output")
+    batch_lib.read_requests(FLAGS.input)
+    summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output,
+                            retry_errors=FLAGS.retry_errors)
+    if primary:
         report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
+
+
+def _batch_on_ray() -> None:
+    """batch --ray: this process reads and writes the files; Ray actors run the engines."""
+    joined = [name for name in DISTRIBUTED_FLAGS if FLAGS[name].present]
+    if joined:
+        raise app.UsageError(f"--ray cannot be combined with --{joined[0]}: each Ray "
+                             "replica is its own engine, while the multi-host flags join "
+                             "one engine over several processes")
+    try:
+        from jaxinfer import ray as ray_batch
+    except ImportError as e:
+        raise app.UsageError(str(e)) from None
+    if FLAGS.num_replicas < 1:
+        raise app.UsageError(f"--num_replicas={FLAGS.num_replicas} must be >= 1")
+    settings = dataclasses.asdict(engine_config())
+    kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
+    summary = ray_batch.run_ray(
+        FLAGS.input, FLAGS.output, num_replicas=FLAGS.num_replicas,
+        ray_address=FLAGS.ray_address, batch_size=FLAGS.ray_batch_size,
+        retry_errors=FLAGS.retry_errors, **kwargs, **settings)
+    report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
 
 
 def convert() -> None:

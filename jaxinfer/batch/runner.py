@@ -1,0 +1,118 @@
+"""The single-process (or multi-host) batch runner over one LLM, and `complete`, the
+engine loop that a Ray replica (jaxinfer/ray/) runs on its share of the requests.
+
+Multi-host (distributed.py): every process reads the same input file (checked by
+digest) and runs every request; only process 0 reads and writes the output file, and
+hands what it skips to the others, so all schedule the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+
+from tqdm import tqdm
+
+from jaxinfer import distributed
+from jaxinfer.api import LLM
+from jaxinfer.batch.records import (
+    Finished,
+    Request,
+    check_paths,
+    drop_errors,
+    error_record,
+    finished,
+    read_requests,
+    request_args,
+    result_record,
+    write,
+)
+
+log = logging.getLogger(__name__)
+
+
+def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
+        *, progress: bool = True, retry_errors: bool = True) -> dict:
+    """Run every request of `input_path` not yet in `output_path`; returns a summary.
+    `retry_errors`: lines whose earlier run ended in an error record run again (their
+    old record is dropped first); False keeps those records and skips the lines.
+    Multi-host: call it on every process; only process 0 touches `output_path`."""
+    output_path, primary = pathlib.Path(output_path), distributed.is_primary()
+    check_paths(input_path, output_path if primary else None)
+    distributed.check_same("the batch input files", pathlib.Path(input_path).read_bytes())
+    done = _finished_on_primary(output_path, primary, retry_errors)
+    requests = read_requests(input_path, done.ids, done.lines)  # duplicate ids raise here
+    if primary and done.retrying:
+        log.warning("retrying %d requests that ended in an error (retry_errors=False "
+                    "keeps their error records)", done.retrying)
+        drop_errors(output_path)
+    started = time.perf_counter()
+    counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
+              "retried": done.retrying, "prompt_tokens": 0, "completion_tokens": 0}
+    sink = output_path if primary else os.devnull  # the others run every step, write none
+    with open(sink, "a", encoding="utf-8") as out:
+        def record_done(record: dict) -> None:
+            write(out, record)
+            tally(counts, record)
+
+        for record in requests.errors:
+            record_done(record)
+        complete(llm, requests.pending, record_done, progress=progress and primary)
+    elapsed = time.perf_counter() - started
+    return {**counts, "seconds": round(elapsed, 2),
+            "generated_tokens_per_s": round(counts["completion_tokens"] / max(elapsed, 1e-9),
+                                            1),
+            "engine": llm.metrics()}
+
+
+def tally(counts: dict, record: dict) -> None:
+    """Count one written record into a summary's done/errors and token counts."""
+    if "error" in record:
+        counts["errors"] += 1
+        return
+    counts["done"] += 1
+    counts["prompt_tokens"] += record["prompt_tokens"]
+    counts["completion_tokens"] += record["completion_tokens"]
+
+
+def _finished_on_primary(path: pathlib.Path, primary: bool, retry_errors: bool) -> Finished:
+    """`finished(path)` as process 0 reads it, on every process."""
+    done = finished(path, retry_errors=retry_errors) if primary else Finished(set(), set(), 0)
+    ids, lines, retrying = json.loads(distributed.broadcast_from_primary(
+        json.dumps([sorted(done.ids), sorted(done.lines), done.retrying])))
+    return Finished(set(ids), set(lines), retrying)
+
+
+def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], None], *,
+             progress: bool = False) -> None:
+    """Add every request to the engine together, then step until all are done, calling
+    `on_record` with each one's record as it finishes (an error record at once for a
+    request the engine refuses: a bad field, a prompt too long)."""
+    pending: dict[str, str] = {}  # engine request id -> user id
+    for request in requests:
+        engine_id = f"batch-{request.line}"
+        try:
+            prompt, messages, params, priority = request_args(
+                request.record, llm.engine.default_params)
+            llm.engine.add_request(engine_id, prompt, params, messages=messages,
+                                   priority=priority)
+        except (ValueError, TypeError) as e:
+            on_record(error_record(request.line, request.id, str(e)))
+            continue
+        pending[engine_id] = request.id
+    generated, started = 0, time.perf_counter()
+    with tqdm(total=len(pending), desc="requests", disable=not progress) as bar:
+        while pending:
+            for output in llm.engine.step():
+                if output.finished and output.request_id in pending:
+                    user_id = pending.pop(output.request_id)
+                    record = result_record(user_id, llm.engine.release(output.request_id))
+                    on_record(record)
+                    generated += record["completion_tokens"]
+                    bar.update(1)
+            rate = generated / max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix(tok_per_s=f"{rate:.0f}", refresh=False)
