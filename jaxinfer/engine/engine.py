@@ -62,6 +62,7 @@ class Engine:
         self.speculation = loaded.speculation  # None without speculative decoding
         self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s,
+                               flop_count=loaded.flops,
                                speculation=self.speculation and self.speculation.stats.summary,
                                expert_tokens=self.model_config.moe and self.runner.expert_tokens)
         self.scheduler = Scheduler(
@@ -290,7 +291,7 @@ class Engine:
         if self._in_flight is None:
             self._device_free_at = ready
         record_prompt_scores(plan.chunks, prompt_scores, self._token_text)
-        discarded = sum(c.num_tokens for c in plan.chunks if c.request.finished)
+        dropped = [c.request.finished for c in plan.chunks]  # stopped: positions discarded
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         for chunk in plan.chunks:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
@@ -301,12 +302,11 @@ class Engine:
         changed = self._record_tokens(plan, samples, lengths)
         outputs = [self._sync(rid) for rid in changed]
         seconds = time.perf_counter() - started
-        self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes,
-                                 discarded_tokens=discarded)
+        self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes)
         self.metrics.preemptions = self.scheduler.num_preemptions
         self.metrics.record_plan(
             plan.chunks, lengths, bucket.num_tokens, bucket.num_slots, seconds=seconds,
-            discarded=discarded, pages_in_use=self.scheduler.pool.num_used,
+            dropped=dropped, pages_in_use=self.scheduler.pool.num_used,
             weight_bytes=self.memory_plan.weight_bytes,
             kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
         return outputs

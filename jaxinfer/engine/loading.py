@@ -31,6 +31,7 @@ from jaxinfer.checkpoint import awq
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.metrics import FlopCount
 from jaxinfer.engine.proposer import DraftProposer, NgramProposer
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.runner.draft import DraftRunner
@@ -59,6 +60,7 @@ class LoadedModel:
     default_params: SamplingParams  # SamplingParams() with generation_config.json's values
     max_model_len: int
     memory_plan: planner.MemoryPlan
+    flops: FlopCount  # model FLOPs per token and the mesh's peak, for MFU
     runner: runner_lib.Runner
     speculation: Speculation | None = None
 
@@ -120,7 +122,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
-                       speculation=speculation)
+                       flops=flop_count(model_config, config), speculation=speculation)
 
 
 def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,
@@ -267,3 +269,21 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return planner.plan(model_config, kv_cache_bytes=min(wanted, int(physical * CPU_KV_FRACTION)),
                         **common)
+
+
+def flop_count(model_config: ModelConfig, config: EngineConfig) -> FlopCount:
+    """The model's FLOPs per token (planner.decode_flops of the whole model, the LM head
+    apart, each layer's window) and the mesh's peak: `tensor_parallel_size` devices of
+    `runner_lib.peak_flops` (int8's with w8a8, else bf16's; measured once per process on
+    a device that is no known chip)."""
+    cfg = model_config
+    matmul, attention = planner.decode_flops(cfg)
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    peak, source = runner_lib.peak_flops("int8" if config.quantization == "w8a8"
+                                         else config.dtype)
+    devices = config.tensor_parallel_size
+    return FlopCount(matmul_per_token=matmul - head, head_per_sample=head,
+                     attention_per_position=attention // cfg.num_layers,
+                     windows=tuple((w, windows.count(w)) for w in dict.fromkeys(windows)),
+                     peak_flops_per_s=peak * devices, peak_source=source, devices=devices)

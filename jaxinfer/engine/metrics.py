@@ -4,6 +4,14 @@ The roofline: the bytes a step must read (all weights once, plus the K/V of
 every token attended) over the step's time, as a fraction of the machine's
 memory bandwidth measured at start-up.
 
+MFU (model FLOPs utilization): the FLOPs the step's real tokens need (`FlopCount`:
+padding and discarded positions excluded, the whole model over all its devices) over
+the step's time, as a fraction of the mesh's peak (one device's peak x devices: a known
+chip's published dense bf16 figure, int8 with w8a8, else a matmul rate measured at
+start-up). `bound` says which of the two the roofline model puts the work under: the
+step's bytes at the bandwidth take longer than its FLOPs at the peak ("memory"), or not
+("compute"); at one device that is `roofline_fraction >= mfu`.
+
 Token counts, as vLLM's Prometheus counters count them. `generated_tokens`
 are the tokens appended to outputs (what the requests return; tokens cut by
 a stop are not). A request's prompt counts once, when its first token is
@@ -31,6 +39,43 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxinfer.engine.latency import Latency
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlopCount:
+    """What a token costs in model FLOPs, the whole model (all devices together), and the
+    peak it is measured against. A chunk's tokens each multiply every weight matrix
+    (k of the E experts of a MoE layer); the LM head runs only at the positions whose
+    logits are sampled (prompt-logprob scoring's other rows are not counted); each layer
+    attends a token's position + 1 tokens, at most its window."""
+
+    matmul_per_token: int  # 2 x the layers' matrices a token multiplies (LM head apart)
+    head_per_sample: int  # 2 x hidden x vocab: the LM head at one sampled position
+    attention_per_position: int  # 4 x heads x head_dim: one layer, one attended token
+    windows: tuple[tuple[int | None, int], ...]  # (window or None: all, layers with it)
+    peak_flops_per_s: float  # the mesh's: one device's peak x devices
+    peak_source: str  # "preset:<chip>" or "measured"
+    devices: int = 1  # in the mesh
+
+    def chunk(self, start: int, num_tokens: int, num_samples: int) -> int:
+        """FLOPs of `num_tokens` new tokens at positions start.., `num_samples` sampled."""
+        attended = sum(layers * attended_positions(start, num_tokens, window)
+                       for window, layers in self.windows)
+        return (num_tokens * self.matmul_per_token + num_samples * self.head_per_sample
+                + attended * self.attention_per_position)
+
+
+def attended_positions(start: int, num_tokens: int, window: int | None = None) -> int:
+    """Tokens that positions start .. start + num_tokens - 1 attend in one layer, summed:
+    min(p + 1, window) each."""
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    end = start + num_tokens
+    if window is None:
+        return triangle(end) - triangle(start)
+    beyond = max(end - max(start, window), 0)  # positions that see a whole window
+    return triangle(min(end, window)) - triangle(min(start, window)) + window * beyond
 
 
 @dataclasses.dataclass
@@ -62,6 +107,8 @@ class Metrics:
     device_idle_seconds: float = 0.0  # the device had no step queued (seen from the host)
     host_to_device_bytes: int = 0  # step inputs sent, admission calls included
     discarded_tokens: int = 0  # positions computed for requests that had stopped
+    flop_count: FlopCount | None = None  # None: no MFU
+    model_flops: int = 0  # what the steps' real tokens needed (FlopCount)
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
     # speculative decoding's counts given the step seconds (engine/speculation.py)
     speculation: Callable[[float], dict[str, object]] | None = None
@@ -89,15 +136,16 @@ class Metrics:
         self.bytes_read += bytes_read
 
     def record_plan(self, chunks: Sequence, lengths: Sequence[int], padded_tokens: int,
-                    slots: int, *, seconds: float, discarded: int, pages_in_use: int,
+                    slots: int, *, seconds: float, dropped: Sequence[bool], pages_in_use: int,
                     weight_bytes: int, kv_bytes_per_token: int) -> None:
         """Count a step from its chunks (`lengths`: each request's output count before
-        the step's tokens were appended): tokens generated are those appended (after
-        stops); a request's prompt counts once, at its first token, split into the
-        tokens computed and those the prefix cache served."""
+        the step's tokens were appended; `dropped`: the chunks of requests that had
+        stopped before the step was read, their positions discarded): tokens generated
+        are those appended (after stops); a request's prompt counts once, at its first
+        token, split into the tokens computed and those the prefix cache served."""
         attended = sum(c.start + c.num_tokens for c in chunks)
-        generated = computed = cached = 0
-        for chunk, before in zip(chunks, lengths, strict=True):
+        generated = computed = cached = discarded = 0
+        for chunk, before, drop in zip(chunks, lengths, dropped, strict=True):
             request = chunk.request
             added = len(request.output_token_ids) - before
             generated += max(added, 0)
@@ -105,6 +153,12 @@ class Metrics:
                 hits = request.num_cached_tokens or 0
                 computed += len(request.prompt_token_ids) - hits
                 cached += hits
+            if drop:
+                discarded += chunk.num_tokens
+            elif self.flop_count is not None:
+                self.model_flops += self.flop_count.chunk(chunk.start, chunk.num_tokens,
+                                                          chunk.num_samples)
+        self.discarded_tokens += discarded
         self.record_step(
             real_tokens=sum(c.num_tokens for c in chunks) - discarded,
             padded_tokens=padded_tokens, requests=len(chunks), slots=slots,
@@ -112,8 +166,7 @@ class Metrics:
             pages_in_use=pages_in_use, seconds=seconds,
             bytes_read=weight_bytes + attended * kv_bytes_per_token)
 
-    def record_host(self, *, seconds: float, bytes_sent: int, discarded_tokens: int) -> None:
-        self.discarded_tokens += discarded_tokens
+    def record_host(self, *, seconds: float, bytes_sent: int) -> None:
         self.host_seconds += seconds
         self.host_to_device_bytes += bytes_sent
 
@@ -152,6 +205,7 @@ class Metrics:
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)
             if self.bandwidth_gb_per_s else 0.0,
+            **self._flops_summary(busy),
             **self.latency.summary(),
             **self._prefix_cache_summary(),
             **{f"kv_pages_{group}_{key}": value for group, counts in (
@@ -160,6 +214,24 @@ class Metrics:
             **self._expert_summary(),
             **(self.speculation(self.step_seconds) if self.speculation else {}),
         }
+
+    def _flops_summary(self, busy: float) -> dict[str, object]:
+        """Model FLOPs, their rate, the mesh's peak and MFU; `bound`: the longer of the
+        ideal memory time (bytes / bandwidth) and compute time (FLOPs / peak)."""
+        count = self.flop_count
+        if count is None:
+            return {}
+        achieved = self.model_flops / busy
+        out = {"model_flops": self.model_flops,
+               "achieved_tflops": round(achieved / 1e12, 6),
+               "peak_tflops": round(count.peak_flops_per_s / 1e12, 6),
+               "peak_flops_source": count.peak_source,
+               "mfu": round(achieved / count.peak_flops_per_s, 4)}
+        if self.bandwidth_gb_per_s:  # bytes_read is the mesh's, over one device's bandwidth
+            memory_s = self.bytes_read / (self.bandwidth_gb_per_s * 1e9)
+            compute_s = self.model_flops * count.devices / count.peak_flops_per_s
+            out["bound"] = "memory" if memory_s >= compute_s else "compute"
+        return out
 
     def _expert_summary(self) -> dict[str, object]:
         """Tokens routed to each expert, per MoE layer (padding not counted), and the

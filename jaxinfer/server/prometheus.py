@@ -91,6 +91,15 @@ def _gauges(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge("roofline_fraction", "bytes a step must read over its time, as a fraction "
                  "of the measured memory bandwidth (mean over busy time)",
                  summary["roofline_fraction"])
+    if "mfu" in summary:
+        yield _gauge("model_flops_utilization", "model FLOPs the steps' real tokens need over "
+                     "their time, as a fraction of the mesh's peak (mean over busy time)",
+                     summary["mfu"])
+        peak = GaugeMetricFamily(PREFIX + "peak_flops_per_second", "the mesh's peak FLOP/s "
+                                 "that MFU is against, by source (preset:<chip>, measured)",
+                                 labels=["source"])
+        peak.add_metric([summary["peak_flops_source"]], summary["peak_tflops"] * 1e12)
+        yield peak
     if "expert_load_imbalance" in summary:
         yield _gauge("expert_load_imbalance", "the busiest expert's routed tokens over the "
                      "mean, largest over MoE layers", summary["expert_load_imbalance"])
@@ -114,6 +123,9 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("compilations_after_warmup", "XLA compilations after warm-up",
                    summary["compiles_after_warmup"])
     yield _counter("engine_steps", "device steps run", snap["steps"])
+    if "model_flops" in summary:
+        yield _counter("model_flops", "model FLOPs of the steps' real tokens (all devices)",
+                       summary["model_flops"])
     yield _counter("host_to_device_bytes", "bytes of step inputs sent to the device",
                    summary["host_to_device_bytes"])
     if "expert_tokens" in summary:

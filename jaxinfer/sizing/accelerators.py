@@ -16,6 +16,10 @@ figures. `find_preset` looks a name up in both tables; `python -m jaxinfer plan
 --device=NAME` reads it. FLOP/s are dense (NVIDIA's headline tensor figures are
 sparse, twice these). List prices are left unset (None): no price in this table has
 been checked against GCP's price pages, so `plan` asks for `--price_per_hour`.
+
+`chip_for_device_kind` maps the name JAX gives a device (`device.device_kind`: "TPU v5
+lite", "NVIDIA H100 80GB HBM3") to its chip, for the engine's peak FLOP/s (its MFU);
+the H200 is a chip there but no machine preset.
 """
 
 from __future__ import annotations
@@ -89,6 +93,19 @@ CHIPS = {
     # L4 (G2): 24 GB GDDR6 at 300 GB/s; 121 TFLOP/s bf16 and 242.5 TOPS int8 dense
     # (242 / 485 with sparsity).
     "l4": _gpu("l4", 24, 300e9, 121e12, 242.5e12, "https://www.nvidia.com/en-us/data-center/l4/"),
+    # H200 SXM: 141 GB HBM3e at 4.8 TB/s; the H100's tensor cores, 989 TFLOP/s bf16 and
+    # 1,979 TOPS int8 dense (1,979 / 3,958 with sparsity). Counted in GiB as the others.
+    "h200": _gpu("h200", 141, 4.8e12, 989e12, 1979e12,
+                 "https://www.nvidia.com/en-us/data-center/h200/"),
+}
+# JAX's `device_kind` -> chip. Exact names only: a part of another form factor (H100
+# PCIe or NVL, A100 PCIe) has other peaks and is left to the measured fallback.
+DEVICE_KINDS = {
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+    "TPU v5": "v5p", "TPU v5p": "v5p",
+    "NVIDIA H100 80GB HBM3": "h100-80gb", "NVIDIA H200": "h200",
+    "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA A100-SXM4-40GB": "a100-40gb",
+    "NVIDIA L4": "l4",
 }
 
 
@@ -188,6 +205,13 @@ def find_preset(name: str) -> Accelerator:
         raise ValueError(f"device={name!r} is not a known accelerator preset; one of "
                          f"{sorted(PRESETS)}, or a GPU machine type: {machine_types}")
     return PRESETS[key]
+
+
+def chip_for_device_kind(device_kind: str) -> Chip | None:
+    """The chip a JAX device is (`jax.Device.device_kind`), or None when it is none of
+    these presets (CPU, another accelerator, another form factor)."""
+    name = DEVICE_KINDS.get(device_kind.strip())
+    return None if name is None else CHIPS[name]
 
 
 def describe(acc: Accelerator) -> dict[str, object]:

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sharding
-from jaxinfer.model.params_table import EXPERTS, param_partition_specs, param_shapes
+from jaxinfer.model.params_table import EXPERTS, LAYER, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
 from jaxinfer.sizing.page_groups import hybrid_summary, one_request_bytes, page_groups
@@ -276,9 +276,12 @@ def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int 
 
 def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """FLOPs of one decoded token on one device: (matmuls, attention per cached token).
-    The embedding lookup is no matmul; a tied embedding counts once, as the LM head."""
+    Matmuls: 2 x the matrices a token multiplies: k of E experts (their biases [E, n] are
+    none), a tied embedding once, as the LM head. Attention: 4 x heads x head_dim x layers."""
     shapes = _device_shapes(cfg, tensor_parallel_size)
-    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name != "embed")
+    stacked = {p.key for p in LAYER if p.experts}  # counted below, or biases: no matmul
+    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name != "embed"
+                 and name not in stacked)
     if cfg.moe is not None:  # each token runs k of the E experts
         matmul += sum(n for name, _, n, _ in shapes if name in EXPERT_WEIGHTS
                       ) * cfg.moe.num_experts_per_tok // cfg.moe.num_experts

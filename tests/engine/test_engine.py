@@ -226,6 +226,18 @@ def test_engine_metrics_count_tokens_computed_and_returned(hf_model_dirs, cachin
     # Each request ran its computed prompt tokens, then fed back each output but the last.
     assert metrics["computed_tokens"] == metrics["prompt_tokens"] + sum(returned) - len(outs)
     assert metrics["generated_tokens_per_s"] > 0 and metrics["prompt_tokens_per_s"] > 0
+    # Model FLOPs: every computed position through the layers, attending position + 1
+    # tokens in each layer; the LM head once per returned token (the last request's
+    # position after its stop, computed by the asynchronous step, is not counted).
+    count, flops = engine.metrics.flop_count, 0
+    for prompt_len, hits, n in zip(prompt_lens, cached, returned, strict=True):
+        positions = range(hits, prompt_len + n - 1)
+        flops += (len(positions) * count.matmul_per_token + n * count.head_per_sample
+                  + 2 * count.attention_per_position * sum(p + 1 for p in positions))
+    assert count.windows == ((None, 2),) and metrics["model_flops"] == flops
+    assert metrics["discarded_tokens"] >= 1  # asynchronous: the stopped request's next step
+    assert metrics["peak_flops_source"] == "measured" and 0 < metrics["mfu"] <= 1
+    assert metrics["achieved_tflops"] > 0 and metrics["peak_tflops"] > 0
 
 
 def _samples(token_ids):
@@ -247,7 +259,7 @@ def test_engine_records_several_tokens_per_step_up_to_a_stop_string(hf_model_dir
     lengths = [0, 0, 0]
     engine.scheduler.update(plan, [[s.token_id for s in chunk] for chunk in samples])
     assert engine._record_tokens(plan, samples, lengths) == ["s", "z", "l"]
-    engine.metrics.record_plan(plan.chunks, lengths, 16, 4, seconds=0.1, discarded=0,
+    engine.metrics.record_plan(plan.chunks, lengths, 16, 4, seconds=0.1, dropped=[False] * 3,
                                pages_in_use=0, weight_bytes=0, kv_bytes_per_token=0)
     s, z, l = (engine._sync(rid) for rid in "szl")
     # The token completing the stop string ends it; the tokens after it are dropped.

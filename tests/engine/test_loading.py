@@ -89,11 +89,15 @@ def test_attention_impl_is_the_engines_choice_not_the_checkpoints(hf_model_dirs,
 
 
 def test_a_second_engine_does_not_probe_the_bandwidth_again(hf_model_dirs, tmp_path):
+    """Nor the peak FLOP/s: on CPU a matmul measured once per process and dtype."""
     first = Engine(hf_model_dirs["qwen2"], EngineConfig(**SMALL), warm_up=False)
-    probes = runner.probe_count()
+    probes, matmul_probes = runner.probe_count(), runner.flops_probe_count()
     cache_dir = jax.config.jax_compilation_cache_dir
     second = Engine(hf_model_dirs["qwen3"], EngineConfig(**SMALL | {
         "compilation_cache_dir": str(tmp_path)}), warm_up=False)
     assert runner.probe_count() == probes == 1
     assert second.metrics.bandwidth_gb_per_s == first.metrics.bandwidth_gb_per_s > 0
+    assert runner.flops_probe_count() == matmul_probes >= 1
+    peaks = [e.metrics.flop_count.peak_flops_per_s for e in (first, second)]
+    assert peaks[0] == peaks[1] > 0 and second.metrics.flop_count.peak_source == "measured"
     assert jax.config.jax_compilation_cache_dir == cache_dir  # an Engine leaves it alone

@@ -53,6 +53,9 @@ def test_64_concurrent_streams_are_batched_and_exact(server, demo_llm):
     sent = (after["jaxinfer:host_to_device_bytes_total"]
             - before["jaxinfer:host_to_device_bytes_total"])
     assert 0 < sent / steps < 16 * 1024  # a delta per step, no context resent
+    assert after["jaxinfer:model_flops_total"] > before["jaxinfer:model_flops_total"]
+    assert 0 < after["jaxinfer:model_flops_utilization"] <= 1
+    assert after["jaxinfer:peak_flops_per_second{source=measured}"] > 0  # CPU: measured
 
 
 def _pages_in_use(server, deadline_s: float = 30) -> float:

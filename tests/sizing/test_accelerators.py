@@ -75,3 +75,20 @@ def test_presets_validate_their_fields():
         accelerators.Accelerator(name="v5e-x", chip=accelerators.CHIPS["v5e"], chips=1)
     with pytest.raises(ValueError, match="list_price_note='' must say where and when"):
         accelerators.Accelerator(name="l4-1", chip=chip, chips=1, list_price_per_hour=1.0)
+
+
+@pytest.mark.parametrize("kind, chip", [
+    ("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v5p", "v5p"), ("TPU v5", "v5p"),
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA L4", "l4")])
+def test_jax_device_kinds_map_to_their_chips(kind, chip):
+    assert accelerators.chip_for_device_kind(kind) is accelerators.CHIPS[chip]
+
+
+def test_other_device_kinds_have_no_chip():
+    for kind in ("cpu", "TPU v4", "NVIDIA H100 PCIe", "NVIDIA A100-PCIE-40GB", "", "v5e"):
+        assert accelerators.chip_for_device_kind(kind) is None, kind
+    h200 = accelerators.CHIPS["h200"]  # NVIDIA's H200 datasheet, dense figures
+    assert (h200.bf16_flops, h200.int8_ops, h200.hbm_bytes_per_s) == (989e12, 1979e12, 4.8e12)
+    assert h200.hbm_bytes == 141 * accelerators.GIB

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxinfer import checkpoint
+from jaxinfer import checkpoint, testing
 from jaxinfer.cli import aot
-from jaxinfer.config import EngineConfig, load_preset
+from jaxinfer.config import EngineConfig, ModelConfig, load_preset
 from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.sizing import accelerators, planner
@@ -187,6 +187,19 @@ def test_roofline_is_the_slower_of_bytes_and_flops_over_every_replica():
     assert math.isclose(slow.decode_roofline(8, 1024), 8 / (flops / 1e11))
     assert {row["bound"] for row in slow.roofline_rows()} == {"compute"}
     assert planner.cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
+
+
+def test_decode_flops_count_active_experts_and_no_expert_biases():
+    """Tiny gpt-oss (2 layers, 4 heads and 2 KV heads of 32, D 64, V 260, 8 experts of
+    32 with biases, 2 per token): 2 x (q/k/v, o, router, 2 experts' gate/up and down, LM
+    head); the experts' biases [E, n] multiply nothing."""
+    cfg = ModelConfig.from_hf(testing.hf_config("gpt_oss").to_dict())
+    layer = 64 * (4 + 2 * 2) * 32 + 4 * 32 * 64 + 64 * 8 + 2 * 3 * 32 * 64
+    assert planner.decode_flops(cfg) == (2 * (2 * layer + 64 * 260), 4 * 4 * 32 * 2)
+    # Two devices: each holds half of every expert, head and the LM head; the router whole.
+    router = 64 * 8
+    assert planner.decode_flops(cfg, 2) == (
+        2 * (2 * (layer - router) // 2 + 2 * router + 64 * 260 // 2), 4 * 2 * 32 * 2)
 
 
 def test_gpu_memory_utilization_sets_the_device_budget():

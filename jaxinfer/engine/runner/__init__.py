@@ -8,7 +8,7 @@ batch state and builds each step's delta; `results.py` unpacks a step's output;
 `draft.py` is a speculative draft model's runner; `inputs.py` turns chunks into
 padded numpy arrays (the draft model's steps, parity checks) and names the prompt
 positions a step scores; `compiles.py` counts compilations
-per runner; `device.py` asks the device (bandwidth, memory) and sets JAX's
+per runner; `device.py` asks the device (bandwidth, peak FLOP/s, memory) and sets JAX's
 process-wide compilation cache. The names the rest of the engine uses are
 re-exported here.
 """
@@ -16,8 +16,11 @@ re-exported here.
 from jaxinfer.engine.runner.compiles import CacheLoads, CompileCounter, CompileSpan
 from jaxinfer.engine.runner.device import (
     device_memory_limit,
+    flops_probe_count,
+    measure_matmul_rate,
     measure_memory_bandwidth,
     memory_bandwidth,
+    peak_flops,
     probe_count,
     tree_bytes,
     use_compilation_cache,
@@ -50,8 +53,8 @@ __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
     "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata",
     "compile_steps_for",
-    "device_memory_limit", "input_spec", "quantize_at_load",
-    "make_mesh", "measure_memory_bandwidth", "memory_bandwidth", "min_step_tokens",
-    "next_power_of_two",
+    "device_memory_limit", "flops_probe_count", "input_spec", "quantize_at_load",
+    "make_mesh", "measure_matmul_rate", "measure_memory_bandwidth", "memory_bandwidth",
+    "min_step_tokens", "next_power_of_two", "peak_flops",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",
 ]

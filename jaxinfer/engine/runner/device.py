@@ -6,6 +6,10 @@
   no-op, asking for another one is an error (JAX would silently keep the first).
 - `memory_bandwidth()`: the read bandwidth of a device, probed once per process and
   device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
+- `peak_flops(dtype)`: a device's peak matmul FLOP/s, from its chip's published figure
+  (sizing/accelerators.py) when JAX's `device_kind` names a known chip, else measured
+  once per process, device and dtype (a jitted 1024 x 1024 matmul, best of 5, about
+  0.1 s on a CPU); `flops_probe_count()` says how often that ran.
 - `device_memory_limit()`, `tree_bytes()`: memory the device allows, bytes of a tree.
 
 "The device" is this process's first one (`jax.local_devices()[0]`): in a multi-host
@@ -20,6 +24,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.sizing import accelerators
 
 DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "jaxinfer" / "xla"
 
@@ -69,6 +75,48 @@ def _bandwidth_of(device: jax.Device) -> float:
 def probe_count() -> int:
     """How many bandwidth probes `memory_bandwidth` ran in this process."""
     return _bandwidth_of.cache_info().misses
+
+
+def measure_matmul_rate(dtype: str = "bfloat16", size: int = 1024, repeats: int = 5
+                        ) -> float:
+    """FLOP/s of a jitted square matmul of `dtype` operands (2 size^3 FLOPs), accumulated
+    in float32, int32 for integers, as the model's matmuls: the best of `repeats`."""
+    operand = jnp.dtype(dtype)
+    accumulate = jnp.int32 if jnp.issubdtype(operand, jnp.integer) else jnp.float32
+    a = jnp.ones((size, size), operand)
+    matmul = jax.jit(lambda x, y: jax.lax.dot(x, y, preferred_element_type=accumulate))
+    matmul(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times)
+
+
+def peak_flops(dtype: str, device: jax.Device | None = None) -> tuple[float, str]:
+    """(FLOP/s, source): the peak of the default (or given) device for matmuls of `dtype`
+    operands ("int8": w8a8's int8 x int8 dots, any other: bf16). A known chip
+    (`accelerators.chip_for_device_kind`) gives its published dense peak, source
+    "preset:<chip>" (float32 weights get the bf16 figure too); any other device (CPU,
+    an unknown accelerator) a matmul in `dtype` measured once per process, "measured"."""
+    device = device or jax.local_devices()[0]
+    chip = accelerators.chip_for_device_kind(device.device_kind)
+    if chip is not None:
+        peak = chip.int8_ops if jnp.dtype(dtype) == jnp.int8 else chip.bf16_flops
+        return peak, f"preset:{chip.generation}"
+    return _matmul_rate_of(device, jnp.dtype(dtype).name), "measured"
+
+
+@functools.cache
+def _matmul_rate_of(device: jax.Device, dtype: str) -> float:
+    with jax.default_device(device):
+        return measure_matmul_rate(dtype)
+
+
+def flops_probe_count() -> int:
+    """How many matmul probes `peak_flops` ran in this process."""
+    return _matmul_rate_of.cache_info().misses
 
 
 def device_memory_limit() -> int | None:
