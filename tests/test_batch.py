@@ -230,3 +230,36 @@ def test_batch_sigkill_then_rerun_gives_every_id_once_as_uninterrupted(tmp_path)
     assert sorted(map(key, got)) == sorted(map(key, want))  # every id exactly once
     assert len(got) == 25
     assert sorted(got, key=key) == sorted(want, key=key)
+
+
+def _cli_without_ray(*args):
+    """The CLI in a process where `import ray` fails, as in an install without the extra."""
+    code = ("import sys; sys.modules['ray'] = None; from jaxinfer.cli import run; "
+            f"run(['jaxinfer', 'batch', *{list(args)!r}])")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_batch_cli_ray_flags_refused_with_a_reason(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    files = [f"--input={inp}", f"--output={out}"]
+    missing = _cli_without_ray("--ray", *files)
+    assert missing.returncode == 2
+    assert "pip install 'jaxinfer[ray]'" in missing.stderr
+    multi_host = _cli_without_ray("--ray", *files, "--coordinator_address=127.0.0.1:9",
+                                  "--num_processes=2", "--process_id=1")
+    assert multi_host.returncode == 2  # refused, not waiting for a coordinator
+    assert "--ray cannot be combined with --coordinator_address" in multi_host.stderr
+    no_ray = _cli_without_ray("--num_replicas=2", *files)
+    assert no_ray.returncode == 2 and "--num_replicas needs --ray" in no_ray.stderr
+    assert not out.exists()
+
+
+def test_importing_jaxinfer_and_its_batch_runner_does_not_import_ray():
+    code = ("import sys, jaxinfer, jaxinfer.batch, jaxinfer.cli.main; "
+            "jaxinfer.LLM; print('ray' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.strip() == "False", result.stderr

@@ -1,0 +1,169 @@
+"""`run_ray`: the batch runner over Ray Data replicas, one engine per Ray actor.
+
+The driver (this process) reads the input and the output, as the single-process runner
+does (jaxinfer/batch/records.py: ids already done are skipped, error records retried
+unless `retry_errors=False`, duplicate ids refused), hands the pending rows to
+`Dataset.map_batches(Replica, ...)`, and writes the one JSONL output itself as
+results come back, a line per record, flushed; it never writes an id twice. Ray's
+per-block files are not used, so exactly-once and re-runs mean what they mean for the
+single-process runner. An actor that dies is restarted by Ray, and the batches it held
+run again (`max_restarts=-1`, `max_task_retries=-1`); their results reach the driver
+once, from the run that finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import time
+
+import ray
+import ray.data
+
+from jaxinfer.batch import (
+    Request,
+    check_paths,
+    drop_errors,
+    finished,
+    read_requests,
+    tally,
+    write,
+)
+from jaxinfer.config import EngineConfig
+from jaxinfer.ray.replica import Replica
+
+log = logging.getLogger(__name__)
+ACCELERATORS = ("cpu", "gpu", "tpu")
+
+
+def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
+            num_replicas: int = 1, ray_address: str | None = None,
+            model: str | os.PathLike | None = None, batch_size: int | None = None,
+            retry_errors: bool = True, accelerator: str | None = None,
+            num_cpus_per_replica: float = 1, progress: bool = True,
+            **engine_settings: object) -> dict:
+    """Run every request of `input_path` not yet in `output_path` on `num_replicas`
+    engines (Ray actors), each made from `model` and `engine_settings` (EngineConfig
+    fields; `tensor_parallel_size` devices per replica); returns a summary.
+
+    `ray_address`: the cluster to join (default: the one this process is connected to,
+    else a new local one, shut down at the end). `accelerator`: cpu, gpu or tpu
+    (default: gpu or tpu when the cluster has them, else cpu). `batch_size`: requests
+    a replica runs together per call (default: 4 * max_num_seqs, fewer when that would
+    leave a replica without work). `progress`: Ray Data's progress bars."""
+    config = EngineConfig(**engine_settings)  # bad settings fail here, not in each actor
+    _check(num_replicas, batch_size, accelerator, model, ray_address)
+    check_paths(input_path, output_path)
+    done = finished(output_path, retry_errors=retry_errors)
+    requests = read_requests(input_path, done.ids, done.lines)  # duplicate ids raise here
+    started_ray = _connect(ray_address)
+    try:
+        accelerator = accelerator or _cluster_accelerator()
+        ray.data.DataContext.get_current().enable_progress_bars = progress
+        if done.retrying:
+            log.warning("retrying %d requests that ended in an error (retry_errors=False "
+                        "keeps their error records)", done.retrying)
+            drop_errors(output_path)
+        size = batch_size or max(1, min(4 * config.max_num_seqs,
+                                        math.ceil(len(requests.pending) / num_replicas)))
+        replica_args = dict(engine_settings, platform="cpu" if accelerator == "cpu" else None,
+                            **({} if model is None else {"model": str(model)}))
+        resources = _resources(accelerator, config.tensor_parallel_size,
+                               num_cpus_per_replica)
+        started = time.perf_counter()
+        counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
+                  "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
+                  "completion_tokens": 0}
+        engines: dict[str, dict] = {}
+        with open(output_path, "a", encoding="utf-8") as out:
+            for record in requests.errors:
+                write(out, record)
+                tally(counts, record)
+            if requests.pending:
+                rows = _dataset(requests.pending, replica_args, num_replicas, size,
+                                resources).iter_rows()
+                counts["missing"] = _write_results(rows, out, counts, engines,
+                                                   {r.id for r in requests.pending})
+    finally:
+        if started_ray:
+            ray.shutdown()
+    elapsed = time.perf_counter() - started
+    return {**counts, "seconds": round(elapsed, 2),
+            "generated_tokens_per_s": round(counts["completion_tokens"] / max(elapsed, 1e-9),
+                                            1),
+            "replicas": num_replicas, "batch_size": size, "accelerator": accelerator,
+            "engine": engines}
+
+
+def _check(num_replicas: int, batch_size: int | None, accelerator: str | None,
+           model: str | os.PathLike | None, ray_address: str | None) -> None:
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas} must be >= 1")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if accelerator not in (None, *ACCELERATORS):
+        raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS}")
+    # A local cluster's actors see this machine's files; a remote one's may not.
+    if model is not None and ray_address is None and not pathlib.Path(model).is_dir():
+        raise ValueError(f"model={str(model)!r} is not a directory")
+
+
+def _write_results(rows: object, out: object, counts: dict, engines: dict,
+                   pending: set[str]) -> int:
+    """Write each record as its row comes back, each pending id once; returns how many
+    pending ids got no record (a re-run runs them)."""
+    for row in rows:
+        record = json.loads(row["record"])
+        if record["id"] not in pending:  # a batch that came back twice: written already
+            log.warning("id %r came back again; its first record is kept", record["id"])
+            continue
+        pending.discard(record["id"])
+        write(out, record)
+        tally(counts, record)
+        engines[row["replica"]] = json.loads(row["metrics"])
+    if pending:
+        log.error("%d requests got no result (a re-run runs them): %s", len(pending),
+                  sorted(pending)[:5])
+    return len(pending)
+
+
+def _dataset(pending: list[Request], replica_args: dict, num_replicas: int,
+             batch_size: int, resources: dict) -> ray.data.Dataset:
+    """The pending rows through a pool of `num_replicas` Replica actors. Ray Data gives
+    its actors `max_restarts=-1` and `max_task_retries=-1` by default (ray 2.60,
+    ActorPoolMapOperator): a dead actor is restarted and the batches it held run again.
+    One batch in flight per actor: a replica still warming up does not get batches
+    queued behind it, and a dead one holds one batch."""
+    rows = [{"id": r.id, "line": r.line, "request": json.dumps(r.record, ensure_ascii=False)}
+            for r in pending]
+    actors = min(num_replicas, math.ceil(len(rows) / batch_size))  # none without work
+    pool = ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1)
+    return ray.data.from_items(rows).map_batches(
+        Replica, batch_size=batch_size, batch_format="numpy", compute=pool,
+        fn_constructor_kwargs=replica_args, **resources)
+
+
+def _resources(accelerator: str, tensor_parallel_size: int, num_cpus: float) -> dict:
+    """What one replica asks Ray for: its tensor-parallel devices, or CPUs."""
+    if accelerator == "gpu":
+        return {"num_gpus": tensor_parallel_size, "num_cpus": num_cpus}
+    if accelerator == "tpu":
+        return {"resources": {"TPU": tensor_parallel_size}, "num_cpus": num_cpus}
+    return {"num_cpus": num_cpus}
+
+
+def _cluster_accelerator() -> str:
+    resources = ray.cluster_resources()
+    return "gpu" if resources.get("GPU") else "tpu" if resources.get("TPU") else "cpu"
+
+
+def _connect(address: str | None) -> bool:
+    """Join the cluster at `address` (or the one already joined, or a new local one);
+    whether this call started the connection (then `run_ray` ends it)."""
+    if ray.is_initialized():
+        return False
+    ray.init(address=address)
+    return True
