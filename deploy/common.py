@@ -33,7 +33,11 @@ REMOTE_IO = "jaxinfer-io"
 REMOTE_INPUT = f"{REMOTE_IO}/input.jsonl"
 REMOTE_RESULTS = f"{REMOTE_IO}/results.jsonl"
 PYTHON_VERSION = "3.11"  # pyproject: requires-python >=3.11,<3.12; jax 0.10.2 needs >=3.11
-STEPS = ("create", "install", "model", "run", "fetch", "delete")
+RAY_STEPS = ("ray_up", "ray_job", "ray_down")  # deploy/ray_cluster.py
+STEPS = ("create", "install", "model", "run", "fetch", "delete", *RAY_STEPS)
+# Shorthands; neither deletes (delete explicitly) nor stops Ray.
+COMPOSITE_STEPS = {"all": ("create", "install", "model", "run", "fetch"),
+                   "ray_all": ("create", "install", "model", "ray_up", "ray_job", "fetch")}
 
 
 class DeployError(Exception):
@@ -152,12 +156,14 @@ WAIT_FOR_NVIDIA_DRIVER = ("for i in $(seq 60); do nvidia-smi >/dev/null 2>&1 && 
 
 
 def install_script(requirements: Sequence[str], *, list_devices: bool,
-                   prelude: Sequence[str] = ()) -> str:
+                   prelude: Sequence[str] = (), extras: Sequence[str] = ()) -> str:
     """Python 3.11 venv (via uv: the TPU images ship 3.10), pinned JAX, jaxinfer -e.
 
     jaxinfer is installed editable from the unpacked checkout because the demo model
     (checkpoints/) is found relative to the source tree (the presets are package data).
+    `extras`: jaxinfer's optional extras, e.g. ("ray",).
     """
+    source = f"./{REMOTE_SRC}" + (f"[{','.join(extras)}]" if extras else "")
     pip = f"{REMOTE_PYTHON} -m pip install"
     lines = [
         *prelude,
@@ -167,7 +173,7 @@ def install_script(requirements: Sequence[str], *, list_devices: bool,
         f"tar -xzf {REMOTE_TARBALL}",
         f"test -x {REMOTE_PYTHON} || uv venv --seed --python {PYTHON_VERSION} {REMOTE_VENV}",
         f"{pip} --upgrade pip",
-        f"{pip} {shlex.join(requirements)} -e ./{REMOTE_SRC}",
+        f"{pip} {shlex.join(requirements)} -e {shlex.quote(source)}",
         f"{REMOTE_PYTHON} -m jaxinfer --help >/dev/null",
     ]
     if list_devices:  # single host only: on a slice, backend start-up waits for every host
@@ -210,8 +216,9 @@ def compute_create_flags(*, machine_type: str, image_family: str, image_project:
 
 def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> None:
     """Flags shared by the three scripts (steps, where, what to run, --dry_run)."""
-    parser.add_argument("steps", nargs="+", choices=(*STEPS, "all"),
-                        help="steps in order; all = create install model run fetch")
+    parser.add_argument("steps", nargs="+", choices=(*STEPS, *COMPOSITE_STEPS),
+                        help="steps in order; all = create install model run fetch; "
+                        "ray_all = create install model ray_up ray_job fetch")
     parser.add_argument("--dry_run", action="store_true",
                         help="print every command, run none (needs no gcloud, no credentials)")
     parser.add_argument("--project", help="GCP project (default: gcloud's configured one)")
@@ -222,8 +229,9 @@ def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> N
                         "the VM with gcloud storage) or a local directory (copied with scp)")
     parser.add_argument("--tensor_parallel_size", type=int,
                         help="default: every chip / GPU of the VM(s)")
-    parser.add_argument("--task", choices=("generate", "batch"), default="generate",
-                        help="python -m jaxinfer generate (one prompt) or batch (a JSONL file)")
+    parser.add_argument("--task", choices=("generate", "batch"),
+                        help="python -m jaxinfer generate (one prompt) or batch (a JSONL "
+                        "file); default: generate, batch with ray_job or --ray")
     parser.add_argument("--prompt", default="def fibonacci(n):", help="generate: the prompt")
     parser.add_argument("--max_tokens", type=int, default=64, help="generate: tokens")
     parser.add_argument("--input", help="batch: requests JSONL, local path or gs://")
@@ -237,6 +245,7 @@ def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> N
 def steps_to_run(args: argparse.Namespace) -> list[str]:
     """The steps `args` ask for, checked (flags they need, tools on PATH unless dry run)."""
     todo = expand_steps(args.steps)
+    args.task = resolve_task(args, todo)
     validate(args, todo)
     check_tools(args.dry_run, todo)
     return todo
@@ -245,16 +254,29 @@ def steps_to_run(args: argparse.Namespace) -> list[str]:
 def expand_steps(steps: Sequence[str]) -> list[str]:
     out: list[str] = []
     for step in steps:
-        out += ["create", "install", "model", "run", "fetch"] if step == "all" else [step]
+        out += COMPOSITE_STEPS.get(step, (step,))
     return out
+
+
+def resolve_task(args: argparse.Namespace, steps: Sequence[str]) -> str:
+    """generate unless asked; a Ray deployment runs batch (so a later fetch finds its output)."""
+    ray = "ray_job" in steps or getattr(args, "ray", False)
+    if "ray_job" in steps and "run" in steps:
+        raise DeployError("run and ray_job both start jaxinfer on the same chips and write the "
+                          "same results file: ask for one of them")
+    if ray and args.task == "generate":
+        raise DeployError("ray_job (and --ray) run python -m jaxinfer batch: --task=generate "
+                          "does not apply")
+    return args.task or ("batch" if ray else "generate")
 
 
 def validate(args: argparse.Namespace, steps: Sequence[str]) -> None:
     """Check the flags the chosen steps need before any command runs."""
-    if ({"model", "run"} & set(steps)) and not args.model:
-        raise DeployError("the model and run steps need --model")
-    if "run" in steps and args.task == "batch" and not args.input:
-        raise DeployError("--task=batch needs --input (a JSONL file, local or gs://)")
+    if ({"model", "run", "ray_job"} & set(steps)) and not args.model:
+        raise DeployError("the model, run and ray_job steps need --model")
+    if ({"run", "ray_job"} & set(steps)) and args.task == "batch" and not args.input:
+        raise DeployError("batch (--task=batch, ray_job) needs --input (a JSONL file, local "
+                          "or gs://)")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise DeployError(f"--tensor_parallel_size={args.tensor_parallel_size} must be >= 1")
     if args.dry_run:

@@ -8,15 +8,16 @@ with it: no --accelerator flag) on a Deep Learning VM image with the NVIDIA driv
 `pip install "jax[cuda12]==<pinned>"` (or `--cuda=13`: jax[cuda13], which needs a driver
 >= 580, hence the nvidia-580 image family). `--num_nodes=N` creates N identical VMs and
 starts one process per VM with --coordinator_address=<name>-0:<port> --num_processes=N
---process_id=i (GPUs, unlike TPU slices, have no auto-detection here). See deploy/README.md.
-Standard library only.
+--process_id=i (GPUs, unlike TPU slices, have no auto-detection here). ray_up/ray_job/
+ray_down instead make the VMs one Ray cluster running replicas of at most one VM each
+(deploy/ray_cluster.py). See deploy/README.md. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from deploy import common, steps
+from deploy import common, ray_cluster, steps
 from deploy.targets import ComputeTarget
 
 # machine type -> (GPU, GPUs per VM), as Compute Engine's GPU machine types list them.
@@ -42,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.gpu_vm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_flags(parser, default_name="jaxinfer-gpu")
+    ray_cluster.add_flags(parser)
     parser.add_argument("--machine_type", default="a3-highgpu-8g", choices=sorted(GPU_MACHINES))
     parser.add_argument("--cuda", choices=("12", "13"), default="12",
                         help="jax[cuda12] or jax[cuda13] (both offered by the pinned JAX)")
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     target = make_target(args)
     gpu, per_vm = GPU_MACHINES[args.machine_type]
     total = per_vm * args.num_nodes
+    ray = ray_cluster.plan(args, todo, hosts=args.num_nodes, chips_per_host=per_vm,
+                           accelerator="GPU")
     tensor_parallel_size = args.tensor_parallel_size or total
     common.note(f"{args.machine_type}: {per_vm} x {gpu} per VM, {args.num_nodes} VM(s); "
                 f"{target.kind}; jaxinfer --tensor_parallel_size={tensor_parallel_size}")
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     steps.execute(todo, args, target, requirements=common.read_pins().cuda_requirements(args.cuda),
                   tensor_parallel_size=tensor_parallel_size, multihost_flags=multihost,
-                  install_prelude=common.WAIT_FOR_NVIDIA_DRIVER)
+                  install_prelude=common.WAIT_FOR_NVIDIA_DRIVER, ray=ray)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The steps every script runs, in the order given: create, install, model, run, fetch, delete.
+"""The steps every script runs, in the order given: create, install, model, run, fetch, delete,
+and the Ray steps ray_up, ray_job, ray_down (deploy/ray_cluster.py).
 
 Each step is a few gcloud commands against a target (`deploy.targets`); the scripts only
 choose the target, the pip requirements and the tensor-parallel size. Standard library only.
@@ -10,7 +11,7 @@ import argparse
 import shlex
 from collections.abc import Callable, Sequence
 
-from deploy import common
+from deploy import common, ray_cluster
 from deploy.targets import ComputeTarget, TpuApiTarget
 
 Target = TpuApiTarget | ComputeTarget
@@ -68,8 +69,11 @@ def fetch(target: Target, args: argparse.Namespace) -> None:
 def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             requirements: Sequence[str], tensor_parallel_size: int,
             multihost_flags: Callable[[int], list[str]] | None = None,
-            install_prelude: Sequence[str] = ()) -> None:
-    """Run `steps` in order against `target`."""
+            install_prelude: Sequence[str] = (),
+            ray: ray_cluster.RayCluster | None = None) -> None:
+    """Run `steps` in order against `target`; `ray`: the cluster ray_up and ray_job need
+    (ray_cluster.plan, checked before the first step)."""
+    extras = ("ray",) if args.ray or set(common.RAY_STEPS) & set(steps) else ()
     for step in steps:
         common.note(f"step: {step}")
         if step == "create":
@@ -78,7 +82,7 @@ def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             tarball = common.pack_source(args.dry_run)
             target.scp_to_all(tarball, common.REMOTE_TARBALL, args.dry_run)
             script = common.install_script(requirements, list_devices=target.workers == 1,
-                                           prelude=install_prelude)
+                                           prelude=install_prelude, extras=extras)
             target.ssh_all(script, args.dry_run)
         elif step == "model":
             copy_to_hosts(target, args.model, common.model_dir(args.model), args.dry_run,
@@ -89,5 +93,13 @@ def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             fetch(target, args)
         elif step == "delete":
             target.delete(args.dry_run)
+        elif step in ("ray_up", "ray_job"):
+            assert ray is not None, f"{step} needs ray_cluster.plan's cluster"
+            if step == "ray_up":
+                ray_cluster.up(target, ray, args.dry_run)
+            else:
+                ray_cluster.job(target, args, ray)
+        elif step == "ray_down":
+            ray_cluster.down(target, args.dry_run)
         else:
             raise ValueError(f"unknown step {step!r}")

@@ -71,9 +71,26 @@ class TpuApiTarget:
         run(self._gcloud("tpu-vm", "ssh", self.name, "--worker=0", f"--command={command}",
                          "--quiet", *_where(self.zone, self.project)), dry_run)
 
+    def ssh_rest(self, command: str, dry_run: bool) -> None:
+        """Run `command` on every host but worker 0 at once (a range: `--worker=1-N`)."""
+        workers = "1" if self.workers == 2 else f"1-{self.workers - 1}"
+        run(self._gcloud("tpu-vm", "ssh", self.name, f"--worker={workers}",
+                         f"--command={command}", "--quiet", *_where(self.zone, self.project)),
+            dry_run)
+
+    def internal_ip_command(self) -> list[str]:
+        """Prints worker 0's internal IP (gcloud's ssh --worker=i uses networkEndpoints[i])."""
+        return self._gcloud("tpu-vm", "describe", self.name,
+                            "--format=value(networkEndpoints[0].ipAddress)",
+                            *_where(self.zone, self.project))
+
     def scp_to_all(self, local: str, remote: str, dry_run: bool, *, recurse: bool = False) -> None:
         flags = ["--recurse"] if recurse else []
         run(self._gcloud("tpu-vm", "scp", *flags, local, f"{self.name}:{remote}", "--worker=all",
+                         "--quiet", *_where(self.zone, self.project)), dry_run)
+
+    def scp_to_first(self, local: str, remote: str, dry_run: bool) -> None:
+        run(self._gcloud("tpu-vm", "scp", local, f"{self.name}:{remote}", "--worker=0",
                          "--quiet", *_where(self.zone, self.project)), dry_run)
 
     def scp_from_first(self, remote: str, local: str, dry_run: bool) -> None:
@@ -124,11 +141,25 @@ class ComputeTarget:
     def ssh_first(self, command: str, dry_run: bool) -> None:
         run(self._ssh(self.names[0], command), dry_run)
 
+    def ssh_rest(self, command: str, dry_run: bool) -> None:
+        """Run `command` on every instance but the first, at once."""
+        run_parallel([self._ssh(name, command) for name in self.names[1:]], dry_run)
+
+    def internal_ip_command(self) -> list[str]:
+        """Prints the first instance's internal IP."""
+        return ["gcloud", "compute", "instances", "describe", self.names[0],
+                "--format=value(networkInterfaces[0].networkIP)",
+                *_where(self.zone, self.project)]
+
     def scp_to_all(self, local: str, remote: str, dry_run: bool, *, recurse: bool = False) -> None:
         flags = ["--recurse"] if recurse else []
         for name in self.names:
             run(["gcloud", "compute", "scp", *flags, local, f"{name}:{remote}", "--quiet",
                  *_where(self.zone, self.project)], dry_run)
+
+    def scp_to_first(self, local: str, remote: str, dry_run: bool) -> None:
+        run(["gcloud", "compute", "scp", local, f"{self.names[0]}:{remote}", "--quiet",
+             *_where(self.zone, self.project)], dry_run)
 
     def scp_from_first(self, remote: str, local: str, dry_run: bool) -> None:
         run(["gcloud", "compute", "scp", f"{self.names[0]}:{remote}", local, "--quiet",

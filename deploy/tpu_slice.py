@@ -10,7 +10,9 @@ once with `gcloud compute tpus tpu-vm ssh|scp --worker=all`; the run step starts
 jaxinfer batch|generate --tensor_parallel_size=<all chips of the slice>` on every host. JAX
 finds the coordinator, the process count and each process id by itself on a TPU slice, so no
 --coordinator_address/--num_processes/--process_id flags are passed. Only process 0 writes
-results; fetch copies them from worker 0. See deploy/README.md. Standard library only.
+results; fetch copies them from worker 0. ray_up/ray_job/ray_down instead make the hosts
+one Ray cluster running replicas of at most one host each (deploy/ray_cluster.py). See
+deploy/README.md. Standard library only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from deploy import common, steps
+from deploy import common, ray_cluster, steps
 from deploy.targets import TpuApiTarget
 
 CHIPS_PER_HOST = 4  # multi-host v5e and v6e slices are made of 4-chip VMs
@@ -44,6 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.tpu_slice", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_flags(parser, default_name="jaxinfer-slice")
+    ray_cluster.add_flags(parser)
     parser.add_argument("--accelerator_type", default="v5litepod-16",
                         choices=sorted(SLICES) + sorted(ALIASES),
                         help="multi-host slice (single host: deploy.tpu_vm)")
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                           accelerator_type=accelerator_type,
                           runtime_version=args.runtime_version or tpu.runtime_version,
                           workers=tpu.workers, spot=args.spot)
+    ray = ray_cluster.plan(args, todo, hosts=tpu.workers, chips_per_host=CHIPS_PER_HOST,
+                           accelerator="TPU", slice_hosts=True)
     tensor_parallel_size = args.tensor_parallel_size or tpu.chips
     common.note(f"{accelerator_type}: {tpu.chips} chips on {tpu.workers} workers "
                 f"({CHIPS_PER_HOST} chips each); {target.kind}; --worker=all starts one "
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     common.note("no --coordinator_address/--num_processes/--process_id: JAX detects them "
                 "on a TPU slice")
     steps.execute(todo, args, target, requirements=common.read_pins().tpu_requirements(),
-                  tensor_parallel_size=tensor_parallel_size)
+                  tensor_parallel_size=tensor_parallel_size, ray=ray)
 
 
 if __name__ == "__main__":

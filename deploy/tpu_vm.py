@@ -7,7 +7,8 @@ v6e is created as a Compute Engine instance (`gcloud compute instances create
 --machine-type=ct6e-standard-8t`, image family ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e);
 v5e, which has no Compute Engine path, through the Cloud TPU API's queued resources
 (runtime v2-alpha-tpuv5-lite). `--api=tpu` sends v6e through queued resources too (runtime
-v2-alpha-tpuv6e). Steps: create install model run fetch delete (`all` = all but delete).
+v2-alpha-tpuv6e). Steps: create install model run fetch delete (`all` = all but delete),
+and ray_up ray_job ray_down for a one-node Ray cluster (deploy/ray_cluster.py).
 See deploy/README.md. Standard library only.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from deploy import common, steps
+from deploy import common, ray_cluster, steps
 from deploy.targets import ComputeTarget, TpuApiTarget
 
 
@@ -44,6 +45,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.tpu_vm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_flags(parser, default_name="jaxinfer-tpu")
+    ray_cluster.add_flags(parser)
     parser.add_argument("--accelerator_type", default="v6e-8",
                         choices=sorted(SINGLE_HOST) + sorted(ALIASES),
                         help="single-host slice (multi-host: deploy.tpu_slice)")
@@ -80,12 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     todo = common.steps_to_run(args)
     tpu = SINGLE_HOST[ALIASES.get(args.accelerator_type, args.accelerator_type)]
     target = target_for(args, tpu)
+    ray = ray_cluster.plan(args, todo, hosts=1, chips_per_host=tpu.chips, accelerator="TPU")
     tensor_parallel_size = args.tensor_parallel_size or tpu.chips
     common.note(f"{args.accelerator_type}: {tpu.chips} chip(s) on one host; "
                 f"{target.kind}; jaxinfer --tensor_parallel_size="
                 f"{tensor_parallel_size}")
     steps.execute(todo, args, target, requirements=common.read_pins().tpu_requirements(),
-                  tensor_parallel_size=tensor_parallel_size)
+                  tensor_parallel_size=tensor_parallel_size, ray=ray)
 
 
 if __name__ == "__main__":

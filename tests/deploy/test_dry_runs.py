@@ -10,91 +10,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import pathlib
-import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-JAX_PIN = next(dep.split("==")[1] for dep in PYPROJECT["project"]["dependencies"]
-               if dep.startswith("jax=="))
-LIBTPU_PIN = next(dep.split("==")[1] for dep in PYPROJECT["project"]["optional-dependencies"]
-                  ["tpu-aot"] if dep.startswith("libtpu=="))
-FAKE_TOOLS = ("gcloud", "git", "ssh", "scp", "curl")
-
-
-@pytest.fixture
-def fake_path(tmp_path: pathlib.Path) -> tuple[str, pathlib.Path]:
-    """A PATH of recording fakes, and the file any call to one of them would write."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
-    bin_dir.mkdir()
-    for tool in FAKE_TOOLS:
-        fake = bin_dir / tool
-        fake.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 0\n')
-        fake.chmod(0o755)
-    return str(bin_dir), calls
-
-
-def run_script(script: str, *args: str, path: str, dry_run: bool = True
-               ) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", f"deploy.{script}", *args] + (["--dry_run"] if dry_run else [])
-    env = {"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": str(REPO)}
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-
-
-def dry_run(fake_path: tuple[str, pathlib.Path], script: str, *args: str
-            ) -> tuple[list[list[str]], str]:
-    """The printed commands (argv lists) and the whole stdout; asserts nothing was executed."""
-    path, calls = fake_path
-    proc = run_script(script, *args, path=path)
-    assert proc.returncode == 0, proc.stderr
-    assert not calls.exists(), f"a dry run executed: {calls.read_text()}"
-    cmds = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("$ ")]
-    assert cmds, proc.stdout
-    return cmds, proc.stdout
-
-
-def find(cmds: list[list[str]], *words: str) -> list[list[str]]:
-    """The commands that start with `words` (e.g. "gcloud", "compute", "instances", "create")."""
-    return [cmd for cmd in cmds if tuple(cmd[:len(words)]) == words]
-
-
-def flag(cmd: list[str], name: str) -> str | None:
-    values = [arg.split("=", 1)[1] for arg in cmd if arg.startswith(f"{name}=")]
-    assert len(values) <= 1, cmd
-    return values[0] if values else None
-
-
-def remote(cmd: list[str]) -> str:
-    command = flag(cmd, "--command")
-    assert command is not None, cmd
-    return command
-
-
-def jaxinfer_runs(cmds: list[list[str]]) -> list[list[str]]:
-    """argv of every `python -m jaxinfer generate|batch` inside an ssh --command."""
-    runs = []
-    for cmd in cmds:
-        for part in (remote(cmd).split("; ") if flag(cmd, "--command") else []):
-            if "-m jaxinfer generate" in part or "-m jaxinfer batch" in part:
-                runs.append(shlex.split(part))
-    return runs
-
-
-def install_line(cmds: list[list[str]]) -> list[str]:
-    lines = [shlex.split(part) for cmd in cmds if flag(cmd, "--command")
-             for part in remote(cmd).split("; ") if "-m pip install" in part and " -e " in part]
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
-ALL = ("all", "delete")
-V6E = ("--zone=us-east5-b", "--model=gs://bucket/models/Qwen3-8B", "--project=my-project")
+from dryrun import (
+    ALL,
+    JAX_PIN,
+    LIBTPU_PIN,
+    REPO,
+    V6E,
+    dry_run,
+    find,
+    flag,
+    install_line,
+    jaxinfer_runs,
+    remote,
+    run_script,
+)
 
 
 def test_tpu_vm_v6e_is_a_compute_engine_instance(fake_path):
@@ -244,17 +178,18 @@ def test_every_remote_command_is_valid_bash(fake_path):
         assert proc.returncode == 0, (command, proc.stderr)
 
 
-# Flags the scripts pass that another branch is adding to the CLI; the rest must exist now.
-PENDING_FLAGS = {"--tensor_parallel_size", "--coordinator_address", "--num_processes",
-                 "--process_id"}
+# Flags the scripts pass that another branch is adding to the CLI (batch over Ray); the rest
+# must exist now.
+PENDING_FLAGS = {"--ray", "--ray_address", "--num_replicas"}
 
 
 def test_jaxinfer_flags_the_scripts_pass_exist(fake_path):
     """Every flag of every emitted `python -m jaxinfer` run is in that command's --help."""
     emitted: dict[str, set[str]] = {}
-    for script, *args in [("tpu_vm", *V6E), ("gpu_vm", "--num_nodes=2", *V6E),
-                          ("tpu_slice", "--task=batch", "--input=in.jsonl", *V6E)]:
-        for run in jaxinfer_runs(dry_run(fake_path, script, "run", *args)[0]):
+    for script, step, *args in [("tpu_vm", "run", *V6E), ("gpu_vm", "run", "--num_nodes=2", *V6E),
+                                ("tpu_slice", "run", "--task=batch", "--input=in.jsonl", *V6E),
+                                ("tpu_slice", "ray_job", "--input=in.jsonl", *V6E)]:
+        for run in jaxinfer_runs(dry_run(fake_path, script, step, *args)[0]):
             emitted.setdefault(run[3], set()).update(a.split("=", 1)[0] for a in run[4:])
     assert set(emitted) == {"generate", "batch"}
     for task, flags in emitted.items():
@@ -299,6 +234,7 @@ def test_a_dry_run_needs_nothing_on_path(tmp_path, script):
 # Every command path the scripts print, for the --help check below.
 GCLOUD_PATHS = [
     ("compute", "instances", "create"), ("compute", "instances", "delete"),
+    ("compute", "instances", "describe"), ("compute", "tpus", "tpu-vm", "describe"),
     ("compute", "ssh"), ("compute", "scp"),
     ("compute", "tpus", "queued-resources", "create"),
     ("compute", "tpus", "queued-resources", "describe"),
@@ -311,12 +247,15 @@ GCLOUD_PATHS = [
 @pytest.mark.skipif(shutil.which("gcloud") is None, reason="no Google Cloud SDK installed")
 def test_every_printed_gcloud_flag_exists_in_the_installed_sdk(fake_path, tmp_path):
     """Each flag of each printed gcloud command appears in `gcloud <command> --help` (offline)."""
-    runs = [("tpu_vm", *V6E), ("tpu_vm", "--accelerator_type=v5litepod-8", "--spot", *V6E),
-            ("tpu_slice", "--task=batch", "--input=gs://b/in.jsonl", *V6E),
-            ("gpu_vm", "--num_nodes=2", "--spot", "--task=batch", "--input=in.jsonl", *V6E)]
+    ray = ("ray_all", "ray_down", "--input=in.jsonl")
+    runs = [("tpu_vm", *ALL, *V6E), ("tpu_vm", *ALL, "--accelerator_type=v5litepod-8", "--spot",
+                                      *V6E),
+            ("tpu_slice", *ALL, "--task=batch", "--input=gs://b/in.jsonl", *V6E),
+            ("gpu_vm", *ALL, "--num_nodes=2", "--spot", "--task=batch", "--input=in.jsonl", *V6E),
+            ("tpu_slice", *ray, *V6E), ("gpu_vm", *ray, "--num_nodes=2", *V6E)]
     used: dict[tuple[str, ...], set[str]] = {}
     for script, *args in runs:
-        for cmd in dry_run(fake_path, script, *ALL, *args)[0]:
+        for cmd in dry_run(fake_path, script, *args)[0]:
             if cmd[0] != "gcloud":
                 continue
             (path,) = [p for p in GCLOUD_PATHS if tuple(cmd[1:1 + len(p)]) == p]
