@@ -35,7 +35,8 @@ def copy_to_hosts(target: Target, src: str, dest: str, dry_run: bool, *, is_dir:
 
 
 def run_jaxinfer(target: Target, args: argparse.Namespace, tensor_parallel_size: int,
-                 multihost_flags: Callable[[int], list[str]] | None) -> None:
+                 multihost_flags: Callable[[int], list[str]] | None,
+                 run_flags: Sequence[str] = ()) -> None:
     if args.task == "batch":
         copy_to_hosts(target, args.input, common.REMOTE_INPUT, args.dry_run, is_dir=False)
     common.note(f"python -m jaxinfer {args.task} on {target.workers} host(s), "
@@ -46,8 +47,8 @@ def run_jaxinfer(target: Target, args: argparse.Namespace, tensor_parallel_size:
         common.note("every host runs the same command on the same input; only process 0 "
                     f"writes outputs ({written})")
     if multihost_flags is None:
-        target.ssh_all(common.jaxinfer_command(args, tensor_parallel_size=tensor_parallel_size),
-                       args.dry_run)
+        target.ssh_all(common.jaxinfer_command(args, tensor_parallel_size=tensor_parallel_size,
+                                               multihost=run_flags), args.dry_run)
         return
     assert isinstance(target, ComputeTarget), "per-host flags need one ssh per host"
     target.ssh_all([common.jaxinfer_command(args, tensor_parallel_size=tensor_parallel_size,
@@ -69,9 +70,10 @@ def fetch(target: Target, args: argparse.Namespace) -> None:
 def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             requirements: Sequence[str], tensor_parallel_size: int,
             multihost_flags: Callable[[int], list[str]] | None = None,
-            install_prelude: Sequence[str] = (),
+            install_prelude: Sequence[str] = (), run_flags: Sequence[str] = (),
             ray: ray_cluster.RayCluster | None = None) -> None:
-    """Run `steps` in order against `target`; `ray`: the cluster ray_up and ray_job need
+    """Run `steps` in order against `target`. `multihost_flags(i)`: host i's jaxinfer flags;
+    `run_flags`: the same for every host; `ray`: the cluster ray_up and ray_job need
     (ray_cluster.plan, checked before the first step)."""
     extras = ("ray",) if args.ray or set(common.RAY_STEPS) & set(steps) else ()
     for step in steps:
@@ -88,7 +90,7 @@ def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
             copy_to_hosts(target, args.model, common.model_dir(args.model), args.dry_run,
                           is_dir=True)
         elif step == "run":
-            run_jaxinfer(target, args, tensor_parallel_size, multihost_flags)
+            run_jaxinfer(target, args, tensor_parallel_size, multihost_flags, run_flags)
         elif step == "fetch":
             fetch(target, args)
         elif step == "delete":

@@ -7,12 +7,13 @@ The slice comes from the Cloud TPU API's queued resources (`gcloud compute tpus
 queued-resources create`, runtime v2-alpha-tpuv5-lite / v2-alpha-tpuv6e). Multi-host slices
 are built from 4-chip hosts, so v5litepod-16 has 4 workers. Every step reaches all of them at
 once with `gcloud compute tpus tpu-vm ssh|scp --worker=all`; the run step starts `python -m
-jaxinfer batch|generate --tensor_parallel_size=<all chips of the slice>` on every host. JAX
-finds the coordinator, the process count and each process id by itself on a TPU slice, so no
---coordinator_address/--num_processes/--process_id flags are passed. Only process 0 writes
-results; fetch copies them from worker 0. ray_up/ray_job/ray_down instead make the hosts
-one Ray cluster running replicas of at most one host each (deploy/ray_cluster.py). See
-deploy/README.md. Standard library only.
+jaxinfer batch|generate --tensor_parallel_size=<all chips of the slice> --detect_distributed`
+on every host: JAX finds the coordinator, the process count and each process id by itself on
+a TPU slice, so no --coordinator_address/--num_processes/--process_id flags are passed
+(jaxinfer joins a multi-host job only when asked, hence --detect_distributed). Only
+process 0 writes results; fetch copies them from worker 0. ray_up/ray_job/ray_down instead
+make the hosts one Ray cluster running replicas of at most one host each
+(deploy/ray_cluster.py). See deploy/README.md. Standard library only.
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     common.note(f"{accelerator_type}: {tpu.chips} chips on {tpu.workers} workers "
                 f"({CHIPS_PER_HOST} chips each); {target.kind}; --worker=all starts one "
                 f"process per worker; jaxinfer --tensor_parallel_size={tensor_parallel_size}")
-    common.note("no --coordinator_address/--num_processes/--process_id: JAX detects them "
-                "on a TPU slice")
+    common.note("run: --detect_distributed, no --coordinator_address/--num_processes/"
+                "--process_id: JAX detects them on a TPU slice")
     steps.execute(todo, args, target, requirements=common.read_pins().tpu_requirements(),
-                  tensor_parallel_size=tensor_parallel_size, ray=ray)
+                  tensor_parallel_size=tensor_parallel_size, run_flags=["--detect_distributed"],
+                  ray=ray)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def test_tpu_vm_v6e_is_a_compute_engine_instance(fake_path):
     (run,) = jaxinfer_runs(cmds)
     assert run[:4] == ["jaxinfer-venv/bin/python", "-m", "jaxinfer", "generate"]
     assert "--tensor_parallel_size=8" in run and "--model=models/Qwen3-8B" in run
+    assert "--detect_distributed" not in run  # one host, one process
     assert cmds[0] == create and find(cmds, "gcloud", "compute", "instances", "delete") == [
         cmds[-1]]
     assert "--quiet" in cmds[-1]
@@ -118,6 +119,7 @@ def test_tpu_slice_starts_one_process_per_worker(fake_path, accelerator, chips, 
     assert "--input=jaxinfer-io/input.jsonl" in run and "--output=jaxinfer-io/results.jsonl" in run
     assert not [arg for arg in run if arg.startswith(("--coordinator_address", "--num_processes",
                                                       "--process_id"))]
+    assert "--detect_distributed" in run  # jaxinfer joins a multi-host job only when asked
     assert len(install_line(cmds)) and "import jax" not in out  # no device probe on a slice
 
 
