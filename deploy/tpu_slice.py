@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     common.note(f"{accelerator_type}: {tpu.chips} chips on {tpu.workers} workers "
                 f"({CHIPS_PER_HOST} chips each); {target.kind}; --worker=all starts one "
                 f"process per worker; jaxinfer --tensor_parallel_size={tensor_parallel_size}")
-    common.note("run: --detect_distributed, no --coordinator_address/--num_processes/"
-                "--process_id: JAX detects them on a TPU slice")
+    if "run" in todo:
+        common.note("run: --detect_distributed, no --coordinator_address/--num_processes/"
+                    "--process_id: JAX detects them on a TPU slice")
     steps.execute(todo, args, target, requirements=common.read_pins().tpu_requirements(),
                   tensor_parallel_size=tensor_parallel_size, run_flags=["--detect_distributed"],
                   ray=ray)
