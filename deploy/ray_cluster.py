@@ -116,7 +116,8 @@ def ray_start(cluster: RayCluster, *, head_ip: str | None) -> str:
 
 def check_hosts(hosts: int) -> str:
     """Fails unless `hosts` nodes are alive in the cluster (a host that could not reach the
-    head, a firewall); prints the cluster's resources. One line, no "; " in the Python."""
+    head, a firewall); prints the cluster's resources. The Python has no "; ", so the
+    command still splits into its shell lines at "; " (as the tests read it)."""
     code = ('import ray,sys;ray.init(address="auto",logging_level="ERROR");'
             'n=sum(x["Alive"] for x in ray.nodes());'
             f'print(n,"of {hosts} hosts in the Ray cluster:",ray.cluster_resources());'

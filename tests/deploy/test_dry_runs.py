@@ -180,11 +180,6 @@ def test_every_remote_command_is_valid_bash(fake_path):
         assert proc.returncode == 0, (command, proc.stderr)
 
 
-# Flags the scripts pass that another branch is adding to the CLI (batch over Ray); the rest
-# must exist now.
-PENDING_FLAGS = {"--ray", "--ray_address", "--num_replicas"}
-
-
 def test_jaxinfer_flags_the_scripts_pass_exist(fake_path):
     """Every flag of every emitted `python -m jaxinfer` run is in that command's --help."""
     emitted: dict[str, set[str]] = {}
@@ -198,7 +193,7 @@ def test_jaxinfer_flags_the_scripts_pass_exist(fake_path):
         help_text = subprocess.run([sys.executable, "-m", "jaxinfer", task, "--help"], cwd=REPO,
                                    capture_output=True, text=True, timeout=60).stdout
         known = {line.split()[0] for line in help_text.splitlines() if line.startswith("  --")}
-        assert flags - known <= PENDING_FLAGS, (task, flags - known)
+        assert flags <= known, (task, flags - known)
 
 
 def test_extras_offered_by_the_pinned_jax():
