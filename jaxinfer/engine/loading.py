@@ -275,15 +275,16 @@ def flop_count(model_config: ModelConfig, config: EngineConfig) -> FlopCount:
     """The model's FLOPs per token (planner.decode_flops of the whole model, the LM head
     apart, each layer's window) and the mesh's peak: `tensor_parallel_size` devices of
     `runner_lib.peak_flops` (int8's with w8a8, else bf16's; measured once per process on
-    a device that is no known chip)."""
+    a device that is no known chip), and a known chip's published bandwidth."""
     cfg = model_config
     matmul, attention = planner.decode_flops(cfg)
     head = 2 * cfg.hidden_size * cfg.vocab_size
     windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
     peak, source = runner_lib.peak_flops("int8" if config.quantization == "w8a8"
                                          else config.dtype)
-    devices = config.tensor_parallel_size
+    devices, chip = config.tensor_parallel_size, runner_lib.device_chip()
     return FlopCount(matmul_per_token=matmul - head, head_per_sample=head,
                      attention_per_position=attention // cfg.num_layers,
                      windows=tuple((w, windows.count(w)) for w in dict.fromkeys(windows)),
-                     peak_flops_per_s=peak * devices, peak_source=source, devices=devices)
+                     peak_flops_per_s=peak * devices, peak_source=source, devices=devices,
+                     chip_bytes_per_s=chip and chip.hbm_bytes_per_s)

@@ -9,8 +9,10 @@ padding and discarded positions excluded, the whole model over all its devices) 
 the step's time, as a fraction of the mesh's peak (one device's peak x devices: a known
 chip's published dense bf16 figure, int8 with w8a8, else a matmul rate measured at
 start-up). `bound` says which of the two the roofline model puts the work under: the
-step's bytes at the bandwidth take longer than its FLOPs at the peak ("memory"), or not
-("compute"); at one device that is `roofline_fraction >= mfu`.
+steps' bytes at the bandwidth take longer than their FLOPs at the peak ("memory"), or
+not ("compute"). Both figures come from one source: a known chip's published bandwidth
+and peak (its ridge point; the bandwidth probe reads far below a GPU's), else the probe
+and the measured matmul, where it is `roofline_fraction >= mfu` on one device.
 
 Token counts, as vLLM's Prometheus counters count them. `generated_tokens`
 are the tokens appended to outputs (what the requests return; tokens cut by
@@ -56,6 +58,7 @@ class FlopCount:
     peak_flops_per_s: float  # the mesh's: one device's peak x devices
     peak_source: str  # "preset:<chip>" or "measured"
     devices: int = 1  # in the mesh
+    chip_bytes_per_s: float | None = None  # a known chip's published bandwidth, one device
 
     def chunk(self, start: int, num_tokens: int, num_samples: int) -> int:
         """FLOPs of `num_tokens` new tokens at positions start.., `num_samples` sampled."""
@@ -217,7 +220,8 @@ class Metrics:
 
     def _flops_summary(self, busy: float) -> dict[str, object]:
         """Model FLOPs, their rate, the mesh's peak and MFU; `bound`: the longer of the
-        ideal memory time (bytes / bandwidth) and compute time (FLOPs / peak)."""
+        ideal memory time (bytes / bandwidth) and compute time (FLOPs / peak), at a known
+        chip's published bandwidth, else the probed one."""
         count = self.flop_count
         if count is None:
             return {}
@@ -227,8 +231,9 @@ class Metrics:
                "peak_tflops": round(count.peak_flops_per_s / 1e12, 6),
                "peak_flops_source": count.peak_source,
                "mfu": round(achieved / count.peak_flops_per_s, 4)}
-        if self.bandwidth_gb_per_s:  # bytes_read is the mesh's, over one device's bandwidth
-            memory_s = self.bytes_read / (self.bandwidth_gb_per_s * 1e9)
+        bandwidth = count.chip_bytes_per_s or self.bandwidth_gb_per_s * 1e9
+        if bandwidth:  # bytes_read is the mesh's: both times at one device's rates
+            memory_s = self.bytes_read / bandwidth
             compute_s = self.model_flops * count.devices / count.peak_flops_per_s
             out["bound"] = "memory" if memory_s >= compute_s else "compute"
         return out

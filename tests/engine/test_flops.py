@@ -4,6 +4,7 @@ and discarded positions apart; on CPU the peak is a matmul measured once per pro
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import types
 
@@ -99,8 +100,28 @@ def test_peak_of_a_known_chip_is_its_preset_and_w8a8_takes_int8():
     assert runner_lib.peak_flops("float32", v6e) == (918e12, "preset:v6e")
     assert runner_lib.peak_flops("int8", v6e) == (1836e12, "preset:v6e")
     assert runner_lib.flops_probe_count() == probes
+    assert runner_lib.device_chip(v6e).hbm_bytes_per_s == 1640e9
+    assert runner_lib.device_chip() is None  # the CPU
     cfg = checkpoint.load_config(DEMO)
     w8a8 = loading.flop_count(cfg, EngineConfig(quantization="w8a8"))
     probes = runner_lib.flops_probe_count()
     assert w8a8.peak_flops_per_s == runner_lib.peak_flops("int8")[0]  # the int8 probe's
     assert runner_lib.flops_probe_count() == probes  # measured once per process
+
+
+def test_bound_compares_bytes_and_flops_at_one_sources_rates():
+    """`bound`: the steps' bytes at the bandwidth against their FLOPs at the peak, both
+    a known chip's published figures when there is one (the probe reads low on GPUs)."""
+    count = loading.flop_count(checkpoint.load_config(DEMO), EngineConfig())
+    step = count.chunk(0, 10, 1)  # 132_067_840 FLOPs, and 1 MB read in the step below
+    probed = Metrics(flop_count=dataclasses.replace(count, peak_flops_per_s=step * 100.0),
+                     bandwidth_gb_per_s=1e6 / 0.02 / 1e9)  # 1 MB: 20 ms, the FLOPs 10 ms
+    chip = Metrics(flop_count=dataclasses.replace(count, peak_flops_per_s=step * 100.0,
+                                                  chip_bytes_per_s=1e6 / 0.005),  # 5 ms
+                   bandwidth_gb_per_s=1e6 / 0.02 / 1e9)
+    for metrics in (probed, chip):
+        metrics.record_plan([_chunk(0, 10)], [0], 16, 1, seconds=0.1, dropped=[False],
+                            pages_in_use=0, weight_bytes=1_000_000, kv_bytes_per_token=0)
+    assert probed.summary()["bound"] == "memory" and probed.summary()["mfu"] == 0.1
+    assert probed.summary()["roofline_fraction"] == 0.2  # >= mfu: memory
+    assert chip.summary()["bound"] == "compute"

@@ -15,6 +15,7 @@ re-exported here.
 
 from jaxinfer.engine.runner.compiles import CacheLoads, CompileCounter, CompileSpan
 from jaxinfer.engine.runner.device import (
+    device_chip,
     device_memory_limit,
     flops_probe_count,
     measure_matmul_rate,
@@ -53,7 +54,7 @@ __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
     "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata",
     "compile_steps_for",
-    "device_memory_limit", "flops_probe_count", "input_spec", "quantize_at_load",
+    "device_chip", "device_memory_limit", "flops_probe_count", "input_spec", "quantize_at_load",
     "make_mesh", "measure_matmul_rate", "measure_memory_bandwidth", "memory_bandwidth",
     "min_step_tokens", "next_power_of_two", "peak_flops",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",

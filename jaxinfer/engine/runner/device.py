@@ -6,10 +6,11 @@
   no-op, asking for another one is an error (JAX would silently keep the first).
 - `memory_bandwidth()`: the read bandwidth of a device, probed once per process and
   device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
-- `peak_flops(dtype)`: a device's peak matmul FLOP/s, from its chip's published figure
-  (sizing/accelerators.py) when JAX's `device_kind` names a known chip, else measured
-  once per process, device and dtype (a jitted 1024 x 1024 matmul, best of 5, about
-  0.1 s on a CPU); `flops_probe_count()` says how often that ran.
+- `device_chip()`: the chip (sizing/accelerators.py) JAX's `device_kind` names, if any.
+- `peak_flops(dtype)`: a device's peak matmul FLOP/s, that chip's published figure, else
+  measured once per process, device and dtype (a jitted square matmul, best of 5: 1024
+  wide on a CPU, about 0.1 s; 8192 on an accelerator, as a 1024 one leaves a GPU mostly
+  idle); `flops_probe_count()` says how often that ran.
 - `device_memory_limit()`, `tree_bytes()`: memory the device allows, bytes of a tree.
 
 "The device" is this process's first one (`jax.local_devices()[0]`): in a multi-host
@@ -101,17 +102,22 @@ def peak_flops(dtype: str, device: jax.Device | None = None) -> tuple[float, str
     "preset:<chip>" (float32 weights get the bf16 figure too); any other device (CPU,
     an unknown accelerator) a matmul in `dtype` measured once per process, "measured"."""
     device = device or jax.local_devices()[0]
-    chip = accelerators.chip_for_device_kind(device.device_kind)
+    chip = device_chip(device)
     if chip is not None:
         peak = chip.int8_ops if jnp.dtype(dtype) == jnp.int8 else chip.bf16_flops
         return peak, f"preset:{chip.generation}"
     return _matmul_rate_of(device, jnp.dtype(dtype).name), "measured"
 
 
+def device_chip(device: jax.Device | None = None) -> accelerators.Chip | None:
+    """The chip the default (or given) device is, by its `device_kind`; None: unknown."""
+    return accelerators.chip_for_device_kind((device or jax.local_devices()[0]).device_kind)
+
+
 @functools.cache
 def _matmul_rate_of(device: jax.Device, dtype: str) -> float:
     with jax.default_device(device):
-        return measure_matmul_rate(dtype)
+        return measure_matmul_rate(dtype, 1024 if device.platform == "cpu" else 8192)
 
 
 def flops_probe_count() -> int:
