@@ -93,8 +93,8 @@ def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], 
     `on_record` with each one's record as it finishes (an error record at once for a
     request the engine refuses: a bad field, a prompt too long)."""
     pending: dict[str, str] = {}  # engine request id -> user id
-    for request in requests:
-        engine_id = f"batch-{request.line}"
+    for index, request in enumerate(requests):
+        engine_id = f"batch-{index}"  # every request is released before this returns
         try:
             prompt, messages, params, priority = request_args(
                 request.record, llm.engine.default_params)

@@ -76,7 +76,7 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
         started = time.perf_counter()
         counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
                   "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
-                  "completion_tokens": 0}
+                  "completion_tokens": 0, "first_result_s": None}
         engines: dict[str, dict] = {}
         with open(output_path, "a", encoding="utf-8") as out:
             for record in requests.errors:
@@ -85,12 +85,13 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
             if requests.pending:
                 rows = _dataset(requests.pending, replica_args, num_replicas, size,
                                 resources).iter_rows()
-                counts["missing"] = _write_results(rows, out, counts, engines,
-                                                   {r.id for r in requests.pending})
+                first = _write_results(rows, out, counts, engines,
+                                       {r.id for r in requests.pending})
+                counts["first_result_s"] = round(first - started, 2)
+        elapsed = time.perf_counter() - started
     finally:
         if started_ray:
             ray.shutdown()
-    elapsed = time.perf_counter() - started
     return {**counts, "seconds": round(elapsed, 2),
             "generated_tokens_per_s": round(counts["completion_tokens"] / max(elapsed, 1e-9),
                                             1),
@@ -112,22 +113,26 @@ def _check(num_replicas: int, batch_size: int | None, accelerator: str | None,
 
 
 def _write_results(rows: object, out: object, counts: dict, engines: dict,
-                   pending: set[str]) -> int:
-    """Write each record as its row comes back, each pending id once; returns how many
-    pending ids got no record (a re-run runs them)."""
+                   pending: set[str]) -> float:
+    """Write each record as its row comes back, each pending id once; counts the pending
+    ids that got no record (a re-run runs them) as `missing`. Returns when the first
+    record came back (time.perf_counter)."""
+    first = 0.0
     for row in rows:
         record = json.loads(row["record"])
         if record["id"] not in pending:  # a batch that came back twice: written already
             log.warning("id %r came back again; its first record is kept", record["id"])
             continue
         pending.discard(record["id"])
+        first = first or time.perf_counter()
         write(out, record)
         tally(counts, record)
         engines[row["replica"]] = json.loads(row["metrics"])
     if pending:
         log.error("%d requests got no result (a re-run runs them): %s", len(pending),
                   sorted(pending)[:5])
-    return len(pending)
+    counts["missing"] = len(pending)
+    return first or time.perf_counter()
 
 
 def _dataset(pending: list[Request], replica_args: dict, num_replicas: int,
