@@ -32,7 +32,7 @@ from jaxinfer.batch import (
     tally,
     write,
 )
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.ray.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,14 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
     engines (Ray actors), each made from `model` and `engine_settings` (EngineConfig
     fields; `tensor_parallel_size` devices per replica); returns a summary.
 
-    `ray_address`: the cluster to join (default: the one this process is connected to,
-    else a new local one, shut down at the end). `accelerator`: cpu, gpu or tpu
-    (default: gpu or tpu when the cluster has them, else cpu). `batch_size`: requests
-    a replica runs together per call (default: 4 * max_num_seqs, fewer when that would
-    leave a replica without work). `progress`: Ray Data's progress bars."""
+    `model`: default the bundled demo model. `ray_address`: the cluster to join
+    (default: the one this process is connected to, else a new local one, shut down at
+    the end). `accelerator`: cpu, gpu or tpu (default: gpu or tpu when the cluster has
+    them, else cpu). `batch_size`: requests a replica runs together per call (default:
+    4 * max_num_seqs, fewer when that would leave a replica without work). `progress`:
+    Ray Data's progress bars."""
     config = EngineConfig(**engine_settings)  # bad settings fail here, not in each actor
+    model = DEFAULT_MODEL if model is None else model
     _check(num_replicas, batch_size, accelerator, model, ray_address)
     check_paths(input_path, output_path)
     done = finished(output_path, retry_errors=retry_errors)
@@ -69,8 +71,8 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
             drop_errors(output_path)
         size = batch_size or max(1, min(4 * config.max_num_seqs,
                                         math.ceil(len(requests.pending) / num_replicas)))
-        replica_args = dict(engine_settings, platform="cpu" if accelerator == "cpu" else None,
-                            **({} if model is None else {"model": str(model)}))
+        replica_args = dict(engine_settings, model=str(model),
+                            platform="cpu" if accelerator == "cpu" else None)
         resources = _resources(accelerator, config.tensor_parallel_size,
                                num_cpus_per_replica)
         started = time.perf_counter()
@@ -100,7 +102,7 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
 
 
 def _check(num_replicas: int, batch_size: int | None, accelerator: str | None,
-           model: str | os.PathLike | None, ray_address: str | None) -> None:
+           model: str | os.PathLike, ray_address: str | None) -> None:
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} must be >= 1")
     if batch_size is not None and batch_size < 1:
@@ -108,8 +110,11 @@ def _check(num_replicas: int, batch_size: int | None, accelerator: str | None,
     if accelerator not in (None, *ACCELERATORS):
         raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS}")
     # A local cluster's actors see this machine's files; a remote one's may not.
-    if model is not None and ray_address is None and not pathlib.Path(model).is_dir():
-        raise ValueError(f"model={str(model)!r} is not a directory")
+    if ray_address is None and not pathlib.Path(model).is_dir():
+        raise ValueError(f"model={str(model)!r} is not a directory"
+                         + (" (the demo model comes with a git checkout of jaxinfer, not "
+                            "with the wheel; give a model directory)"
+                            if pathlib.Path(model) == DEFAULT_MODEL else ""))
 
 
 def _write_results(rows: object, out: object, counts: dict, engines: dict,

@@ -107,6 +107,21 @@ def test_batch_cli_with_ray_joins_the_cluster(cluster, llm, tmp_path):
     assert _records(got) == _records(want)
 
 
+def test_run_ray_refuses_bad_arguments_before_starting_ray(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n"
+                   + json.dumps({"id": "a", "prompt": "y"}) + "\n")
+    cases = [({"model": tmp_path / "nope"}, "is not a directory"),
+             ({"num_replicas": 0}, "num_replicas=0 must be >= 1"),
+             ({"max_num_seqs": 0}, "max_num_seqs=0"),
+             ({"accelerator": "npu"}, "accelerator='npu' must be one of"),
+             ({}, "id 'a' is on line 1 and on line 2")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run_ray(inp, out, **{"model": DEMO, **kwargs})
+    assert not out.exists()
+
+
 def _kill_a_replica_once_results_arrive(output: pathlib.Path, killed: list) -> None:
     """SIGKILL one live replica's process (a crash, not a clean exit) once the driver
     has written a few records, and note its actor id and how far the output was."""
