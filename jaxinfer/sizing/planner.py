@@ -279,9 +279,8 @@ def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, 
     Matmuls: 2 x the matrices a token multiplies: k of E experts (their biases [E, n] are
     none), a tied embedding once, as the LM head. Attention: 4 x heads x head_dim x layers."""
     shapes = _device_shapes(cfg, tensor_parallel_size)
-    stacked = {p.key for p in LAYER if p.experts}  # counted below, or biases: no matmul
-    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name != "embed"
-                 and name not in stacked)
+    stacked = {p.key for p in LAYER if p.experts} | {"embed"}  # below, or not a matmul
+    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name not in stacked)
     if cfg.moe is not None:  # each token runs k of the E experts
         matmul += sum(n for name, _, n, _ in shapes if name in EXPERT_WEIGHTS
                       ) * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
@@ -320,10 +319,9 @@ def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model
     where = "" if tp == 1 else f" per device (tensor_parallel_size={tp})"
     larger_tp = "" if tp == 1 and weights < memory_bytes else ", raise tensor_parallel_size"
     raise ValueError(
-        f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} "
-        f"weights, {state / GB:.3f} GB of per-request state and "
-        f"{max(kv_cache_bytes, 0) / GB:.3f} GB of KV cache; one request "
-        f"of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV, "
+        f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} weights, "
+        f"{state / GB:.3f} GB of per-request state and {max(kv_cache_bytes, 0) / GB:.3f} GB of "
+        f"KV cache; one request of max_model_len={max_model_len} needs {need / GB:.3f} GB of KV, "
         f"{(weights + state + need - memory_bytes) / GB:.3f} GB short: give at least "
         f"{(weights + state + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
 
