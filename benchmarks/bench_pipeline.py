@@ -63,7 +63,7 @@ flags.DEFINE_string("model", str(REPO / "checkpoints" / "demo"), "target model d
 flags.DEFINE_string("draft_model", str(REPO / "checkpoints" / "demo-draft"),
                     "draft model directory (--proposer=draft_model)")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "weights dtype")
-flags.DEFINE_integer("max_num_seqs", 16, "requests in flight (arm 1: the static batch)")
+flags.DEFINE_integer("max_num_seqs", 32, "requests in flight (arm 1: the static batch)")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
 flags.DEFINE_integer("max_model_len", workload.MAX_MODEL_LEN, "prompt + output")
 flags.DEFINE_enum("proposer", "ngram", ["ngram", "draft_model"], "arms 4-5: the proposer")
@@ -76,6 +76,7 @@ flags.DEFINE_integer("eval_tokens_per_file", 256, "eval_ppl's --max_tokens_per_f
 flags.DEFINE_list("arms", ["static", "continuous", "prefix_cache", "speculative", "quantized"],
                   "arms to run, in this order; the first is the baseline of every ratio")
 flags.DEFINE_bool("pilot", False, "compare the proposers and the 8-bit modes instead")
+flags.DEFINE_integer("pilot_rounds", 2, "--pilot: runs of each arm (the fastest counts)")
 flags.DEFINE_string("workdir", None, "keep the input, outputs and logs here; default: a "
                     "temporary directory, removed")
 flags.DEFINE_string("chart", None, "write a PNG chart here")
@@ -110,14 +111,19 @@ def engine_flags() -> list[str]:
             f"--max_model_len={FLAGS.max_model_len}"]
 
 
+def child_env() -> dict[str, str]:
+    """This environment with this checkout first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def jaxinfer(command: str, args: list[str], log: pathlib.Path) -> tuple[str, str, float]:
     """Run `python -m jaxinfer COMMAND ARGS` with this interpreter and this checkout on
     PYTHONPATH; returns stdout, stderr and the process's wall seconds."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     argv = [sys.executable, "-m", "jaxinfer", command, *args]
     started = time.perf_counter()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     log.write_text(proc.stderr)
     if proc.returncode:
@@ -185,26 +191,40 @@ def output_checks(names: list[str], records: list[dict], workdir: pathlib.Path) 
     return checks
 
 
-def run_arms(names: list[str], input_path: pathlib.Path, workdir: pathlib.Path) -> dict:
+def run_arms(names: list[str], input_path: pathlib.Path, workdir: pathlib.Path,
+             rounds: int = 1) -> dict:
+    """Each arm's row; with several rounds (the order reversed every other round, so a
+    slow spell of a shared machine falls on different arms) its fastest run counts."""
+    runs: dict[str, list[tuple[dict, float]]] = {name: [] for name in names}
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else names[::-1]:
+            runs[name].append(run_arm(name, input_path, workdir))
     rows: dict[str, dict] = {}
     for name in names:
-        summary, seconds = run_arm(name, input_path, workdir)
+        summary, seconds = min(runs[name], key=lambda run: run[0]["seconds"])
         rows[name] = report.arm_row(summary, seconds, num_docs=FLAGS.num_docs,
                                     price_per_hour=FLAGS.price_per_hour,
-                                    base=rows[names[0]] if rows else None)
+                                    base=rows[names[0]] if rows else None,
+                                    previous=rows[names[len(rows) - 1]] if rows else None)
+        if rounds > 1:
+            rows[name]["seconds_of_rounds"] = [run[0]["seconds"] for run in runs[name]]
     return rows
 
 
 def pilot(input_path: pathlib.Path, workdir: pathlib.Path) -> dict:
-    """Arm 3 against each proposer, then the chosen proposer with each 8-bit mode."""
+    """Arm 3 against each proposer, then `--proposer` with each 8-bit mode."""
     names = ["prefix_cache", "spec_ngram", "spec_draft_model",
              *(f"quant_{q}" for q in QUANTIZATION_ARMS)]
-    rows = run_arms(names, input_path, workdir)
+    rows = run_arms(names, input_path, workdir, FLAGS.pilot_rounds)
     best_spec = min(("spec_ngram", "spec_draft_model"), key=lambda n: rows[n]["seconds"])
     spec_arm = f"spec_{FLAGS.proposer}"
     quant = {q: round(rows[spec_arm]["seconds"] / rows[f"quant_{q}"]["seconds"], 3)
              for q in QUANTIZATION_ARMS}
-    return {"arms": rows, "best_proposer": best_spec.removeprefix("spec_"),
+    return {"arms": rows, "rounds": FLAGS.pilot_rounds,
+            "best_proposer": best_spec.removeprefix("spec_"),
+            "proposers_over_prefix_cache": {
+                n.removeprefix("spec_"): rows[n]["factor_over_first_arm"]
+                for n in ("spec_ngram", "spec_draft_model")},
             "quantization_over_proposer_arm": {"proposer": FLAGS.proposer, **quant},
             "best_quantization": max(quant, key=quant.get),
             "quantization_pays": max(quant.values()) > 1.0}
@@ -232,12 +252,23 @@ def benchmark(records: list[dict], input_path: pathlib.Path, workdir: pathlib.Pa
     if "quantized" in rows:
         result["quantized_accuracy"] = perplexity_ratio(
             QUANTIZATION_ARMS[FLAGS.quantization_arm], workdir)
-        if "speculative" in rows:
-            result["quantization_pays"] = rows["quantized"]["seconds"] < rows[
-                "speculative"]["seconds"]
-    result["targets"] = {"speculative_factor_at_least_2": rows.get("speculative", {}).get(
-        "factor_over_first_arm", 0) >= 2.0}
+    factor = rows.get("speculative", {}).get("factor_over_first_arm")
+    result["targets"] = {"speculative_factor_over_first_arm": factor,
+                         "at_least_2": factor is not None and factor >= 2.0}
+    result["notes"] = report.notes(rows, FLAGS.quantization_arm)
     return result
+
+
+def machine() -> dict:
+    """What ran the arms: JAX's version and first device, asked of a child process so
+    that this one never holds an accelerator the arms need."""
+    probe = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'jax': "
+             "jax.__version__, 'backend': jax.default_backend(), 'device': d.device_kind, "
+             "'devices': jax.device_count()}))")
+    proc = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True,
+                          text=True, check=False)
+    found = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
+    return {**found, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
 
 
 def main(argv: list[str]) -> None:
@@ -251,7 +282,8 @@ def main(argv: list[str]) -> None:
         input_path = workdir / "requests.jsonl"
         workload.write_jsonl(records, input_path)
         result = {"workload": workload.shape(records), "seed": FLAGS.seed,
-                  "settings": settings(), "price_per_hour": FLAGS.price_per_hour,
+                  "settings": settings(), "machine": machine(),
+                  "price_per_hour": FLAGS.price_per_hour,
                   "price_unit": "price units per machine-hour; cost uses the run seconds"}
         if FLAGS.pilot:
             result["pilot"] = pilot(input_path, workdir)

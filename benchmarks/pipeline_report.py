@@ -11,8 +11,10 @@ import json
 
 ENGINE_KEYS = ("steps", "mean_requests_per_step", "padding_waste", "preemptions",
                "compiles_after_warmup", "warmup_seconds", "warmup_compiled", "warmup_loaded",
-               "memory_bandwidth_gb_per_s", "prefix_cache_hit_rate",
-               "spec_draft_time_share", "spec_skipped_cost", "spec_skipped_prompt_chunks")
+               "memory_bandwidth_gb_per_s", "async_scheduling", "host_ms_per_step",
+               "prefix_cache_hit_rate", "spec_verify_steps",
+               "spec_tokens_per_request_step", "spec_draft_time_share", "spec_skipped_cost",
+               "spec_skipped_prompt_chunks", "spec_skipped_no_match")
 # Keys another part of the engine may not report yet: null until it does.
 UTILISATION_KEYS = ("roofline_fraction", "mfu", "achieved_tflops", "peak_tflops")
 
@@ -24,8 +26,10 @@ def last_json_object(text: str) -> dict:
 
 
 def arm_row(summary: dict, process_seconds: float, *, num_docs: int, price_per_hour: float,
-            base: dict | None) -> dict:
-    """One arm's figures; `base` is the first arm's row (None for the first arm)."""
+            base: dict | None, previous: dict | None = None) -> dict:
+    """One arm's figures; `base` is the first arm's row and `previous` the arm's before
+    it (None for the first arm): what each arm adds shows in its factor over the one
+    before."""
     engine = summary["engine"]
     seconds = summary["seconds"]
     computed = engine["prompt_tokens"]
@@ -46,6 +50,8 @@ def arm_row(summary: dict, process_seconds: float, *, num_docs: int, price_per_h
         **{key: engine.get(key) for key in UTILISATION_KEYS},
         "cost_per_1000_docs": round(price_per_hour * seconds / 3600 * 1000 / num_docs, 5),
         "factor_over_first_arm": round(base["seconds"] / seconds, 3) if base else 1.0,
+        "factor_over_previous_arm": round(previous["seconds"] / seconds, 3)
+        if previous else 1.0,
     }
     row["engine"] = {key: engine[key] for key in ENGINE_KEYS if key in engine}
     return row
@@ -91,12 +97,39 @@ def prefill_vs_audit(rows: dict[str, dict], audit: dict, arm: str) -> dict:
     return out
 
 
+def notes(rows: dict[str, dict], quantization: str) -> list[str]:
+    """Plain sentences on what each arm added and where a step gained nothing."""
+    out = []
+    names = list(rows)
+    for name in names[1:]:
+        row = rows[name]
+        out.append(f"{name}: {row['factor_over_previous_arm']}x over the arm before, "
+                   f"{row['factor_over_first_arm']}x over {names[0]}")
+    spec = rows.get("speculative")
+    if spec and spec["factor_over_previous_arm"] < 1.05:
+        engine = spec["engine"]
+        out.append(
+            "speculative: little or no gain over the arm before; the load-adaptive policy "
+            f"verified drafts in {engine.get('spec_verify_steps')} of {engine.get('steps')} "
+            f"steps and skipped {engine.get('spec_skipped_cost')} request-steps for cost "
+            "(a verify step of S x (k + 1) tokens measured too slow against the expected "
+            "accepted tokens), "
+            f"{engine.get('spec_skipped_prompt_chunks')} because the step carried a prompt "
+            f"chunk and {engine.get('spec_skipped_no_match')} for no n-gram match")
+    quant = rows.get("quantized")
+    if quant and spec and quant["seconds"] >= spec["seconds"]:
+        out.append(f"quantized ({quantization}) does not pay on this device: "
+                   f"{quant['seconds']} s against the speculative arm's {spec['seconds']} s")
+    return out
+
+
 def markdown(result: dict) -> str:
     """The arms table and the before / after table, for docs/benchmarks.md."""
     rows = result["arms"]
     lines = ["| arm | run s | start-up s | output tok/s | prefill computed (share) | "
-             "acceptance (mean length) | roofline | MFU | cost / 1,000 docs | factor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "acceptance (mean length) | roofline | MFU | cost / 1,000 docs | "
+             "vs arm before | factor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
         spec = (f"{row['acceptance_rate']} ({row['mean_acceptance_length']})"
                 if row["acceptance_rate"] is not None else "")
@@ -105,7 +138,8 @@ def markdown(result: dict) -> str:
             f"{row['output_tokens_per_s']} | {row['prefill_tokens_computed']:,} "
             f"({row['prefill_share_of_first_arm']:.1%}) | {spec} | "
             f"{_cell(row['roofline_fraction'])} | {_cell(row['mfu'])} | "
-            f"{row['cost_per_1000_docs']:.4g} | **{row['factor_over_first_arm']}x** |")
+            f"{row['cost_per_1000_docs']:.4g} | {row['factor_over_previous_arm']}x | "
+            f"**{row['factor_over_first_arm']}x** |")
     wall = result.get("memory_wall", [])
     if wall:
         heads = [k for k in wall[0] if k != "row"]

@@ -132,8 +132,9 @@ def test_rows_ratios_costs_and_audit_gap():
     assert base["cost_per_1000_docs"] == 2.0  # 36 s at 2 / hour = 0.02, for 10 documents
     assert base["mfu"] is None and base["acceptance_rate"] is None
     cached = report.arm_row(_summary(12.0, 1200, 1800), 20.0, num_docs=10,
-                            price_per_hour=2.0, base=base)
+                            price_per_hour=2.0, base=base, previous=base)
     assert cached["factor_over_first_arm"] == 3.0
+    assert cached["factor_over_previous_arm"] == 3.0
     assert cached["prefill_share_of_first_arm"] == 0.4
     assert cached["prefill_tokens_computed_per_doc"] == 120.0
     rows = {"static": base, "prefix_cache": cached}
@@ -146,7 +147,22 @@ def test_rows_ratios_costs_and_audit_gap():
     assert wall[-2] == {"row": "total runtime (s, without start-up)", "before": 36.0,
                         "after_prefix_cache": 12.0}
     table = report.markdown({"arms": rows, "memory_wall": wall})
-    assert "| prefix_cache | 12.0 |" in table and "**3.0x**" in table
+    assert "| prefix_cache | 12.0 |" in table and "| 3.0x | **3.0x** |" in table
+    assert report.notes(rows, "kv_int8") == [
+        "prefix_cache: 3.0x over the arm before, 3.0x over static"]
+
+
+def test_notes_say_where_an_arm_gains_nothing():
+    base = report.arm_row(_summary(10.0, 3000, 0), 20.0, num_docs=10, price_per_hour=1.0,
+                          base=None)
+    rows = {"static": base}
+    for name, seconds in (("speculative", 9.9), ("quantized", 11.0)):
+        rows[name] = report.arm_row(_summary(seconds, 1200, 1800), 20.0, num_docs=10,
+                                    price_per_hour=1.0, base=base,
+                                    previous=rows[list(rows)[-1]])
+    said = report.notes(rows, "w8a8")
+    assert any(n.startswith("speculative: little or no gain") for n in said)
+    assert any(n.startswith("quantized (w8a8) does not pay") for n in said)
 
 
 @pytest.mark.slow
