@@ -57,7 +57,8 @@ QUANTIZATION_ARMS = {"kv_int8": ["--kv_cache_dtype=int8"], "w8a8": ["--quantizat
                      "w8a8_kv_int8": ["--quantization=w8a8", "--kv_cache_dtype=int8"]}
 EVAL_MIN_BYTES = 4000  # held-out files shorter than this are not scored
 
-flags.DEFINE_integer("num_docs", 1000, "documents in the workload")
+flags.DEFINE_integer("num_docs", 2000, "documents in the workload (about 15 minutes for the "
+                     "whole run on a 2-core CPU)")
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_string("model", str(REPO / "checkpoints" / "demo"), "target model directory")
 flags.DEFINE_string("draft_model", str(REPO / "checkpoints" / "demo-draft"),
@@ -66,6 +67,9 @@ flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "weights dtype")
 flags.DEFINE_integer("max_num_seqs", 32, "requests in flight (arm 1: the static batch)")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
 flags.DEFINE_integer("max_model_len", workload.MAX_MODEL_LEN, "prompt + output")
+flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool of every arm; default: the "
+                     "engine's sizing (on a GPU most of its memory, which left the draft "
+                     "model's proposal loop no room on an H200: give a few GB there)")
 flags.DEFINE_enum("proposer", "ngram", ["ngram", "draft_model"], "arms 4-5: the proposer")
 flags.DEFINE_integer("num_speculative_tokens", 4, "arms 4-5: most drafts per step (k)")
 flags.DEFINE_enum("quantization_arm", "kv_int8", list(QUANTIZATION_ARMS),
@@ -104,11 +108,16 @@ def arm_flags(name: str) -> list[str]:
             + QUANTIZATION_ARMS[FLAGS.quantization_arm]}[name]
 
 
+def pool_flags() -> list[str]:
+    pool = FLAGS.kv_cache_memory_bytes
+    return [f"--kv_cache_memory_bytes={pool}"] if pool else []
+
+
 def engine_flags() -> list[str]:
     return [f"--model={FLAGS.model}", f"--dtype={FLAGS.dtype}",
             f"--max_num_seqs={FLAGS.max_num_seqs}",
             f"--max_num_batched_tokens={FLAGS.max_num_batched_tokens}",
-            f"--max_model_len={FLAGS.max_model_len}"]
+            f"--max_model_len={FLAGS.max_model_len}", *pool_flags()]
 
 
 def child_env() -> dict[str, str]:
@@ -161,7 +170,7 @@ def perplexity_ratio(extra: list[str], workdir: pathlib.Path) -> dict:
     """eval_ppl on held-out files with `extra` (arm 5's 8-bit flags) and without."""
     common = [f"--model={FLAGS.model}", f"--dtype={FLAGS.dtype}",
               f"--max_model_len={FLAGS.max_model_len}", f"--input={','.join(eval_files())}",
-              f"--max_tokens_per_file={FLAGS.eval_tokens_per_file}"]
+              f"--max_tokens_per_file={FLAGS.eval_tokens_per_file}", *pool_flags()]
     ppl = {}
     for name, args in (("base", common), ("quantized", common + extra)):
         stdout, _, _ = jaxinfer("eval_ppl", args, workdir / f"eval_ppl_{name}.log")
@@ -233,7 +242,8 @@ def pilot(input_path: pathlib.Path, workdir: pathlib.Path) -> dict:
 def settings() -> dict:
     return {"model": FLAGS.model, "dtype": FLAGS.dtype, "max_num_seqs": FLAGS.max_num_seqs,
             "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
-            "max_model_len": FLAGS.max_model_len, "proposer": FLAGS.proposer,
+            "max_model_len": FLAGS.max_model_len,
+            "kv_cache_memory_bytes": FLAGS.kv_cache_memory_bytes, "proposer": FLAGS.proposer,
             "num_speculative_tokens": FLAGS.num_speculative_tokens,
             "quantization_arm": FLAGS.quantization_arm,
             "arm_flags": {n: arm_flags(n) for n in FLAGS.arms}}
