@@ -383,9 +383,23 @@ def _kv_block_update(
     new_max = jnp.maximum(running_max, scores.max(axis=3))  # [Tb, G, R]
     probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
     scale = jnp.exp(running_max - new_max)
-    total = total * scale + probs.sum(axis=3)
+    total = total * scale + _tree_sum(probs)
     update = jnp.einsum("tgrc,cgh->tgrh" if shared else "tgrc,tcgh->tgrh", probs, v)
     return new_max, total, acc * scale[..., None] + update
+
+
+def _tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by halving it with elementwise adds: each row's additions
+    come in one fixed order, whatever the other axes hold. XLA:CPU's reduce of the same
+    row rounds differently with the number of rows (measured: 16 vs 32 decode tokens),
+    which made a request's output depend on the batch it ran in."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        odd = x[..., 2 * half:]
+        x = x[..., :half] + x[..., half:2 * half]
+        if odd.shape[-1]:
+            x = jnp.concatenate([x[..., :1] + odd, x[..., 1:]], axis=-1)
+    return x[..., 0]
 
 
 def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
