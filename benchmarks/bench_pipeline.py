@@ -28,11 +28,15 @@ not report them), cost per 1,000 documents at `--price_per_hour`, and the factor
 arm 1. Checks: arms 2-4 give arm 1's token ids for every id; arm 5's agreement with arm
 1 and its perplexity ratio (`eval_ppl` with and without its flags on held-out files);
 arm 3's prefill share against audit's projection. `--pilot` instead compares the
-proposers and the 8-bit modes on the workload. Prints one JSON object; `--chart=PATH`
-writes a PNG, `--markdown` prints tables for docs/benchmarks.md to stderr.
+proposers and the 8-bit modes on the workload (each arm `--pilot_rounds` times).
+`--arms` runs a subset, pilot arms (`spec_ngram`, `quant_w8a8`, ...) included. Prints
+one JSON object; `--chart=PATH` writes a PNG, `--markdown` prints tables for
+docs/benchmarks.md to stderr. The children run with this interpreter and this checkout
+first on PYTHONPATH, so a GPU machine's own JAX runs them too.
 
     python benchmarks/bench_pipeline.py [--num_docs=N] [--chart=pipeline.png] [--markdown]
-    python benchmarks/bench_pipeline.py --pilot --num_docs=64
+    python benchmarks/bench_pipeline.py --pilot --num_docs=200
+    PYTHONPATH=. python3 benchmarks/bench_pipeline.py --kv_cache_memory_bytes=4000000000
 """
 
 from __future__ import annotations

@@ -115,7 +115,9 @@ def notes(rows: dict[str, dict], quantization: str) -> list[str]:
             "(a verify step of S x (k + 1) tokens measured too slow against the expected "
             "accepted tokens), "
             f"{engine.get('spec_skipped_prompt_chunks')} because the step carried a prompt "
-            f"chunk and {engine.get('spec_skipped_no_match')} for no n-gram match")
+            f"chunk and {engine.get('spec_skipped_no_match')} for no n-gram match"
+            + ("; its steps ran synchronously (no asynchronous scheduling with speculation)"
+               if engine.get("async_scheduling") == 0 else ""))
     quant = rows.get("quantized")
     if quant and spec and quant["seconds"] >= spec["seconds"]:
         out.append(f"quantized ({quantization}) does not pay on this device: "
