@@ -40,8 +40,13 @@ from jaxinfer.pallas import kv_layout
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
-KV_BLOCK_TOKENS = 32  # KV positions per step of the per-token online-softmax loop
-SHARED_KV_BLOCK_TOKENS = 128  # KV positions per step when a query block shares its KV
+# KV positions per step of the online softmax, the same on every path: the running max
+# and sum are rescaled at block boundaries, so a block size of its own per path (128 for
+# prompt chunks, 32 per token) rounded a token's attention differently with the path it
+# took, and a request's bf16 greedy tokens with its batching (a prefix-cache hit or a
+# decode after a prompt chunk runs one path, the same token elsewhere another). 128 for
+# the prompt path as well cost no measurable time on CPU (512-token prefill steps).
+KV_BLOCK_TOKENS = 32
 QUERY_BLOCK = 64  # query rows per loop item when a step holds prefill chunks
 BF16_STORAGE = jnp.uint16  # page dtype that stores bfloat16 bits (see the module doc)
 
@@ -117,8 +122,7 @@ def ragged_paged_attention(
     kv_len = jnp.where(token < cu_q_lens[num_seqs[0]], kv_lens[req], 0)  # padding: none
     q_pos = kv_len - q_len + token - q_start  # i32[T], position of the query in its KV
     pages_per_block = _pages_per_block(KV_BLOCK_TOKENS, page_size, pages_per_seq)
-    shared_block = _pages_per_block(SHARED_KV_BLOCK_TOKENS, page_size, pages_per_seq)
-    padded = _round_up(pages_per_seq, math.lcm(pages_per_block, shared_block))  # both paths
+    padded = _round_up(pages_per_seq, pages_per_block)
     padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
     settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
@@ -139,8 +143,7 @@ def ragged_paged_attention(
                             q_pos[:prefix], kv_pages, **settings)
     out = jnp.pad(out, ((0, tokens - prefix), (0, 0), (0, 0)))
     return out + _attend_by_requests(queries, kv_pages, kv_lens, padded_rows, cu_q_lens,
-                                     jnp.where(by_token, 0, q_lens), shared_block=shared_block,
-                                     **settings)
+                                     jnp.where(by_token, 0, q_lens), **settings)
 
 
 def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,
@@ -189,7 +192,6 @@ def _attend_by_requests(
     q_lens: jax.Array,  # i32[S], 0 past num_seqs
     *,
     pages_per_block: int,
-    shared_block: int,
     mask_value: float,
     num_kv_heads: int,
     sinks: jax.Array | None,
@@ -202,7 +204,6 @@ def _attend_by_requests(
     items overwrite, and which hold zeros if another path owns them.
     """
     tokens, num_heads, head_dim = queries.shape
-    pages_per_block = shared_block  # not the per-token path's
     block_q, block_kv = QUERY_BLOCK, pages_per_block * kv_pages.shape[1]
     shape = (block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
     padded = jnp.pad(queries, ((0, block_q), (0, 0), (0, 0))).reshape(tokens + block_q,
