@@ -16,6 +16,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, quantization, yarn
 from jaxinfer.model.quantization import QuantizedWeight
+from jaxinfer.pallas.row_sum import row_sum
 
 
 def min_matmul_rows(dtype: jnp.dtype, quantization: str | None = None) -> int:
@@ -42,23 +43,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     """RMSNorm over the last axis scaled by (offset + weight), computed in float32 as HF
     does (Gemma: offset 1)."""
     x = x.astype(jnp.float32)
-    mean_square = _row_sum(x * x)[..., None] / x.shape[-1]
+    mean_square = row_sum(x * x)[..., None] / x.shape[-1]
     x = x * jax.lax.rsqrt(mean_square + eps)
     return x * (offset + weight.astype(jnp.float32))
-
-
-def _row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by halving it with elementwise adds, so each row is added
-    in one fixed order whatever the row count: XLA:CPU's reduce rounds a row differently
-    with fewer than 16 rows (decode buckets of 1-8 requests), which made a request's
-    greedy tokens depend on the batch it ran in (tests/engine/test_batch_invariance.py)."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        odd = x[..., 2 * half:]  # one column when the width is odd
-        x = x[..., :half] + x[..., half:2 * half]
-        if odd.shape[-1]:
-            x = jnp.concatenate([x[..., :1] + odd, x[..., 1:]], axis=-1)
-    return x[..., 0]
 
 
 def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:

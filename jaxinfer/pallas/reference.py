@@ -37,15 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas.row_sum import row_sum
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
-# KV positions per step of the online softmax, the same on every path: the running max
-# and sum are rescaled at block boundaries, so a block size of its own per path (128 for
-# prompt chunks, 32 per token) rounded a token's attention differently with the path it
-# took, and a request's bf16 greedy tokens with its batching (a prefix-cache hit or a
-# decode after a prompt chunk runs one path, the same token elsewhere another). 128 for
-# the prompt path as well cost no measurable time on CPU (512-token prefill steps).
+# KV positions per step of the online softmax, one size on every path: the running max
+# and sum are rescaled at block boundaries, so a size per path rounded a token's
+# attention differently with the path its batching sent it down.
 KV_BLOCK_TOKENS = 32
 QUERY_BLOCK = 64  # query rows per loop item when a step holds prefill chunks
 BF16_STORAGE = jnp.uint16  # page dtype that stores bfloat16 bits (see the module doc)
@@ -384,23 +382,9 @@ def _kv_block_update(
     new_max = jnp.maximum(running_max, scores.max(axis=3))  # [Tb, G, R]
     probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
     scale = jnp.exp(running_max - new_max)
-    total = total * scale + _tree_sum(probs)
+    total = total * scale + row_sum(probs)
     update = jnp.einsum("tgrc,cgh->tgrh" if shared else "tgrc,tcgh->tgrh", probs, v)
     return new_max, total, acc * scale[..., None] + update
-
-
-def _tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by halving it with elementwise adds: each row's additions
-    come in one fixed order, whatever the other axes hold. XLA:CPU's reduce of the same
-    row rounds differently with the number of rows (measured: 16 vs 32 decode tokens),
-    which made a request's output depend on the batch it ran in."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        odd = x[..., 2 * half:]
-        x = x[..., :half] + x[..., half:2 * half]
-        if odd.shape[-1]:
-            x = jnp.concatenate([x[..., :1] + odd, x[..., 1:]], axis=-1)
-    return x[..., 0]
 
 
 def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:
