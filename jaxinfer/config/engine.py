@@ -158,6 +158,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices the model is split over (tensor parallelism); must divide the query "
         "heads, and divide the KV heads or be a multiple of them")
+    data_parallel_size: int = setting(
+        1, "replicas of the model (data parallelism), each on its own tensor_parallel_size "
+        "devices with its own scheduler and KV pool; requests go to the replica that has "
+        "their prefix cached, else the least loaded (vLLM's --data-parallel-size)")
     enable_expert_parallel: bool = setting(
         False, "mixture-of-experts models: each of the tensor_parallel_size devices holds "
         "whole experts (it must divide their number) instead of a slice of every expert; "
@@ -178,7 +182,7 @@ class EngineConfig:
                 raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
                                  f"of {choices}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
