@@ -19,8 +19,11 @@ engine is the multi-host one). Its price is that inputs must be identical, and a
 mismatch would desynchronize the processes' collectives into a hang or garbage; so
 `check_same` compares digests once, at the start: the served model, engine settings
 and page pool (loading.py), the batch input file (batch.py), the prompt and sampling
-(the CLI's generate). A server, whose requests reach process 0 only, would need
-process 0 to broadcast new requests and aborts at step boundaries: not built.
+(the CLI's generate). The server, whose requests reach process 0 only, runs the same
+engine on every process too: process 0 publishes what it added and aborted before each
+step, the others apply it before theirs (jaxinfer/engine/lockstep.py, over the
+coordination service's key-value store: jaxinfer/lockstep_channel.py; docs/serving.md,
+"Multi-host serving").
 
 Outputs: only process 0 (`is_primary`) writes result files and prints results; the
 others run every step and discard them. `broadcast_from_primary` hands process 0's
@@ -75,6 +78,11 @@ def initialize(cfg: DistributedConfig) -> bool:
     log.info("process %d of %d: %d local device(s) of %d", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
+
+
+def process_count() -> int:
+    """Processes in the job (1: single-host)."""
+    return jax.process_count()
 
 
 def is_primary() -> bool:

@@ -72,7 +72,7 @@ COMMANDS = {
                             *RAY_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /health, /metrics)",
-                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS)),
+                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
                        "(--quantization: quantized weights)",
                        flags=("model", "output", "dtype", "quantization",

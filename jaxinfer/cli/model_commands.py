@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
+import typing
 
 from absl import app
 
@@ -123,9 +126,20 @@ def eval_ppl() -> None:
 
 
 def serve() -> None:
-    from jaxinfer import server
+    """Serve over HTTP. Multi-host (the distributed flags): process 0 serves, the other
+    processes follow its engine step by step (jaxinfer/engine/lockstep.py)."""
+    from jaxinfer import distributed, server
+    from jaxinfer.engine import lockstep
 
     config = from_flags(ServerConfig, **{name: FLAGS[name].value for name in SERVER_FLAGS})
+    multihost = distributed.process_count() > 1
+    if multihost:
+        try:
+            lockstep.check_lockstep(engine_config())
+        except ValueError as e:
+            raise app.UsageError(f"--{e}") from None
+    if multihost and not distributed.is_primary():
+        return _follow()
     sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
     llm = make_llm()
     name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
@@ -134,5 +148,42 @@ def serve() -> None:
         sys.stderr.write(f"jaxinfer: serving {name!r} at {url}/v1\n")
         sys.stderr.flush()
 
-    server.serve(llm, config, sock, model_name=name, ready=ready)
+    leader = None
+    if multihost:
+        from jaxinfer.lockstep_channel import KeyValueChannel
+
+        leader = lockstep.Leader(llm.engine, KeyValueChannel())
+    server.serve(llm, config, sock, model_name=name, ready=ready, lockstep=leader,
+                 step_timeout_s=FLAGS.heartbeat_timeout_s if multihost else None)
+
+
+def _follow() -> None:
+    """A follower of a multi-host server: no HTTP, process 0's engine operations applied
+    before each step. SIGTERM does not stop it (a slice's stop reaches every host at
+    once, and process 0 drains first): it returns when process 0 says shutdown. A step
+    that fails or hangs past --heartbeat_timeout_s exits non-zero at once (JAX's
+    shutdown barrier would wait for the peer that is gone)."""
+    from jaxinfer.engine import lockstep
+    from jaxinfer.lockstep_channel import KeyValueChannel
+
+    signal.signal(signal.SIGTERM, lambda sig, frame: logging.info(
+        "follower: SIGTERM ignored; process 0 drains and then stops every process"))
+    llm = make_llm()
+    timeout = FLAGS.heartbeat_timeout_s
+    watchdog = lockstep.Watchdog(timeout, lambda seconds: _exit_failed(
+        f"a step has run for {seconds:.0f}s, longer than --heartbeat_timeout_s={timeout}"))
+    sys.stderr.write("jaxinfer: following process 0's server\n")
+    sys.stderr.flush()
+    try:
+        steps = lockstep.follow(llm.engine, KeyValueChannel(), watchdog=watchdog)
+    except Exception as e:
+        logging.exception("follower failed")
+        _exit_failed(f"{type(e).__name__}: {e}")
+    logging.info("follower: ran %d steps", steps)
+
+
+def _exit_failed(why: str) -> typing.NoReturn:
+    sys.stderr.write(f"jaxinfer: serve: the multi-host engine failed: {why}\n")
+    sys.stderr.flush()
+    os._exit(1)
 

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -28,6 +30,7 @@ import uvicorn
 
 from jaxinfer.api import LLM
 from jaxinfer.config import ServerConfig
+from jaxinfer.engine.lockstep import Leader, Watchdog
 from jaxinfer.server import http
 from jaxinfer.server.app import ServerState, create_app
 from jaxinfer.server.engine_loop import EngineLoop
@@ -36,13 +39,22 @@ log = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
 FORCED_MESSAGE = "the server was stopped (a second signal) before the request finished"
 FORCED_GRACE_S = 1.0  # for the aborted streams' last events after a second signal
+FAILURE_GRACE_S = 2.0  # multi-host: for the failed requests' error responses, then exit
+ENGINE_FAILED_EXIT = 1
 
 
 def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
-          model_name: str, ready: Callable[[str], None] | None = None) -> None:
+          model_name: str, ready: Callable[[str], None] | None = None,
+          lockstep: Leader | None = None, step_timeout_s: float | None = None) -> None:
     """Serve `llm` until a signal, on `sock` (from `bind`) or a socket bound to the
-    config's host and port; `ready(url)` is called once it listens."""
-    loop = EngineLoop(llm.engine, max_waiting_requests=config.max_waiting_requests)
+    config's host and port; `ready(url)` is called once it listens. Multi-host, process
+    0: `lockstep` wraps `llm.engine` (engine/lockstep.py), a step running longer than
+    `step_timeout_s` fails the engine, and so does a step that raises; either exits the
+    process non-zero FAILURE_GRACE_S later."""
+    loop = EngineLoop(lockstep or llm.engine,
+                      max_waiting_requests=config.max_waiting_requests)
+    if lockstep is not None:
+        _fail_fatally(loop, lockstep, step_timeout_s)
     state = _state(llm, config, loop, model_name)
     app = create_app(state)
     sock = sock or bind(config.host, config.port)
@@ -60,7 +72,33 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     finally:
         loop.stop()
         sock.close()
+        if lockstep is not None and loop.healthy:
+            lockstep.close()  # after the drain: the followers return
     log.info("server at %s stopped", url)
+
+
+def _fail_fatally(loop: EngineLoop, lockstep: Leader, step_timeout_s: float | None) -> None:
+    """Multi-host: an engine failure ends the process, non-zero, once the failed requests'
+    responses had FAILURE_GRACE_S to go out (a lost process cannot rejoin the job, and
+    JAX's shutdown barrier would wait for it); a step that hangs is such a failure."""
+    def exit_soon(failure: str) -> None:
+        log.error("multi-host engine failed (%s); exiting in %ss", failure, FAILURE_GRACE_S)
+        _after(FAILURE_GRACE_S, _exit_now)
+
+    def hung(seconds: float) -> None:
+        loop.fail(TimeoutError(
+            f"an engine step has run for {seconds:.0f}s, longer than heartbeat_timeout_s="
+            f"{step_timeout_s}: a process of the multi-host job is lost or hung"))
+
+    loop.on_failure = exit_soon
+    if step_timeout_s is not None:
+        lockstep.watchdog = Watchdog(step_timeout_s, hung)
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(ENGINE_FAILED_EXIT)
 
 
 def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:

@@ -316,13 +316,26 @@ class EngineLoop:
         self._streams.pop(request_id, None)
         self.engine.release(request_id)
 
+    # Called once, with the failure, after the requests in flight were failed: a
+    # multi-host server exits then (server/__init__.py), a lost process cannot rejoin.
+    on_failure: Callable[[str], None] | None = None
+
+    def fail(self, error: Exception) -> None:
+        """Fail the engine from another thread, the engine thread being stuck in a step
+        that does not return (the multi-host step watchdog)."""
+        if self.healthy:
+            self._fail_engine(error)
+
     def _fail_engine(self, error: Exception) -> None:
-        log.exception("the engine failed; failing %d requests", len(self._streams))
+        log.error("the engine failed; failing %d requests", len(self._streams),
+                  exc_info=error)
         self.failure = f"{type(error).__name__}: {error}"
-        for stream, _ in self._streams.values():
+        for stream, _ in list(self._streams.values()):
             stream.post(Update([], True, APIError(500, f"the engine failed: {self.failure}",
                                                   code="engine_failed")))
         self._streams.clear()
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
 
 def _param(submission: Submission, error: Exception) -> str:

@@ -65,12 +65,14 @@ class Server:
         return self.process.wait(timeout)
 
 
-def start_server(*flags: str, **engine_flags: object) -> Server:
-    """Start `serve` on a free port and wait until it listens (after warm-up)."""
+def start_server(*flags: str, env: dict[str, str] | None = None,
+                 **engine_flags: object) -> Server:
+    """Start `serve` on a free port and wait until it listens (after warm-up); `env`:
+    more environment variables."""
     settings = ENGINE_FLAGS | engine_flags
     command = [sys.executable, "-m", "jaxinfer", "serve", "--port=0",
                *(f"--{k}={v}" for k, v in settings.items()), *flags]
-    env = os.environ | {"PYTHONPATH": str(pathlib.Path(__file__).parents[2])}
+    env = os.environ | {"PYTHONPATH": str(pathlib.Path(__file__).parents[2])} | (env or {})
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                text=True, env=env)
     log: list[str] = []
