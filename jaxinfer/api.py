@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
-from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.data_parallel import make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -44,7 +44,7 @@ class LLM:
                 " is not there: it comes with a git checkout of jaxinfer, not with the "
                 "wheel. Give a model directory: LLM(model=DIR), or --model=DIR")
         runner.use_compilation_cache(config.compilation_cache_dir)
-        self.engine = Engine(model, config, warm_up=warm_up)
+        self.engine = make_engine(model, config, warm_up=warm_up)  # DP > 1: replicas
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len

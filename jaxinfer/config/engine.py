@@ -20,6 +20,8 @@ QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantizat
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram")
+# data-parallel request routing (SGLang's names): jaxinfer/engine/routing.py
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -162,6 +164,11 @@ class EngineConfig:
         1, "replicas of the model (data parallelism), each on its own tensor_parallel_size "
         "devices with its own scheduler and KV pool; requests go to the replica that has "
         "their prefix cached, else the least loaded (vLLM's --data-parallel-size)")
+    load_balance_method: str = setting(
+        "cache_aware", "with data_parallel_size > 1, which replica a request goes to: "
+        "cache_aware (the one that has its leading pages, unless it is the busier by a "
+        "batch; else the least loaded), round_robin, shortest_queue (SGLang's names)",
+        LOAD_BALANCE_METHODS)
     enable_expert_parallel: bool = setting(
         False, "mixture-of-experts models: each of the tensor_parallel_size devices holds "
         "whole experts (it must divide their number) instead of a slice of every expert; "

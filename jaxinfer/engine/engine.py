@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import os
 import random
 import time
@@ -35,6 +34,7 @@ from jaxinfer.engine.request import (
     Request,
     RequestOutput,
     SamplingParams,
+    token_id,
 )
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
@@ -47,10 +47,12 @@ class Engine:
     """A model served with continuous batching over a paged KV cache."""
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
-                 *, warm_up: bool = True) -> None:
+                 *, warm_up: bool = True, replica: int = 0,
+                 params_from: dict | None = None) -> None:
+        """`replica`, `params_from`: a data-parallel replica (engine/data_parallel.py)."""
         config = config or EngineConfig()
         self.config = config
-        loaded = loading.load(model, config)
+        loaded = loading.load(model, config, replica=replica, params_from=params_from)
         self.model_dir = loaded.model_dir
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer  # None with skip_tokenizer_init
@@ -143,7 +145,7 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
                              f"{self.max_model_len} leaves no room to generate")
         vocab = self.model_config.vocab_size
-        tokens = [_token_id(t) for t in ids]
+        tokens = [token_id(t) for t in ids]
         bad = [t for t, i in zip(ids, tokens, strict=True) if i is None or not 0 <= i < vocab]
         if bad:
             raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
@@ -232,6 +234,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def counts(self) -> tuple[int, int, int]:
+        """(waiting, running, slots): completions waiting and running, and max_num_seqs."""
+        scheduler = self.scheduler
+        return len(scheduler.waiting), len(scheduler.running), scheduler.max_num_seqs
 
     def output(self, request_id: str) -> RequestOutput:
         return self._outputs[request_id]
@@ -391,10 +398,3 @@ class _Dispatched:
     dispatched: float  # perf_counter() when it was sent
     bytes: int  # host-to-device bytes it sent
 
-
-def _token_id(token: object) -> int | None:
-    """A prompt entry as a token id (ints and numpy ints alike), or None if not one."""
-    try:
-        return operator.index(token)
-    except TypeError:
-        return None

@@ -26,6 +26,8 @@ import logging
 import os
 import pathlib
 
+import jax
+
 from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -65,8 +67,12 @@ class LoadedModel:
     speculation: Speculation | None = None
 
 
-def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
-    """Read the checkpoint at `model_dir` and build its runner as `config` says."""
+def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0,
+         params_from: dict | None = None) -> LoadedModel:
+    """Read the checkpoint at `model_dir` and build its runner as `config` says, on the
+    devices of data-parallel replica `replica`. `params_from`: another replica's device
+    params (already quantized), copied device to device instead of reading the weights
+    again (a draft model is read again)."""
     root = pathlib.Path(model_dir)
     model_config = dataclasses.replace(checkpoint.load_config(root),
                                        expert_parallel=config.enable_expert_parallel)
@@ -76,7 +82,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     defaults = default_sampling_params(root)
     config = with_checkpoint_quantization(root, config)
     max_len = max_model_len(model_config, config)
-    mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size)
+    mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
+                                config.data_parallel_size, replica)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     draft = draft_config(root, model_config, config, max_len)
     served_draft = draft and sharding.served_config(draft, config.tensor_parallel_size)
@@ -88,7 +95,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
     check_same_engine(served, config, max_len, memory_plan.num_pages
                       if not memory_plan.num_sliding_pages  # two groups: both pools
                       else (memory_plan.num_pages, memory_plan.num_sliding_pages))
-    params = checkpoint.load_params(root, model_config, config.dtype, mesh)
+    params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh)
     if config.quantization is not None and quantization.mode_of(params) is None:
         if config.quantization == "int4":  # activation-aware scales before rounding
             params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
@@ -123,6 +130,18 @@ def load(model_dir: str | os.PathLike, config: EngineConfig) -> LoadedModel:
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
+
+
+def check_data_parallel(config: EngineConfig) -> None:
+    """Raise ValueError unless data-parallel replicas can run here: one process (a
+    multi-host job runs one replica over every process's devices), and
+    data_parallel_size x tensor_parallel_size devices present."""
+    if jax.process_count() > 1:
+        raise ValueError(f"data_parallel_size={config.data_parallel_size} with several "
+                         "processes (a multi-host job): not supported; run one replica "
+                         "over all processes (data_parallel_size=1), or one server or Ray "
+                         "replica per host")
+    sharding.layout_mesh(config.data_parallel_size, config.tensor_parallel_size)
 
 
 def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS; vLLM also raises those
@@ -252,3 +253,11 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs
+
+
+def token_id(token: object) -> int | None:
+    """A prompt entry as a token id (ints and numpy ints alike), or None if not one."""
+    try:
+        return operator.index(token)
+    except TypeError:
+        return None

@@ -14,10 +14,11 @@ model then runs as `served_config(cfg, n)`, a model with n KV heads whose query 
 groups are the original groups split in n / G parts. Its KV cache holds the copies, so
 KV bytes per token grow by that factor overall, and each device stores one head.
 
-Adding a data axis later: make the mesh 2-D, ("data", "model"); shard the KV cache's
-page axis and the step's request rows over "data" (each data replica runs its own
-requests), keep params replicated over "data"; the specs here gain that axis and
-nothing inside the model changes.
+Data parallelism (`data_parallel_size`): a 2-D mesh ("data", "model") whose row r holds
+replica r's `tensor_parallel_size` devices (`layout_mesh`). Each replica is its own engine
+on its own row (`replica_mesh`, a 1-D "model" mesh): its own params copy, KV pool,
+scheduler and compiled steps, so nothing here changes per replica (docs/architecture.md,
+"Data parallelism", says why not one program over the whole mesh).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion
 from jaxinfer.model.params_table import MODEL_AXIS
+
+DATA_AXIS = "data"  # data-parallel replicas: rows of layout_mesh
 
 
 def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int) -> None:
@@ -96,6 +99,26 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
                          f"{len(devices)} device(s) present")
     return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,),
+                axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def layout_mesh(data_parallel_size: int, tensor_parallel_size: int,
+                devices: list | None = None) -> Mesh:
+    """The ("data", "model") mesh over the first data_parallel_size x tensor_parallel_size
+    devices (JAX's global order): row r is replica r's devices."""
+    devices = jax.devices() if devices is None else devices
+    wanted = data_parallel_size * tensor_parallel_size
+    if wanted > len(devices):
+        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
+                         f"{tensor_parallel_size} needs {wanted} devices; "
+                         f"{len(devices)} present")
+    grid = np.array(devices[:wanted]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def replica_mesh(layout: Mesh, replica: int) -> Mesh:
+    """Replica `replica`'s own 1-D mesh: its row of `layout`."""
+    return Mesh(layout.devices[replica], (MODEL_AXIS,),
                 axis_types=(jax.sharding.AxisType.Auto,))
 
 

@@ -5,6 +5,10 @@ under a `jaxinfer:` prefix.
 exposition needs (the same `Metrics` object `llm.metrics()` summarizes); the
 exposition then builds the families from that copy, so a scrape never reads
 state a step is changing.
+
+Data parallelism: each replica's samples carry vLLM's label `engine` (the replica's
+index), one series per replica in every family; totals are their sum
+(`sum without (engine) (...)`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ PREFIX = "jaxinfer:"
 
 
 def snapshot(engine: Engine) -> dict[str, Any]:
-    """A copy of the counters and gauges (call on the engine thread)."""
+    """A copy of the counters and gauges (call on the engine thread); with data-parallel
+    replicas, each replica's under "replicas"."""
+    if hasattr(engine, "replicas"):
+        return {"replicas": [snapshot(replica) for replica in engine.replicas]}
     metrics, scheduler = engine.metrics, engine.scheduler
     pool = scheduler.pool
     return {"summary": metrics.summary(), "latency": copy.deepcopy(metrics.latency),
@@ -52,16 +59,34 @@ class _Collector:
         self.snap = snap
 
     def collect(self) -> Iterator[Metric]:
-        yield from _gauges(self.snap)
-        yield from _counters(self.snap)
-        latency = self.snap["latency"]
-        yield _histogram("time_to_first_token_seconds", "time to first token", latency.ttft)
-        yield _histogram("inter_token_latency_seconds", "time between output tokens",
-                         latency.itl)
-        yield _histogram("e2e_request_latency_seconds", "request latency, arrival to finish",
-                         latency.e2e)
-        yield _histogram("request_queue_time_seconds", "arrival to first scheduled step",
-                         latency.queue)
+        if "replicas" not in self.snap:
+            yield from _families(self.snap)
+            return
+        merged: dict[str, Metric] = {}
+        for index, snap in enumerate(self.snap["replicas"]):
+            for family in _families(snap):
+                into = merged.setdefault(family.name, family)
+                labelled = [sample._replace(labels=sample.labels | {"engine": str(index)})
+                            for sample in family.samples]
+                if into is family:
+                    family.samples = labelled
+                else:
+                    into.samples.extend(labelled)
+        yield from merged.values()
+
+
+def _families(snap: dict[str, Any]) -> Iterator[Metric]:
+    """One engine's families."""
+    yield from _gauges(snap)
+    yield from _counters(snap)
+    latency = snap["latency"]
+    yield _histogram("time_to_first_token_seconds", "time to first token", latency.ttft)
+    yield _histogram("inter_token_latency_seconds", "time between output tokens",
+                     latency.itl)
+    yield _histogram("e2e_request_latency_seconds", "request latency, arrival to finish",
+                     latency.e2e)
+    yield _histogram("request_queue_time_seconds", "arrival to first scheduled step",
+                     latency.queue)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

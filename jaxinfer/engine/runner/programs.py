@@ -73,10 +73,13 @@ def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
         num_top=jax.ShapeDtypeStruct((1,), jnp.int32))
 
 
-def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh:
-    """The mesh a model is served on, after checking the size suits it (sharding.py)."""
+def make_mesh(cfg: ModelConfig, tensor_parallel_size: int, data_parallel_size: int = 1,
+              replica: int = 0) -> Mesh:
+    """Replica `replica`'s mesh (its row of the data x model layout), after checking the
+    size suits the model and the devices are there (sharding.py)."""
     sharding.validate(cfg, tensor_parallel_size, jax.device_count())
-    return sharding.make_mesh(tensor_parallel_size)
+    layout = sharding.layout_mesh(data_parallel_size, tensor_parallel_size)
+    return sharding.replica_mesh(layout, replica)
 
 
 def min_step_tokens(dtype: str, quantization: str | None = None) -> int:

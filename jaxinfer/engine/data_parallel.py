@@ -1,0 +1,145 @@
+"""Data parallelism: `data_parallel_size` replicas of the model behind the Engine's face.
+
+Replica r is a whole `Engine` on row r of the ("data", "model") device mesh
+(model/sharding.py): its own params copy (read from the checkpoint once, then copied
+device to device), KV pool, scheduler, batch state and compiled steps. A request lives
+on one replica from `add_prepared` to `release`; the `Router` picks it
+(engine/routing.py). `step()` steps every replica with work, in turn: each step
+dispatches its next device step before reading back its last, so every replica's
+devices stay busy while the host serves the others. docs/architecture.md ("Data
+parallelism") says why one engine per replica and not one program over the whole mesh.
+
+Seeds: requests that give none get one drawn here from `EngineConfig.seed`, in the
+order they are added, as a single engine draws them, so a request samples the same
+tokens whichever replica runs it. Metrics: `metrics.summary()` gives totals over the
+replicas and each replica's own summary under "replicas" (metrics_merge.py).
+
+Multi-host jobs run one replica (data_parallel_size=1) over all their processes'
+devices: several replicas each spanning hosts are not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from collections.abc import Sequence
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import loading
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.metrics_merge import ReplicaMetrics
+from jaxinfer.engine.request import PreparedRequest, RequestOutput, SamplingParams
+from jaxinfer.engine.routing import Router
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(model: str | os.PathLike, config: EngineConfig, *,
+                warm_up: bool = True) -> Engine | DataParallelEngine:
+    """An Engine, or with data_parallel_size > 1 a DataParallelEngine."""
+    if config.data_parallel_size == 1:
+        return Engine(model, config, warm_up=warm_up)
+    return DataParallelEngine(model, config, warm_up=warm_up)
+
+
+class DataParallelEngine:
+    """`data_parallel_size` Engines with the Engine's methods; requests routed to one."""
+
+    def __init__(self, model: str | os.PathLike, config: EngineConfig, *,
+                 warm_up: bool = True) -> None:
+        loading.check_data_parallel(config)
+        first = Engine(model, config, warm_up=False)
+        self.replicas = [first] + [
+            Engine(model, config, warm_up=False, replica=r, params_from=first.runner.params)
+            for r in range(1, config.data_parallel_size)]
+        self.config = config
+        for name in ("model_dir", "model_config", "tokenizer", "eos_token_ids",
+                     "default_params", "max_model_len", "memory_plan"):
+            setattr(self, name, getattr(first, name))  # the same for every replica
+        self.router = Router(len(self.replicas), page_size=config.page_size,
+                             method=config.load_balance_method,
+                             balance_threshold=config.max_num_seqs,
+                             max_pages=first.memory_plan.num_pages)
+        self.metrics = ReplicaMetrics([engine.metrics for engine in self.replicas])
+        self._rng = random.Random(config.seed)
+        self._owner: dict[str, int] = {}  # request id -> its replica
+        if warm_up:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile every replica's buckets (each replica's devices need their own)."""
+        for index, engine in enumerate(self.replicas):
+            log.info("warming up replica %d of %d", index + 1, len(self.replicas))
+            engine.warm_up()
+
+    # ---- requests: checked by replica 0 (all check alike), run on the routed one ------
+
+    def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
+                         messages: list[dict] | None = None, *,
+                         add_generation_prompt: bool = True) -> list[int]:
+        return self.replicas[0].prompt_token_ids(
+            prompt, messages, add_generation_prompt=add_generation_prompt)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.replicas[0].check_params(params)
+
+    def prepare(self, prompt: str | Sequence[int] | None = None,
+                params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                prompt_token_ids: list[int] | None = None) -> PreparedRequest:
+        return self.replicas[0].prepare(prompt, params, messages=messages,
+                                        prompt_token_ids=prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
+                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
+        self.add_prepared(request_id, self.prepare(prompt, params, messages=messages,
+                                                   prompt_token_ids=prompt_token_ids),
+                          priority=priority)
+
+    def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
+                     priority: int = 0) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = prepared.params
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
+            prepared = dataclasses.replace(prepared, params=params)
+        replica = self.router.pick(prepared.prompt_token_ids, self.loads())
+        self.replicas[replica].add_prepared(request_id, prepared, priority=priority)
+        self._owner[request_id] = replica
+
+    def replica_of(self, request_id: str) -> int:
+        return self._owner[request_id]
+
+    def loads(self) -> list[int]:
+        """Completions waiting or running on each replica."""
+        return [waiting + running for waiting, running, _ in
+                (engine.counts() for engine in self.replicas)]
+
+    def counts(self) -> tuple[int, int, int]:
+        """(waiting, running, slots) summed over the replicas."""
+        waiting, running, slots = zip(*(e.counts() for e in self.replicas), strict=True)
+        return sum(waiting), sum(running), sum(slots)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._owner:
+            self.replicas[self._owner[request_id]].abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(engine.has_unfinished() for engine in self.replicas)
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self.replicas[self._owner[request_id]].output(request_id)
+
+    def release(self, request_id: str) -> RequestOutput:
+        return self.replicas[self._owner.pop(request_id)].release(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica that has work; their outputs together."""
+        outputs = []
+        for engine in self.replicas:
+            if engine.has_unfinished():
+                outputs.extend(engine.step())
+        return outputs
