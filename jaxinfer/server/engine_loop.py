@@ -80,7 +80,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._admitting = 0  # completions submitted, not yet added to the engine
         self._waiting = 0  # completions the scheduler holds waiting, after the last step
-        self._slots = engine.scheduler.max_num_seqs
+        self._slots = engine.counts()[2]  # max_num_seqs, of every data-parallel replica
         self._free = self._slots  # slots the running batch does not use, after the last step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -273,9 +273,8 @@ class EngineLoop:
                 self._count()
 
     def _count(self) -> None:
-        scheduler = self.engine.scheduler
-        self._waiting = len(scheduler.waiting)
-        self._free = max(0, self._slots - len(scheduler.running))
+        self._waiting, running, _ = self.engine.counts()
+        self._free = max(0, self._slots - running)
 
     def _prompt_text(self, prompt: str | list[int] | None, ids: list[int]) -> str:
         """What an echo shows: a text prompt as given, token ids decoded (special tokens
