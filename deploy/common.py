@@ -32,9 +32,10 @@ REMOTE_MODELS = "models"
 REMOTE_IO = "jaxinfer-io"
 REMOTE_INPUT = f"{REMOTE_IO}/input.jsonl"
 REMOTE_RESULTS = f"{REMOTE_IO}/results.jsonl"
+REMOTE_SERVE_PID = f"{REMOTE_IO}/serve.pid"  # the run step's server, for the stop step
 PYTHON_VERSION = "3.11"  # pyproject: requires-python >=3.11,<3.12; jax 0.10.2 needs >=3.11
 RAY_STEPS = ("ray_up", "ray_job", "ray_down")  # deploy/ray_cluster.py
-STEPS = ("create", "install", "model", "run", "fetch", "delete", *RAY_STEPS)
+STEPS = ("create", "install", "model", "run", "stop", "fetch", "delete", *RAY_STEPS)
 # Shorthands; neither deletes (delete explicitly) nor stops Ray.
 COMPOSITE_STEPS = {"all": ("create", "install", "model", "run", "fetch"),
                    "ray_all": ("create", "install", "model", "ray_up", "ray_job", "fetch")}
@@ -191,15 +192,29 @@ def model_dir(model: str) -> str:
 
 def jaxinfer_command(args: argparse.Namespace, *, tensor_parallel_size: int,
                      multihost: Sequence[str] = ()) -> str:
-    """`python -m jaxinfer generate|batch ...` as run on a host (from its home directory)."""
+    """`python -m jaxinfer generate|batch|serve ...` as run on a host (from its home
+    directory). serve: every host runs the same command; process 0 (worker 0) listens on
+    0.0.0.0:--port, the others follow it. The shell's pid is written first and the
+    server `exec`s in its place, so the stop step signals exactly it."""
     cmd = [REMOTE_PYTHON, "-m", "jaxinfer", args.task, f"--model={model_dir(args.model)}"]
     if args.task == "generate":
         cmd += [f"--prompt={args.prompt}", f"--max_tokens={args.max_tokens}"]
-    else:
+    elif args.task == "batch":
         cmd += [f"--input={REMOTE_INPUT}", f"--output={REMOTE_RESULTS}"]
+    else:
+        cmd += ["--host=0.0.0.0", f"--port={args.port}"]
     cmd += [f"--dtype={args.dtype}", f"--tensor_parallel_size={tensor_parallel_size}",
             *multihost, *shlex.split(args.extra)]
-    return remote(shlex.join(cmd))
+    if args.task != "serve":
+        return remote(shlex.join(cmd))
+    return remote(f"mkdir -p {REMOTE_IO}", f"echo $$ > {REMOTE_SERVE_PID}",
+                  "exec " + shlex.join(cmd))
+
+
+def stop_command() -> str:
+    """SIGTERM to the server the run step started on a host: process 0 drains its
+    requests in flight, then every process exits 0."""
+    return remote(f"kill -TERM $(cat {REMOTE_SERVE_PID})", f"rm -f {REMOTE_SERVE_PID}")
 
 
 def compute_create_flags(*, machine_type: str, image_family: str, image_project: str,
@@ -229,9 +244,12 @@ def add_common_flags(parser: argparse.ArgumentParser, *, default_name: str) -> N
                         "the VM with gcloud storage) or a local directory (copied with scp)")
     parser.add_argument("--tensor_parallel_size", type=int,
                         help="default: every chip / GPU of the VM(s)")
-    parser.add_argument("--task", choices=("generate", "batch"),
-                        help="python -m jaxinfer generate (one prompt) or batch (a JSONL "
-                        "file); default: generate, batch with ray_job or --ray")
+    parser.add_argument("--task", choices=("generate", "batch", "serve"),
+                        help="python -m jaxinfer generate (one prompt), batch (a JSONL "
+                        "file) or serve (the HTTP server, on process 0 at --port; the stop "
+                        "step ends it); default: generate, batch with ray_job or --ray")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="serve: the HTTP port on the first host (0.0.0.0)")
     parser.add_argument("--prompt", default="def fibonacci(n):", help="generate: the prompt")
     parser.add_argument("--max_tokens", type=int, default=64, help="generate: tokens")
     parser.add_argument("--input", help="batch: requests JSONL, local path or gs://")
@@ -264,9 +282,9 @@ def resolve_task(args: argparse.Namespace, steps: Sequence[str]) -> str:
     if "ray_job" in steps and "run" in steps:
         raise DeployError("run and ray_job both start jaxinfer on the same chips and write the "
                           "same results file: ask for one of them")
-    if ray and args.task == "generate":
-        raise DeployError("ray_job (and --ray) run python -m jaxinfer batch: --task=generate "
-                          "does not apply")
+    if ray and args.task in ("generate", "serve"):
+        raise DeployError("ray_job (and --ray) run python -m jaxinfer batch: "
+                          f"--task={args.task} does not apply")
     return args.task or ("batch" if ray else "generate")
 
 
@@ -277,6 +295,10 @@ def validate(args: argparse.Namespace, steps: Sequence[str]) -> None:
     if ({"run", "ray_job"} & set(steps)) and args.task == "batch" and not args.input:
         raise DeployError("batch (--task=batch, ray_job) needs --input (a JSONL file, local "
                           "or gs://)")
+    if "stop" in steps and args.task != "serve":
+        raise DeployError("the stop step ends a server: it needs --task=serve")
+    if not 0 < args.port < 65536:
+        raise DeployError(f"--port={args.port} must be in [1, 65536)")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise DeployError(f"--tensor_parallel_size={args.tensor_parallel_size} must be >= 1")
     if args.dry_run:

@@ -1,5 +1,5 @@
-"""The steps every script runs, in the order given: create, install, model, run, fetch, delete,
-and the Ray steps ray_up, ray_job, ray_down (deploy/ray_cluster.py).
+"""The steps every script runs, in the order given: create, install, model, run, stop (a
+server), fetch, delete, and the Ray steps ray_up, ray_job, ray_down (deploy/ray_cluster.py).
 
 Each step is a few gcloud commands against a target (`deploy.targets`); the scripts only
 choose the target, the pip requirements and the tensor-parallel size. Standard library only.
@@ -41,7 +41,9 @@ def run_jaxinfer(target: Target, args: argparse.Namespace, tensor_parallel_size:
         copy_to_hosts(target, args.input, common.REMOTE_INPUT, args.dry_run, is_dir=False)
     common.note(f"python -m jaxinfer {args.task} on {target.workers} host(s), "
                 f"--tensor_parallel_size={tensor_parallel_size}")
-    if target.workers > 1:
+    if args.task == "serve":
+        _note_serving(target, args)
+    elif target.workers > 1:
         written = (f"{common.REMOTE_RESULTS}, fetched from the first host" if args.task == "batch"
                    else "the completion")
         common.note("every host runs the same command on the same input; only process 0 "
@@ -56,7 +58,25 @@ def run_jaxinfer(target: Target, args: argparse.Namespace, tensor_parallel_size:
                     for i in range(target.workers)], args.dry_run)
 
 
+def _note_serving(target: Target, args: argparse.Namespace) -> None:
+    if target.workers > 1:
+        common.note("every host runs the same serve command; process 0 (the first host) "
+                    f"answers HTTP on 0.0.0.0:{args.port}, the others follow its engine step "
+                    "by step and open no port")
+    common.note("the run step lasts as long as the server; from another shell, the stop step "
+                "sends SIGTERM to every host's server (process 0 drains, then all exit 0)")
+    ssh = (f"gcloud compute tpus tpu-vm ssh {target.name} --worker=0"
+           if isinstance(target, TpuApiTarget) else f"gcloud compute ssh {target.names[0]}")
+    common.note(f"reach it inside the VPC at the first host's internal IP, port {args.port}, or "
+                f"tunnel it here: {ssh} --zone={args.zone} -- -N -L "
+                f"{args.port}:localhost:{args.port}; from the internet it needs a firewall "
+                "rule (not scripted) and --extra=--api_key=KEY")
+
+
 def fetch(target: Target, args: argparse.Namespace) -> None:
+    if args.task == "serve":
+        common.note("serve writes no results: nothing to fetch")
+        return
     if args.task != "batch":
         common.note("generate prints its completion in the run step's output: nothing to fetch")
         return
@@ -91,6 +111,8 @@ def execute(steps: Sequence[str], args: argparse.Namespace, target: Target, *,
                           is_dir=True)
         elif step == "run":
             run_jaxinfer(target, args, tensor_parallel_size, multihost_flags, run_flags)
+        elif step == "stop":
+            target.ssh_all(common.stop_command(), args.dry_run)
         elif step == "fetch":
             fetch(target, args)
         elif step == "delete":

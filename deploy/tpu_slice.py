@@ -7,13 +7,16 @@ The slice comes from the Cloud TPU API's queued resources (`gcloud compute tpus
 queued-resources create`, runtime v2-alpha-tpuv5-lite / v2-alpha-tpuv6e). Multi-host slices
 are built from 4-chip hosts, so v5litepod-16 has 4 workers. Every step reaches all of them at
 once with `gcloud compute tpus tpu-vm ssh|scp --worker=all`; the run step starts `python -m
-jaxinfer batch|generate --tensor_parallel_size=<all chips of the slice> --detect_distributed`
+jaxinfer batch|generate|serve --tensor_parallel_size=<all chips of the slice> --detect_distributed`
 on every host: JAX finds the coordinator, the process count and each process id by itself on
 a TPU slice, so no --coordinator_address/--num_processes/--process_id flags are passed
 (jaxinfer joins a multi-host job only when asked, hence --detect_distributed). Only
 process 0 writes results; fetch copies them from worker 0. ray_up/ray_job/ray_down instead
 make the hosts one Ray cluster running replicas of at most one host each
-(deploy/ray_cluster.py). See deploy/README.md. Standard library only.
+(deploy/ray_cluster.py). `--task=serve` starts `python -m jaxinfer serve` on every host the
+same way: process 0 (worker 0) answers HTTP on 0.0.0.0:--port, the others follow its engine;
+the stop step sends SIGTERM to every host's server. See deploy/README.md. Standard library
+only.
 """
 
 from __future__ import annotations

@@ -68,12 +68,13 @@ def remote(cmd: list[str]) -> str:
 
 
 def jaxinfer_runs(cmds: list[list[str]]) -> list[list[str]]:
-    """argv of every `python -m jaxinfer generate|batch` inside an ssh --command."""
+    """argv of every `python -m jaxinfer generate|batch|serve` inside an ssh --command (a
+    leading `exec` dropped)."""
     runs = []
     for cmd in cmds:
         for part in (remote(cmd).split("; ") if flag(cmd, "--command") else []):
-            if "-m jaxinfer generate" in part or "-m jaxinfer batch" in part:
-                runs.append(shlex.split(part))
+            if any(f"-m jaxinfer {task}" in part for task in ("generate", "batch", "serve")):
+                runs.append(shlex.split(part.removeprefix("exec ")))
     return runs
 
 

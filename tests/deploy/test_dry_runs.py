@@ -151,6 +151,38 @@ def test_gpu_vm_tensor_parallel_size_is_the_gpu_count(fake_path, machine, gpus):
     assert f"--tensor_parallel_size={gpus}" in jaxinfer_runs(cmds)[0]
 
 
+def test_tpu_slice_serves_from_every_worker_and_stops_them_all(fake_path):
+    cmds, out = dry_run(fake_path, "tpu_slice", "run", "stop", "fetch", "--task=serve",
+                        "--port=8080", "--accelerator_type=v5litepod-16",
+                        "--zone=us-west4-a", "--model=gs://bucket/models/Llama-3.1-70B")
+    ssh = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh")
+    run_ssh, stop_ssh = ssh[-2:]
+    assert all(flag(cmd, "--worker") == "all" for cmd in ssh)
+    (run,) = jaxinfer_runs([run_ssh])
+    assert run[:4] == ["jaxinfer-venv/bin/python", "-m", "jaxinfer", "serve"]
+    assert "--detect_distributed" in run and "--tensor_parallel_size=16" in run
+    assert "--host=0.0.0.0" in run and "--port=8080" in run
+    assert not [a for a in run if a.split("=")[0] in ("--coordinator_address",
+                                                      "--num_processes", "--process_id")]
+    parts = remote(run_ssh).split("; ")
+    assert parts[-2] == "echo $$ > jaxinfer-io/serve.pid" and parts[-1].startswith("exec ")
+    assert "kill -TERM $(cat jaxinfer-io/serve.pid)" in remote(stop_ssh).split("; ")
+    assert "process 0 (the first host) answers HTTP on 0.0.0.0:8080" in out
+    assert "--worker=0 --zone=us-west4-a -- -N -L 8080:localhost:8080" in out
+    assert not find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp")  # nothing fetched
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("stop",), "needs --task=serve"),
+    (("ray_job", "--task=serve", "--input=in.jsonl"), "--task=serve does not apply"),
+    (("run", "--task=serve", "--port=70000"), "--port=70000"),
+])
+def test_serving_mistakes_are_refused(fake_path, args, message):
+    proc = run_script("tpu_slice", *args, *V6E, path=fake_path[0])
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "$ " not in proc.stdout
+
+
 def test_gpu_multinode_passes_the_distributed_flags(fake_path):
     cmds, out = dry_run(fake_path, "gpu_vm", "create", "run", "--num_nodes=2",
                         "--zone=us-central1-a", "--model=gs://bucket/models/Llama-3.1-70B")
@@ -171,8 +203,10 @@ def test_every_remote_command_is_valid_bash(fake_path):
     for script, *args in [("tpu_vm", "--task=batch", "--input=in.jsonl", *V6E),
                           ("tpu_slice", "--task=batch", "--input=gs://b/in.jsonl",
                            "--output=gs://b/out.jsonl", *V6E),
-                          ("gpu_vm", "--num_nodes=2", *V6E, "--model=/local/dir/M")]:
-        commands |= {remote(cmd) for cmd in dry_run(fake_path, script, *ALL, *args)[0]
+                          ("gpu_vm", "--num_nodes=2", *V6E, "--model=/local/dir/M"),
+                          ("tpu_slice", "--task=serve", *V6E)]:
+        steps = (*ALL, "stop") if "--task=serve" in args else ALL
+        commands |= {remote(cmd) for cmd in dry_run(fake_path, script, *steps, *args)[0]
                      if flag(cmd, "--command")}
     assert len(commands) >= 10
     for command in commands:
@@ -185,10 +219,11 @@ def test_jaxinfer_flags_the_scripts_pass_exist(fake_path):
     emitted: dict[str, set[str]] = {}
     for script, step, *args in [("tpu_vm", "run", *V6E), ("gpu_vm", "run", "--num_nodes=2", *V6E),
                                 ("tpu_slice", "run", "--task=batch", "--input=in.jsonl", *V6E),
-                                ("tpu_slice", "ray_job", "--input=in.jsonl", *V6E)]:
+                                ("tpu_slice", "ray_job", "--input=in.jsonl", *V6E),
+                                ("tpu_slice", "run", "--task=serve", *V6E)]:
         for run in jaxinfer_runs(dry_run(fake_path, script, step, *args)[0]):
             emitted.setdefault(run[3], set()).update(a.split("=", 1)[0] for a in run[4:])
-    assert set(emitted) == {"generate", "batch"}
+    assert set(emitted) == {"generate", "batch", "serve"}
     for task, flags in emitted.items():
         help_text = subprocess.run([sys.executable, "-m", "jaxinfer", task, "--help"], cwd=REPO,
                                    capture_output=True, text=True, timeout=60).stdout

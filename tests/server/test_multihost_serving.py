@@ -133,7 +133,8 @@ COMPLETIONS = [
     {"prompt": "def read(path):", "max_tokens": 12, "temperature": 0},
     {"prompt": "import os", "max_tokens": 12, "temperature": 0.8, "seed": 3},
     {"prompt": "x = ", "max_tokens": 8, "temperature": 0.7, "seed": 5, "n": 2},
-    {"prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": 11},
+    {"prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 1.0, "seed": 11,
+     "extra_body": {"top_k": 20}},
 ]
 
 
@@ -200,7 +201,6 @@ def test_sigterm_to_both_processes_drains_and_both_exit_0(model_dir, cache_dir):
     assert codes == [0, 0], "".join(job.server.log[-20:] + job.follower_log[-20:])
 
 
-@pytest.mark.slow
 def test_a_killed_follower_fails_the_requests_and_process_0_exits(model_dir, cache_dir):
     job = Job(model_dir, cache_dir, "--heartbeat_timeout_s=20")
     results = {}
