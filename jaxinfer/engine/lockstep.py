@@ -157,9 +157,11 @@ class Leader:
 
 
 def follow(engine: Engine, channel: Channel, *, watchdog: Watchdog | None = None,
-           stop: threading.Event | None = None) -> int:
+           stop: threading.Event | None = None,
+           on_step: Callable[[list[RequestOutput]], None] | None = None) -> int:
     """Run `engine` as process 0's `Leader` tells, until its shutdown message (or `stop`
-    is set while no message comes); returns the number of steps run."""
+    is set while no message comes); returns the number of steps run. `on_step` sees each
+    step's outputs before the finished ones are released (tests)."""
     step = 0
     while stop is None or not stop.is_set():
         data = channel.receive(step)
@@ -177,6 +179,8 @@ def follow(engine: Engine, channel: Channel, *, watchdog: Watchdog | None = None
         else:
             with watchdog.watching():
                 outputs = engine.step()
+        if on_step is not None:
+            on_step(outputs)
         for output in outputs:
             if output.finished:
                 engine.release(output.request_id)

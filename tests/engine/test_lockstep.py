@@ -1,0 +1,118 @@
+"""The lockstep protocol of multi-host serving (jaxinfer/engine/lockstep.py) in one
+process: a Leader records what is added and aborted between its steps; an engine that
+applies the published messages before each of its own steps (`follow`) produces exactly
+the leader's tokens (greedy, seeded, unseeded and n=2 requests, an abort mid-run,
+requests added while others run) and keeps none of them afterwards. The multi-process
+server: tests/server/test_multihost_serving.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from jaxinfer import SamplingParams, testing
+from jaxinfer.config import EngineConfig, SpeculativeConfig
+from jaxinfer.engine import lockstep
+from jaxinfer.engine.engine import Engine
+
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+
+
+class MemoryChannel:
+    def __init__(self) -> None:
+        self.messages: dict[int, bytes] = {}
+
+    def publish(self, step: int, message: bytes) -> None:
+        assert step not in self.messages
+        self.messages[step] = message
+
+    def receive(self, step: int) -> bytes | None:
+        return self.messages.get(step)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    testing.make_hf_model(path, "llama")
+    return path
+
+
+def _finished(outputs, into: dict) -> None:
+    for out in outputs:
+        if out.finished:
+            into[out.request_id] = [c.token_ids for c in out.outputs]
+
+
+def _lead(leader: lockstep.Leader) -> dict:
+    """Drive the leader the way the server's engine loop does; final token ids by id."""
+    done: dict = {}
+    sampled = SamplingParams(temperature=0.9, max_tokens=12)
+    leader.add_request("greedy", [1, 2, 3], SamplingParams(temperature=0, max_tokens=10))
+    leader.add_request("unseeded", [4, 5, 6, 7], sampled)
+    leader.add_request("aborted", [8, 9], SamplingParams(temperature=0, max_tokens=40))
+    for _ in range(3):
+        _finished(leader.step(), done)
+    leader.abort("aborted")
+    leader.release("aborted")
+    leader.add_request("two", "x = ", dataclasses.replace(sampled, n=2, seed=7))
+    leader.add_request("later", [10, 11] * 9, sampled, priority=-1)
+    while leader.has_unfinished():
+        outputs = leader.step()
+        _finished(outputs, done)
+        for out in outputs:
+            if out.finished:
+                leader.release(out.request_id)
+    leader.close()
+    return done
+
+
+def test_a_follower_computes_exactly_the_leaders_tokens(model_dir):
+    channel = MemoryChannel()
+    want = _lead(lockstep.Leader(Engine(model_dir), channel))
+    assert set(want) == {"greedy", "unseeded", "two", "later"}
+    follower, got = Engine(model_dir), {}
+    steps = lockstep.follow(follower, channel, on_step=lambda outs: _finished(outs, got))
+    assert steps == len(channel.messages) - 1  # the last message says shutdown
+    assert got == want
+    assert not follower.has_unfinished()
+    for request_id in [*want, "aborted"]:  # released: nothing kept
+        with pytest.raises(KeyError):
+            follower.output(request_id)
+
+
+def test_a_refused_add_is_not_published(model_dir):
+    channel = MemoryChannel()
+    leader = lockstep.Leader(Engine(model_dir, CONFIG, warm_up=False), channel)
+    leader.add_request("a", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        leader.add_request("a", [1, 2], SamplingParams(max_tokens=2))
+    leader.close()
+    (message,) = channel.messages.values()
+    assert b'"shutdown":true' in message and message.count(b'"add"') == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        leader.step()
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    (dict(data_parallel_size=2), "data_parallel_size=2"),
+    (dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2)),
+     "speculative_config adaptive=true"),
+])
+def test_settings_that_would_desynchronize_the_processes_are_refused(settings, field):
+    with pytest.raises(ValueError, match=field):
+        lockstep.check_lockstep(EngineConfig(**settings))
+    lockstep.check_lockstep(EngineConfig())
+
+
+def test_the_watchdog_fires_once_on_a_step_that_runs_too_long():
+    fired = []
+    watchdog = lockstep.Watchdog(0.3, fired.append, poll_s=0.05)
+    with watchdog.watching():
+        time.sleep(0.1)  # a normal step
+    time.sleep(0.4)
+    assert fired == []
+    with watchdog.watching():
+        time.sleep(0.8)
+    assert len(fired) == 1 and fired[0] > 0.3
