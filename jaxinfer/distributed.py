@@ -45,9 +45,11 @@ detected fatal errors", SIGABRT, exit 134): with a 10 s heartbeat the survivor w
 7 s after `kill -9` of process 1. If the coordinator dies, the others' error polling
 fails and they terminate likewise: 0.3 s after `kill -9` of process 0. So a dead host
 stops the job with an error within about the heartbeat timeout, never a silent hang
-(tests/test_multihost.py kills one mid-run). Not covered: a process hung while alive
-keeps heartbeating, and its peers wait in the step's collective as long as XLA's
-collective timeouts allow.
+(tests/test_multihost.py kills one mid-run). Not covered for generate and batch: a
+process hung while alive keeps heartbeating, and its peers wait in the step's collective
+as long as XLA's collective timeouts allow. The server fails a step that runs past
+`heartbeat_timeout_s` itself and exits non-zero, as it does when a step raises
+(server/__init__.py, engine/lockstep.py's Watchdog).
 """
 
 from __future__ import annotations

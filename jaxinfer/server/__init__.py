@@ -8,8 +8,11 @@ starts the engine thread, binds the socket, runs uvicorn until SIGTERM/SIGINT, t
 shuts down gracefully: new requests and uploads still arriving get 503, requests in
 flight have `shutdown_timeout` seconds to finish, then are aborted with an error,
 and `serve` returns (the CLI exits 0). A second signal aborts them at once (their
-streams still end with the error event and `[DONE]`). The package sits between cli
-and api.
+streams still end with the error event and `[DONE]`). Multi-host, process 0 serves
+an engine wrapped by engine/lockstep.py's `Leader` (the other processes follow it);
+then an engine failure, or a step running past heartbeat_timeout_s, fails the requests
+and exits the process non-zero (docs/serving.md, "Multi-host serving"). The package
+sits between cli and api.
 """
 
 from __future__ import annotations
