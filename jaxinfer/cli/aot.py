@@ -89,6 +89,7 @@ class Settings:
     kv_cache_memory_bytes: int | None = None  # default: as the engine sizes its pool
     gpu_memory_utilization: float = 0.9  # EngineConfig's: weights plus pool per chip
     tensor_parallel_size: int | None = None  # None: the slice's chips if the model splits
+    data_parallel_size: int | None = None  # None: one replica; else replicas of TP chips
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
     quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
     hybrid_kv_cache: bool = True  # not EngineConfig.disable_hybrid_kv_cache_manager: a
@@ -108,6 +109,37 @@ def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: S
     except ValueError as err:
         return 1, f"one chip: the model does not split over the slice's {acc.chips}: {err}"
     return acc.chips, None
+
+
+def choose_layout(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
+                  ) -> tuple[int, int, str | None]:
+    """(tensor_parallel_size, data_parallel_size, why TP uses fewer chips or None). With
+    no data_parallel_size, one replica (`choose_tensor_parallel`); with one, TP is the
+    given size or the slice's chips over the replicas, and the replicas' chips must fit
+    the slice (ValueError)."""
+    dp = s.data_parallel_size
+    if dp is None:
+        tp, why = choose_tensor_parallel(cfg, acc, s)
+        return tp, 1, why
+    if dp < 1:
+        raise ValueError(f"data_parallel_size={dp} must be >= 1")
+    tp = s.tensor_parallel_size
+    if tp is None:
+        if acc.chips % dp:
+            raise ValueError(f"data_parallel_size={dp} must divide the slice's {acc.chips} "
+                             "chips (or give tensor_parallel_size)")
+        tp = acc.chips // dp
+    sharding.check_split(cfg, tp)
+    if dp * tp > acc.chips:
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs "
+                         f"{dp * tp} chips; {acc.name} has {acc.chips}")
+    return tp, dp, None
+
+
+def replicas_to_compile(dp: int) -> list[int]:
+    """Replica 0 and the last: every replica runs the same program on its own chips, so
+    the two ends show the placement (chips [r * TP, (r + 1) * TP))."""
+    return sorted({0, dp - 1})
 
 
 def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
@@ -206,75 +238,107 @@ def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
 def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
                    buckets: str = "all") -> dict[str, Any]:
     """Compile every (or the `ends`) bucket's step for `tensor_parallel_size` chips of
-    `device`; a dict with the plan per chip, one row per bucket (per-chip memory, cost,
-    collectives), and the compiler's message for buckets that failed."""
+    `device`, for replica 0 and the last of `data_parallel_size` (each on its own chips);
+    a dict with the plan per chip, the layout, one row per bucket and replica (per-chip
+    memory, cost, collectives, the devices the executable was compiled for), and the
+    compiler's message for buckets that failed. `buckets`: replica 0's rows."""
     acc = accelerators.get(device)
-    tp, why = choose_tensor_parallel(cfg, acc, settings)
+    tp, dp, why = choose_layout(cfg, acc, settings)
     report: dict[str, Any] = {
         "device": acc.name, "topology": acc.topology, "chips_in_slice": acc.chips,
-        "chips_used": tp, "tensor_parallel_size": tp, "tensor_parallel_note": why,
+        "chips_used": tp * dp, "tensor_parallel_size": tp, "data_parallel_size": dp,
+        "layout": f"DP {dp} x TP {tp}", "tensor_parallel_note": why,
         "chip_hbm_bytes": acc.chip.hbm_bytes,
         "chip_usable_hbm_bytes": acc.chip.usable_hbm_bytes,
         "peak_bf16_flops": acc.chip.bf16_flops, "hbm_bytes_per_s": acc.chip.hbm_bytes_per_s,
-        "settings": dataclasses.asdict(settings) | {"tensor_parallel_size": tp}}
+        "settings": dataclasses.asdict(settings) | {"tensor_parallel_size": tp,
+                                                    "data_parallel_size": dp}}
     try:
         plan = plan_for(cfg, acc, settings, tp)
     except ValueError as err:
         return report | {"fits": False, "error": str(err)}
     report["plan"] = plan.summary()
     served = sharding.served_config(cfg, tp)
-    mesh = sharding.make_mesh(tp, target_devices(acc))
     params, kv = step_specs(served, plan, settings, tp)
     chosen = pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
                                     max_num_seqs=settings.max_num_seqs), buckets)
-    planned = plan.weight_bytes + plan.kv_cache_bytes
+    devices = target_devices(acc)
     began = time.perf_counter()
-    results = compile_buckets(served, params, kv, chosen, settings, mesh,
-                              sliding=plan.num_sliding_pages > 0)
+    report["replicas"] = []
+    for replica in replicas_to_compile(dp):
+        mesh = sharding.make_mesh(tp, devices[replica * tp:])  # this replica's chips
+        results = compile_buckets(served, params, kv, chosen, settings, mesh,
+                                  sliding=plan.num_sliding_pages > 0)
+        report["replicas"].append({
+            "replica": replica, "chips": list(range(replica * tp, (replica + 1) * tp)),
+            "device_ids": [d.id for d in mesh.devices.flat],
+            "buckets": [report_row(bucket, compiled, acc, plan)
+                        for bucket, compiled in zip(chosen, results, strict=True)]})
     report["compile_s"] = round(time.perf_counter() - began, 1)
-    report["buckets"] = [report_row(bucket, compiled, acc, planned)
-                         for bucket, compiled in zip(chosen, results, strict=True)]
-    report["fits"] = all(r["compiled"] for r in report["buckets"])
-    report["planned_argument_bytes"] = planned
+    report["buckets"] = report["replicas"][0]["buckets"]
+    report["fits"] = all(r["compiled"] for rep in report["replicas"] for r in rep["buckets"])
+    report["planned_argument_bytes"] = plan.weight_bytes + plan.kv_cache_bytes
     return report
 
 
 def report_row(bucket: Bucket, compiled: jax.stages.Compiled | Exception,
-               acc: accelerators.Accelerator, planned: int) -> dict[str, Any]:
+               acc: accelerators.Accelerator, plan: planner.MemoryPlan) -> dict[str, Any]:
     """One bucket's row: per-chip memory and cost, Mosaic calls, KV page shapes and
-    collectives of the compiled HLO; or the compiler's message."""
+    collectives of the compiled HLO, the devices its inputs are placed on, and how far
+    its arguments are from the plan (weights and pool; weights alone: the arguments
+    less the pool, the batch state and inputs being a few KB); or the compiler's message."""
     row: dict[str, Any] = {"tokens": bucket.num_tokens, "slots": bucket.num_slots,
                            "decode": bucket.decode}
     if isinstance(compiled, Exception):  # the compiler's own message, e.g. out of HBM
         return row | {"compiled": False, "error": _first_lines(str(compiled))}
     text = compiled.as_text()
     row |= {"compiled": True} | bucket_row(compiled, acc)
+    planned = plan.weight_bytes + plan.kv_cache_bytes
     return row | {"mosaic_kernels": text.count("tpu_custom_call"),
                   "kv_pages": kv_page_shapes(text),
                   "collectives": collective_counts(text),
-                  "args_vs_plan": round(agreement(planned, row["argument_bytes"]), 5)}
+                  "placed_on": placed_on(compiled),
+                  "args_vs_plan": round(agreement(planned, row["argument_bytes"]), 5),
+                  "weights_vs_plan": round(agreement(
+                      plan.weight_bytes, row["argument_bytes"] - plan.kv_cache_bytes), 5)}
+
+
+def placed_on(compiled: jax.stages.Compiled) -> list[int]:
+    """The ids of the devices the executable's inputs live on, as it was compiled."""
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    return sorted({device.id for s in shardings for device in s.device_set})
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The per-bucket table `python -m jaxinfer aot` prints before the JSON."""
-    head = (f"{report['device']} ({report['topology']}, compiled for {report['chips_used']} "
-            f"of {report['chips_in_slice']} chips, tensor parallel; figures per chip; "
-            f"usable HBM {report['chip_usable_hbm_bytes'] / GIB:.2f} GiB a chip)")
+    """The per-bucket table `python -m jaxinfer aot` prints: one block per replica
+    compiled."""
+    head = (f"{report['device']} ({report['topology']}, {report['layout']}: compiled for "
+            f"{report['tensor_parallel_size']} chips a replica, {report['chips_used']} of "
+            f"{report['chips_in_slice']} used; figures per chip; usable HBM "
+            f"{report['chip_usable_hbm_bytes'] / GIB:.2f} GiB a chip)")
     if report.get("tensor_parallel_note"):
         head += f"\n{report['tensor_parallel_note']}"
     if "plan" not in report:
         return f"{head}\ndoes not fit: {report['error']}"
     plan = report["plan"]
-    worst = max((r["args_vs_plan"] for r in report["buckets"] if r["compiled"]), default=0)
+    rows = [r for rep in report["replicas"] for r in rep["buckets"] if r["compiled"]]
+    worst = max((r["args_vs_plan"] for r in rows), default=0)
     lines = [head, f"plan per chip: weights {plan['weight_gb']} GB + KV pool "
              f"{plan['kv_cache_gb']} GB ({plan['num_pages']} pages, {plan['kv_tokens']} "
              f"tokens); compiled arguments within {100 * worst:.2f}% of it",
              "roofline = max(FLOPs / peak, bytes / HBM bandwidth): an ESTIMATE, attention "
              "counted at max_model_len, collectives not counted; AR / AG: all-reduces / "
-             "all-gathers in the compiled HLO",
-             f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
+             "all-gathers in the compiled HLO"]
+    for replica in report["replicas"]:
+        lines.append(f"replica {replica['replica']}: chips {replica['chips']}")
+        lines += _bucket_lines(replica["buckets"])
+    return "\n".join(lines)
+
+
+def _bucket_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
              f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} {'AR':>4} {'AG':>3} bound"]
-    for r in report["buckets"]:
+    for r in rows:
         if not r["compiled"]:
             lines.append(f"{r['tokens']:>6} {r['slots']:>5} does not compile: {r['error']}")
             continue
@@ -283,7 +347,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:9.2f} "
                      f"{r['roofline_estimate_ms']:11.3f} {r['collectives']['all-reduce']:>4} "
                      f"{r['collectives']['all-gather']:>3} {r['bound']}")
-    return "\n".join(lines)
+    return lines
 
 
 def _first_lines(message: str, lines: int = 3) -> str:

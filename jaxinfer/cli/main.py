@@ -78,8 +78,10 @@ COMMANDS = {
                        flags=("model", "output", "dtype", "quantization",
                               "calibration_data")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
-                    "roofline and cost on a device; loads no weights",
-                    flags=("model", "device", "tensor_parallel_size", "memory_gb",
+                    "roofline and cost on a device, and the best DP x TP layout of its "
+                    "chips; loads no weights",
+                    flags=("model", "device", "tensor_parallel_size", "data_parallel_size",
+                           "memory_gb",
                            "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS,
                            "speculative_config", "format"),
                     defaults=PLAN_DEFAULTS),
@@ -88,7 +90,8 @@ COMMANDS = {
                      flags=("model", "input", "page_size", "format")),
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
-                   flags=("model", "device", "tensor_parallel_size", "buckets",
+                   flags=("model", "device", "tensor_parallel_size", "data_parallel_size",
+                          "buckets",
                           "max_num_batched_tokens", *_PLAN_FLAGS, "format"),
                    defaults=AOT_DEFAULTS),
     "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "

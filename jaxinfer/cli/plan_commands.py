@@ -24,9 +24,14 @@ from jaxinfer.sizing import accelerators
 # Over the flags, as --help shows them: the weights' dtype is the model's own (vLLM's
 # auto) and the step splits over every chip of --device unless told otherwise.
 PLAN_DEFAULTS = {"dtype": "auto: the checkpoint's; bfloat16 for a preset",
-                 "tensor_parallel_size": "every device of --device, else 1"}
+                 "tensor_parallel_size": "every device of --device (with "
+                 "--data_parallel_size: the rest of them), else 1",
+                 "data_parallel_size": "the devices of --device left over by "
+                 "--tensor_parallel_size, else 1"}
 AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
-                                "tensor_parallel_size": "the slice's chips if the model splits"}
+                                "tensor_parallel_size": "the slice's chips if the model splits "
+                                "(with --data_parallel_size: the rest of them)",
+                                "data_parallel_size": "1"}
 
 
 def _model_config() -> object:
@@ -109,52 +114,89 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                          "--device=NAME")
 
 
-def _plan_tensor_parallel_size(cfg: object, acc: accelerators.Accelerator | None) -> int:
-    """--tensor_parallel_size, else every device of --device, else 1; ValueError unless
-    the model's heads split over it."""
+def _plan_layout(cfg: object, acc: accelerators.Accelerator | None,
+                 recommended: object | None) -> tuple[int, int]:
+    """(tensor_parallel_size, data_parallel_size) to plan: the flags given, the other
+    filling --device's chips; neither: every device tensor parallel, else 1. ValueError
+    unless the model's heads split over it (naming the recommended layout) or the
+    replicas need more devices than --device has."""
     from jaxinfer.sizing import planner
 
-    if FLAGS["tensor_parallel_size"].present:
-        planner.check_tensor_parallel(cfg, FLAGS.tensor_parallel_size)
-        return FLAGS.tensor_parallel_size
-    tp = acc.chips if acc else 1
+    tp_given, dp_given = (FLAGS["tensor_parallel_size"].present,
+                          FLAGS["data_parallel_size"].present)
+    chips = acc.chips if acc else None
+    if dp_given and not tp_given:
+        dp = FLAGS.data_parallel_size
+        if chips is not None and chips % dp:
+            raise ValueError(f"--data_parallel_size={dp} must divide the {chips} devices of "
+                             f"--device={FLAGS.device} (or give --tensor_parallel_size)")
+        tp = chips // dp if chips is not None else 1
+    else:
+        tp = FLAGS.tensor_parallel_size if tp_given else (chips or 1)
+        dp = FLAGS.data_parallel_size if dp_given else max(1, (chips or tp) // tp)
     try:
         planner.check_tensor_parallel(cfg, tp)
     except ValueError as e:
+        if tp_given or dp_given:
+            raise
+        hint = "" if recommended is None else (
+            f"; recommended here: --data_parallel_size={recommended.data_parallel_size} "
+            f"--tensor_parallel_size={recommended.tensor_parallel_size}")
         raise ValueError(f"{e} (by default every device of --device={FLAGS.device}; give "
-                         "--tensor_parallel_size)") from None
-    return tp
+                         f"--tensor_parallel_size){hint}") from None
+    if chips is not None and dp * tp > chips:
+        raise ValueError(f"--data_parallel_size={dp} x --tensor_parallel_size={tp} needs "
+                         f"{dp * tp} devices; --device={FLAGS.device} has {chips}")
+    return tp, dp
 
 
-def plan() -> None:
-    from jaxinfer.sizing import planner
-
-    settings = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
-    cfg = _model_config()
-    acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
-    tp = _plan_tensor_parallel_size(cfg, acc)
+def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
+                 ) -> dict[str, object]:
+    """planner.plan's arguments but the layout's: dtypes, lengths, budget, bandwidth, peak."""
     bandwidth = FLAGS.bandwidth_gb_per_s
     if bandwidth is not None and bandwidth <= 0:
         raise app.UsageError(f"--bandwidth_gb_per_s={bandwidth} must be > 0")
     if bandwidth is None and acc is not None:
         bandwidth = acc.chip.hbm_bytes_per_s / 1e9
+    return dict(dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                quantization=settings.quantization, quantized_head=_quantized_head(),
+                max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+                page_size=settings.page_size,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                hybrid_kv_cache=not settings.disable_hybrid_kv_cache_manager,
+                bandwidth_gb_per_s=bandwidth,
+                peak_flops_per_s=acc.chip.bf16_flops if acc else None,
+                draft=_draft_config(settings), **_plan_budget(settings, acc))
+
+
+def plan() -> None:
+    from jaxinfer.sizing import layout, planner
+
+    settings = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
+    cfg = _model_config()
+    acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
+    kwargs = _plan_kwargs(settings, acc)
+    splits = [] if acc is None else layout.splits(cfg, acc, **kwargs)
+    tp, dp = _plan_layout(cfg, acc, layout.recommend(splits))
     price = FLAGS.price_per_hour if FLAGS.price_per_hour is not None else (
         acc.list_price_per_hour if acc else None)
-    result = planner.plan(cfg, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
-                          quantization=settings.quantization,
-                          quantized_head=_quantized_head(),
-                          max_model_len=settings.max_model_len,
-                          max_num_seqs=settings.max_num_seqs, page_size=settings.page_size,
-                          max_num_batched_tokens=settings.max_num_batched_tokens,
-                          hybrid_kv_cache=not settings.disable_hybrid_kv_cache_manager,
-                          bandwidth_gb_per_s=bandwidth, tensor_parallel_size=tp,
-                          num_devices=acc.chips if acc else tp,
-                          peak_flops_per_s=acc.chip.bf16_flops if acc else None,
-                          draft=_draft_config(settings), **_plan_budget(settings, acc))
-    summary = result.summary(price_per_hour=price)
-    report_lib.write({"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
-                      **summary, "device": accelerators.describe(acc) if acc else None},
-                     sys.stdout, FLAGS.format)
+    try:
+        result = planner.plan(cfg, tensor_parallel_size=tp, num_devices=dp * tp, **kwargs)
+    except ValueError as e:
+        best = layout.recommend(splits)
+        if best is None:
+            raise
+        raise ValueError(f"{e} (recommended here: --data_parallel_size="
+                         f"{best.data_parallel_size} --tensor_parallel_size="
+                         f"{best.tensor_parallel_size})") from None
+    report = {"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
+              "data_parallel_size": dp, **result.summary(price_per_hour=price),
+              "device": accelerators.describe(acc) if acc else None}
+    if acc is not None:
+        chosen = next((s for s in splits if (s.tensor_parallel_size, s.data_parallel_size)
+                       == (tp, dp)), None) or layout.evaluate(cfg, acc, tp, dp, **kwargs)
+        report["layout"] = layout.report(splits, chosen, acc, result.max_model_len)
+    report_lib.write(report, sys.stdout, FLAGS.format)
 
 
 def audit() -> None:
@@ -181,6 +223,8 @@ def aot() -> None:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         tensor_parallel_size=engine.tensor_parallel_size
         if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
+        data_parallel_size=engine.data_parallel_size
+        if FLAGS["data_parallel_size"].present else None,  # default: one replica
         quantization=engine.quantization, quantized_head=_quantized_head())
     device = FLAGS.device or AOT_DEFAULTS["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,

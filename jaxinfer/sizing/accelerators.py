@@ -17,6 +17,12 @@ figures. `find_preset` looks a name up in both tables; `python -m jaxinfer plan
 sparse, twice these). List prices are left unset (None): no price in this table has
 been checked against GCP's price pages, so `plan` asks for `--price_per_hour`.
 
+Each chip also carries its interconnect (TPU ICI, NVLink, or PCIe for the L4) as
+published, bidirectional, per chip, and the latency of one collective step, for the
+tensor-parallel communication term of `sizing/layout.py`. The bandwidths are published;
+the TPU latencies are assumptions (no published figure), the GPU ones NCCL's own cost
+model (`src/graph/tuning.cc`: ring all-reduce, LL protocol).
+
 `chip_for_device_kind` maps the name JAX gives a device (`device.device_kind`: "TPU v5
 lite", "NVIDIA H100 80GB HBM3") to its chip, for the engine's peak FLOP/s (its MFU);
 the H200 is a chip there but no machine preset.
@@ -46,6 +52,13 @@ class Chip:
     int8_ops: float  # peak dense int8 OP/s
     hbm_bytes_per_s: float
     source: str  # where the figures are published
+    # The chip-to-chip links: bidirectional bytes/s of all of one chip's links together,
+    # as published, and where; the latency of a collective: a fixed cost plus one per
+    # ring step (a ring all-reduce over n chips takes 2(n - 1) steps).
+    interconnect_bytes_per_s: float
+    interconnect_source: str
+    collective_latency_s: float
+    hop_latency_s: float
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -54,48 +67,89 @@ class Chip:
                      "hbm_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.interconnect_bytes_per_s <= 0:
+            raise ValueError(f"{self.interconnect_bytes_per_s=} must be > 0")
+        if self.collective_latency_s < 0 or self.hop_latency_s < 0:
+            raise ValueError(f"{self.collective_latency_s=} and {self.hop_latency_s=} must "
+                             "be >= 0")
+
+    @property
+    def ring_bytes_per_s(self) -> float:
+        """What one chip sends at once in a ring collective: one direction of its links,
+        half the published bidirectional figure. An assumption, and a bound: on a GPU the
+        NVSwitch gives every GPU its links' one-way bandwidth to its ring neighbour; on a
+        TPU 2-D slice it assumes XLA's all-reduce keeps all four ICI ports busy (a
+        single ring over the slice uses two of them: half this)."""
+        return self.interconnect_bytes_per_s / 2
+
+
+A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                  "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+# NCCL's cost model of a ring all-reduce with its low-latency protocol (LL), the one it
+# picks for small messages such as a decode step's activations: 6.6 us, plus 0.6 us a
+# step over NVLink and 1.0 us over PCIe (github.com/NVIDIA/nccl src/graph/tuning.cc,
+# baseLat and hwLat).
+NCCL_RING_LATENCY_S = 6.6e-6
+NCCL_SOURCE = "https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc"
+# TPU collectives run inside the compiled program (no launch); no latency is published.
+# Assumed: no fixed cost and 1 us a ring step, the ICI link latency ASTRA-sim's TPU
+# validation used ("as per TPU research team"; astra-sim.github.io, TPU-v3 validation).
+TPU_HOP_LATENCY_S = 1e-6
 
 
 def _gpu(generation: str, gib: int, bytes_per_s: float, bf16: float, int8: float,
-         source: str) -> Chip:
+         source: str, link_bytes_per_s: float, link_source: str,
+         hop_latency_s: float = 0.6e-6) -> Chip:
     return Chip(generation=generation, platform="gpu", hbm_bytes=gib * GIB,
                 usable_hbm_bytes=int(gib * GIB * JAX_GPU_MEMORY_FRACTION), bf16_flops=bf16,
-                int8_ops=int8, hbm_bytes_per_s=bytes_per_s, source=source)
+                int8_ops=int8, hbm_bytes_per_s=bytes_per_s, source=source,
+                interconnect_bytes_per_s=link_bytes_per_s, interconnect_source=link_source,
+                collective_latency_s=NCCL_RING_LATENCY_S, hop_latency_s=hop_latency_s)
+
+
+def _tpu(generation: str, ici_bytes_per_s: float, **figures: object) -> Chip:
+    url = f"https://cloud.google.com/tpu/docs/{generation}"
+    return Chip(generation=generation, platform="tpu", source=url,
+                interconnect_bytes_per_s=ici_bytes_per_s, interconnect_source=url,
+                collective_latency_s=0.0, hop_latency_s=TPU_HOP_LATENCY_S, **figures)
 
 
 CHIPS = {
-    # cloud.google.com/tpu/docs/v5e: 16 GB HBM2, 819 GB/s, 197 TFLOP/s bf16, 394 TOPS int8
-    "v5e": Chip(generation="v5e", platform="tpu", hbm_bytes=16 * GIB,
-                usable_hbm_bytes=int(15.75 * GIB), bf16_flops=197e12, int8_ops=394e12,
-                hbm_bytes_per_s=819e9, source="https://cloud.google.com/tpu/docs/v5e"),
-    # cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, 918 TFLOP/s bf16, 1836 TOPS int8
-    "v6e": Chip(generation="v6e", platform="tpu", hbm_bytes=32 * GIB,
-                usable_hbm_bytes=int(31.25 * GIB), bf16_flops=918e12, int8_ops=1836e12,
-                hbm_bytes_per_s=1640e9, source="https://cloud.google.com/tpu/docs/v6e"),
-    # cloud.google.com/tpu/docs/v5p: "95 GB", 2765 GB/s, 459 TFLOP/s bf16, 918 TOPS int8.
+    # cloud.google.com/tpu/docs/v5e: 16 GB HBM2, 819 GB/s, 197 TFLOP/s bf16, 394 TOPS int8;
+    # ICI: 400 GB/s bidirectional a chip over 4 ports.
+    "v5e": _tpu("v5e", 400e9, hbm_bytes=16 * GIB, usable_hbm_bytes=int(15.75 * GIB),
+                bf16_flops=197e12, int8_ops=394e12, hbm_bytes_per_s=819e9),
+    # cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, 918 TFLOP/s bf16, 1836 TOPS int8;
+    # ICI: 800 GB/s bidirectional a chip over 4 ports (an earlier version of the page
+    # gave 3,584 Gbps).
+    "v6e": _tpu("v6e", 800e9, hbm_bytes=32 * GIB, usable_hbm_bytes=int(31.25 * GIB),
+                bf16_flops=918e12, int8_ops=1836e12, hbm_bytes_per_s=1640e9),
+    # cloud.google.com/tpu/docs/v5p: "95 GB", 2765 GB/s, 459 TFLOP/s bf16, 918 TOPS int8;
+    # ICI: 1,200 GB/s bidirectional a chip (3-D torus, 6 ports).
     # The HBM is 96 GiB (six 16 GiB stacks): libtpu lets a program use 95.74 GiB of it.
-    "v5p": Chip(generation="v5p", platform="tpu", hbm_bytes=96 * GIB,
-                usable_hbm_bytes=int(95.74 * GIB), bf16_flops=459e12, int8_ops=918e12,
-                hbm_bytes_per_s=2765e9, source="https://cloud.google.com/tpu/docs/v5p"),
+    "v5p": _tpu("v5p", 1200e9, hbm_bytes=96 * GIB, usable_hbm_bytes=int(95.74 * GIB),
+                bf16_flops=459e12, int8_ops=918e12, hbm_bytes_per_s=2765e9),
     # H100 SXM5 80GB (A3 High): 3.35 TB/s HBM3; 989 TFLOP/s bf16 and 1,979 TOPS int8
-    # dense (the datasheet's 1,979 / 3,958 are with 2:4 sparsity).
+    # dense (the datasheet's 1,979 / 3,958 are with 2:4 sparsity); NVLink 900 GB/s.
     "h100-80gb": _gpu("h100-80gb", 80, 3.35e12, 989e12, 1979e12,
+                      "https://www.nvidia.com/en-us/data-center/h100/", 900e9,
                       "https://www.nvidia.com/en-us/data-center/h100/"),
     # A100 SXM4 40GB (A2 Standard): 1,555 GB/s HBM2; 312 TFLOP/s bf16 and 624 TOPS int8
-    # dense (624 / 1,248 with sparsity).
-    "a100-40gb": _gpu("a100-40gb", 40, 1.555e12, 312e12, 624e12,
-                      "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
-                      "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
-    # A100 SXM4 80GB (A2 Ultra): 2,039 GB/s HBM2e; the same peaks as the 40GB part.
-    "a100-80gb": _gpu("a100-80gb", 80, 2.039e12, 312e12, 624e12,
-                      "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
-                      "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    # dense (624 / 1,248 with sparsity); NVLink 600 GB/s.
+    "a100-40gb": _gpu("a100-40gb", 40, 1.555e12, 312e12, 624e12, A100_DATASHEET, 600e9,
+                      A100_DATASHEET),
+    # A100 SXM4 80GB (A2 Ultra): 2,039 GB/s HBM2e; the same peaks and NVLink as the 40GB.
+    "a100-80gb": _gpu("a100-80gb", 80, 2.039e12, 312e12, 624e12, A100_DATASHEET, 600e9,
+                      A100_DATASHEET),
     # L4 (G2): 24 GB GDDR6 at 300 GB/s; 121 TFLOP/s bf16 and 242.5 TOPS int8 dense
-    # (242 / 485 with sparsity).
-    "l4": _gpu("l4", 24, 300e9, 121e12, 242.5e12, "https://www.nvidia.com/en-us/data-center/l4/"),
+    # (242 / 485 with sparsity). No NVLink: PCIe Gen4 x16, 64 GB/s.
+    "l4": _gpu("l4", 24, 300e9, 121e12, 242.5e12, "https://www.nvidia.com/en-us/data-center/l4/",
+               64e9, "https://www.nvidia.com/en-us/data-center/l4/", hop_latency_s=1.0e-6),
     # H200 SXM: 141 GB HBM3e at 4.8 TB/s; the H100's tensor cores, 989 TFLOP/s bf16 and
-    # 1,979 TOPS int8 dense (1,979 / 3,958 with sparsity). Counted in GiB as the others.
+    # 1,979 TOPS int8 dense (1,979 / 3,958 with sparsity); NVLink 900 GB/s. Counted in
+    # GiB as the others.
     "h200": _gpu("h200", 141, 4.8e12, 989e12, 1979e12,
+                 "https://www.nvidia.com/en-us/data-center/h200/", 900e9,
                  "https://www.nvidia.com/en-us/data-center/h200/"),
 }
 # JAX's `device_kind` -> chip. Exact names only: a part of another form factor (H100
@@ -224,4 +278,9 @@ def describe(acc: Accelerator) -> dict[str, object]:
             "device_hbm_bytes_per_s": chip.hbm_bytes_per_s,
             "device_peak_bf16_flops": chip.bf16_flops, "device_peak_int8_ops": chip.int8_ops,
             "list_price_per_hour": acc.list_price_per_hour,
-            "list_price_note": acc.list_price_note or None, "source": chip.source}
+            "list_price_note": acc.list_price_note or None, "source": chip.source,
+            "device_interconnect_bytes_per_s": chip.interconnect_bytes_per_s,
+            "device_ring_bytes_per_s": chip.ring_bytes_per_s,
+            "collective_latency_s": chip.collective_latency_s,
+            "hop_latency_s": chip.hop_latency_s,
+            "interconnect_source": chip.interconnect_source}

@@ -59,3 +59,25 @@ def test_tensor_parallel_given_must_split_the_model_and_fit_the_slice():
     with pytest.raises(ValueError, match="must divide the 32 query heads"):
         aot.choose_tensor_parallel(cfg, acc, dataclasses.replace(settings,
                                                                  tensor_parallel_size=3))
+
+
+def test_data_parallel_fills_the_slice_with_replicas_of_tensor_parallel_chips():
+    cfg, acc = load_preset("llama3.1-8b"), accelerators.get("v6e-8")
+    assert aot.choose_layout(cfg, acc, aot.Settings()) == (8, 1, None)  # as before
+    assert aot.choose_layout(cfg, acc, aot.Settings(data_parallel_size=2)) == (4, 2, None)
+    assert aot.choose_layout(cfg, acc, aot.Settings(data_parallel_size=8)) == (1, 8, None)
+    assert aot.choose_layout(cfg, acc, aot.Settings(data_parallel_size=2,
+                                                    tensor_parallel_size=2)) == (2, 2, None)
+    with pytest.raises(ValueError, match="needs 16 chips; v6e-8 has 8"):
+        aot.choose_layout(cfg, acc, aot.Settings(data_parallel_size=2, tensor_parallel_size=8))
+    with pytest.raises(ValueError, match="data_parallel_size=3 must divide the slice's 8"):
+        aot.choose_layout(cfg, acc, aot.Settings(data_parallel_size=3))
+    smollm = load_preset("smollm-135m")  # 9 query heads: 2 replicas of 4 chips cannot split
+    with pytest.raises(ValueError, match="must divide the 9 query heads"):
+        aot.choose_layout(smollm, acc, aot.Settings(data_parallel_size=2))
+
+
+def test_replicas_compiled_are_the_first_and_the_last():
+    assert aot.replicas_to_compile(1) == [0]
+    assert aot.replicas_to_compile(2) == [0, 1]
+    assert aot.replicas_to_compile(8) == [0, 7]

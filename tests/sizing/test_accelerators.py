@@ -92,3 +92,20 @@ def test_other_device_kinds_have_no_chip():
     h200 = accelerators.CHIPS["h200"]  # NVIDIA's H200 datasheet, dense figures
     assert (h200.bf16_flops, h200.int8_ops, h200.hbm_bytes_per_s) == (989e12, 1979e12, 4.8e12)
     assert h200.hbm_bytes == 141 * accelerators.GIB
+
+
+@pytest.mark.parametrize("name", sorted(accelerators.CHIPS))
+def test_chip_interconnect_is_published_and_slower_than_its_memory(name):
+    """Every chip carries its link bandwidth with a source and a collective latency; a
+    figure typed in Gb/s for GB/s, or 1000x off, lands outside these ranges."""
+    chip = accelerators.CHIPS[name]
+    assert chip.interconnect_source.startswith("https://")
+    assert 0.01 < chip.interconnect_bytes_per_s / chip.hbm_bytes_per_s < 1
+    assert chip.ring_bytes_per_s == chip.interconnect_bytes_per_s / 2
+    assert 0 <= chip.collective_latency_s < 1e-4 and 0 < chip.hop_latency_s < 1e-5
+    with pytest.raises(ValueError, match="interconnect_bytes_per_s=0 must be > 0"):
+        dataclasses.replace(chip, interconnect_bytes_per_s=0)
+    described = accelerators.describe(accelerators.Accelerator(
+        name=name, chip=chip, chips=1, topology=f"{name}:1x1" if chip.platform == "tpu"
+        else None))
+    assert described["device_ring_bytes_per_s"] == chip.ring_bytes_per_s
