@@ -8,9 +8,13 @@ run. The step is split over `tensor_parallel_size` chips of the slice (default: 
 them when the model splits over that many, `sharding.check_split`, else one, and the
 report says why), on a 1-D mesh over the topology's abstract devices, with the
 engine's shardings (`runner.compile_steps_for`: params by the spec table, KV pages by
-head). It sizes each chip's KV page pool with the memory planner as the engine would,
-builds every parameter, the KV cache and each bucket's inputs as `ShapeDtypeStruct`s
-(nothing is allocated), compiles the step for every bucket with the Mosaic attention
+head). With `data_parallel_size` the slice holds replicas of `tensor_parallel_size`
+chips each (replica r on chips [r * TP, (r + 1) * TP)); every replica runs the same
+program on its own chips, so replica 0 and the last are compiled, each on a mesh of
+its own chips, and the report says where each executable's inputs live. It sizes each
+chip's KV page pool with the memory planner as the engine would, builds every parameter,
+the KV cache and each bucket's inputs as `ShapeDtypeStruct`s (nothing is allocated),
+compiles the step for every bucket with the Mosaic attention
 kernel and the chip's KV storage dtype (bf16 pages stay bf16; the CPU's uint16 storage
 is never used), and reports per bucket and per chip (an SPMD executable's
 `memory_analysis()` and `cost_analysis()` describe one device's program) the compiled
