@@ -47,7 +47,8 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
             **engine_settings: object) -> dict:
     """Run every request of `input_path` not yet in `output_path` on `num_replicas`
     engines (Ray actors), each made from `model` and `engine_settings` (EngineConfig
-    fields; `tensor_parallel_size` devices per replica); returns a summary.
+    fields; data_parallel_size x tensor_parallel_size devices per replica); returns a
+    summary.
 
     `model`: default the bundled demo model. `ray_address`: the cluster to join
     (default: the one this process is connected to, else a new local one, shut down at
@@ -73,8 +74,8 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
                                         math.ceil(len(requests.pending) / num_replicas)))
         replica_args = dict(engine_settings, model=str(model),
                             platform="cpu" if accelerator == "cpu" else None)
-        resources = _resources(accelerator, config.tensor_parallel_size,
-                               num_cpus_per_replica)
+        resources = _resources(accelerator, config.tensor_parallel_size
+                               * config.data_parallel_size, num_cpus_per_replica)
         started = time.perf_counter()
         counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
                   "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
@@ -156,12 +157,13 @@ def _dataset(pending: list[Request], replica_args: dict, num_replicas: int,
         fn_constructor_kwargs=replica_args, **resources)
 
 
-def _resources(accelerator: str, tensor_parallel_size: int, num_cpus: float) -> dict:
-    """What one replica asks Ray for: its tensor-parallel devices, or CPUs."""
+def _resources(accelerator: str, devices: int, num_cpus: float) -> dict:
+    """What one Ray replica asks Ray for: its devices (data_parallel_size x
+    tensor_parallel_size: a Ray replica may hold data-parallel replicas), or CPUs."""
     if accelerator == "gpu":
-        return {"num_gpus": tensor_parallel_size, "num_cpus": num_cpus}
+        return {"num_gpus": devices, "num_cpus": num_cpus}
     if accelerator == "tpu":
-        return {"resources": {"TPU": tensor_parallel_size}, "num_cpus": num_cpus}
+        return {"resources": {"TPU": devices}, "num_cpus": num_cpus}
     return {"num_cpus": num_cpus}
 
 
