@@ -201,6 +201,11 @@ def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
     """Multi-host: raise ValueError unless every process serves the same model with the
     same settings and page pool (sized per host, from its own memory), as all must run
     the same schedule (distributed.py). The compilation cache directory may differ."""
+    spec = config.speculative_config
+    if jax.process_count() > 1 and spec is not None and spec.adaptive:
+        raise ValueError("speculative_config adaptive=true picks k from each process's own "
+                         "step times, which differ between the processes of a multi-host "
+                         "job and would split their schedules: set \"adaptive\": false")
     settings = dataclasses.replace(config, compilation_cache_dir=None)
     distributed.check_same(f"the model, engine settings or KV page pool (here {num_pages} "
                            "pages, sized from this host's memory unless "

@@ -8,6 +8,7 @@ server: tests/server/test_multihost_serving.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -116,3 +117,23 @@ def test_the_watchdog_fires_once_on_a_step_that_runs_too_long():
     with watchdog.watching():
         time.sleep(0.8)
     assert len(fired) == 1 and fired[0] > 0.3
+
+
+# One value other than the default for every SamplingParams field: a new field fails
+# this test until it is listed, and then must survive the message's JSON.
+EVERY_FIELD = dict(n=2, max_tokens=9, min_tokens=2, temperature=0.7, top_k=5, top_p=0.9,
+                   min_p=0.1, repetition_penalty=1.1, presence_penalty=0.2,
+                   frequency_penalty=0.3, seed=3, logprobs=2, prompt_logprobs=1,
+                   stop=["a", "bb"], stop_token_ids=[4, 5], ignore_eos=True)
+
+
+def test_every_sampling_field_survives_the_message():
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(EVERY_FIELD) == fields
+    params = SamplingParams(**EVERY_FIELD)
+    for name in fields:
+        assert getattr(params, name) != getattr(SamplingParams(), name), name
+    prepared = lockstep.PreparedRequest(prompt="hi", prompt_token_ids=[1, 2], params=params)
+    message = lockstep.encode(0, [lockstep.add_op("r", prepared, 3)])
+    (op,) = json.loads(message)["ops"]
+    assert SamplingParams(**op[4]) == params and op[5] == 3
