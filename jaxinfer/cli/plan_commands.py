@@ -1,5 +1,7 @@
-"""The commands that load no weights: plan (memory plan and decode roofline), audit
-(prompt overlap) and aot (compile the step for a TPU slice with libtpu's compiler).
+"""The commands that load no weights: plan (memory plan, decode roofline and, with
+--device, the DP x TP layouts of its chips and the recommended one: sizing/layout.py),
+audit (prompt overlap) and aot (compile the step for a TPU slice with libtpu's compiler,
+for replicas of tensor-parallel chips with --data_parallel_size).
 
 --model is a model directory or, for plan and aot, a preset name (jaxinfer/config/presets/*.toml);
 a directory written quantized is planned and compiled in its own mode. Each command
