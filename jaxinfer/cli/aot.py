@@ -227,13 +227,16 @@ def bucket_row(compiled: jax.stages.Compiled, acc: accelerators.Accelerator,
 
 
 def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
-    """"all", or "ends" (the smallest decode bucket, the largest bucket, and one mixed
-    bucket in between)."""
+    """"all", "ends" (the smallest decode bucket, the largest bucket, and one mixed
+    bucket in between), or "smallest" (the smallest decode bucket: placement and the
+    weights' memory at the least compile time)."""
     every = buckets.all()
     if which == "all":
         return every
+    if which == "smallest":
+        return every[:1]
     if which != "ends":
-        raise ValueError(f"buckets={which!r} must be 'all' or 'ends'")
+        raise ValueError(f"buckets={which!r} must be 'all', 'ends' or 'smallest'")
     mixed = [b for b in every if b.num_slots > 1 and b.num_tokens > b.num_slots]
     middle = mixed[len(mixed) // 2] if mixed else every[len(every) // 2]
     return sorted({every[0], middle, every[-1]})

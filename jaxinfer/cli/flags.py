@@ -63,8 +63,9 @@ flags.DEFINE_float("price_per_hour", None, "price per hour of the whole --device
 flags.DEFINE_enum("format", "table", ["table", "json"],
                   "how plan, audit, aot and batch print their report: aligned text, or JSON "
                   "for scripts")
-flags.DEFINE_enum("buckets", "all", ["all", "ends"],
-                  "every bucket, or the smallest, a mixed one and the largest")
+flags.DEFINE_enum("buckets", "all", ["all", "ends", "smallest"],
+                  "every bucket; ends: the smallest, a mixed one and the largest; "
+                  "smallest: the smallest decode bucket")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty")
 RAY_FLAGS = ("ray_address", "num_replicas", "ray_batch_size")  # each needs --ray
 

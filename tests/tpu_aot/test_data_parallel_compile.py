@@ -11,7 +11,8 @@ batch state and the step's inputs, a few KB), and those are the bytes `plan`'s l
 table shows for the split; the collectives are the tensor-parallel step's (none at
 TP 1). The layouts are those `plan` recommends for the whole 8B in int8
 (tests/sizing/test_layout.py): DP 8 x TP 1 on v5e-8, DP 2 x TP 4 on v6e-8. The default
-run compiles 4 of the 8B's layers for two buckets; `slow` compiles all 32.
+run compiles 4 of the 8B's layers for the smallest bucket; `slow` compiles all 32 for
+"ends".
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from jaxinfer.config import load_preset
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS
 from jaxinfer.sizing import accelerators, layout
 
-# Buckets (1, 1) (2, 2) (4, 4) (8, 8) decode and (16, 8) mixed: "ends" picks 2 of them.
+# Buckets (1, 1) (2, 2) (4, 4) (8, 8) decode and (16, 8) mixed: the default run compiles
+# the smallest (placement and memory per chip), `slow` "ends" (2 of them).
 SMALL = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=8,
                      max_num_batched_tokens=16, max_model_len=2048, page_size=16,
                      quantization="int8")
@@ -93,8 +95,8 @@ def check_replicas(report: dict, cfg, device: str, dp: int, tp: int) -> None:
 def test_llama_8b_int8_layers_compile_for_the_first_and_last_replica(device, dp, tp):
     cfg = llama(4)
     settings = dataclasses.replace(SMALL, data_parallel_size=dp)  # TP: the rest
-    report = aot.compile_report(cfg, device=device, settings=settings, buckets="ends")
-    assert [(r["tokens"], r["slots"]) for r in report["buckets"]] == [(1, 1), (16, 8)]
+    report = aot.compile_report(cfg, device=device, settings=settings, buckets="smallest")
+    assert [(r["tokens"], r["slots"]) for r in report["buckets"]] == [(1, 1)]
     check_replicas(report, cfg, device, dp, tp)
 
 
