@@ -12,6 +12,8 @@ import enum
 import math
 import operator
 
+from jaxinfer.engine.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS; vLLM also raises those
 # in (0, 0.01) to 0.01, jaxinfer samples them as given). The device's softmax is finite
@@ -40,8 +42,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # one output constraint (engine/structured.py); None: unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.parse(self.structured_outputs))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -90,6 +99,24 @@ def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
          "non-negative ints"),
         ("ignore_eos", isinstance(p.ignore_eos, bool), "a bool"),
     ]
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """`logit_bias` with int keys (JSON gives strings); ValueError naming a bad entry."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, not "
+                         f"{type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias key {key!r} must be a token id (an int >= 0)")
+        if not _is_real(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias[{key!r}]={value!r} must be a number in [-100, 100]")
+        out[token] = float(value)
+    return out
 
 
 def _is_int(x: object) -> bool:

@@ -1,0 +1,110 @@
+"""What a structured-output request asks for: `StructuredOutputsParams` (vLLM's class and
+field names) and OpenAI's `response_format` mapped onto it. Plain Python, no jax.
+
+Exactly one constraint per request:
+- `json`: a JSON schema (a dict, or its JSON text), the output one JSON value valid
+  under it;
+- `regex`: the output matches the regular expression, whole;
+- `choice`: the output is one of the strings;
+- `grammar`: an EBNF (GBNF) or Lark grammar the output derives from its start rule;
+- `json_object`: any JSON object (OpenAI's `{"type": "json_object"}`).
+
+`spec()` is a canonical (kind, text) pair: the key compiled grammars are cached by. How a
+constraint is compiled and applied lives elsewhere (the engine's grammar module and
+the step's token mask); this module only checks the request's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's `StructuredOutputsParams`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must give exactly one of {', '.join(KINDS)}"
+                             f"; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), "
+                                 f"not {type(schema).__name__}")
+            object.__setattr__(self, "json", schema)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(
+                    isinstance(c, str) and c for c in self.choice) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints give equal specs."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return "choice", json.dumps(list(value))
+        if self.kind == "json_object":
+            return "json_object", ""
+        return self.kind, value
+
+    @classmethod
+    def parse(cls, value: object) -> StructuredOutputsParams | None:
+        """None, an instance, or its fields as a dict (a JSON round trip)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) "
+                                 f"{', '.join(sorted(unknown))}; known: {', '.join(KINDS)}")
+            return cls(**{k: v for k, v in value.items() if v is not None})
+        raise ValueError(f"structured_outputs must be an object, not {type(value).__name__}")
+
+
+def from_response_format(response_format: Mapping) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format` as a constraint: `text` (none), `json_object`, or
+    `json_schema` with `{"json_schema": {"name", "schema", "strict"}}`. ValueError
+    naming the field for anything else."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise ValueError("response_format.json_schema must be an object with a "
+                             "'schema' (and 'name', optional 'strict')")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"response_format.type={kind!r} must be one of 'text', 'json_object', "
+                     "'json_schema'")
