@@ -124,7 +124,9 @@ def test_the_watchdog_fires_once_on_a_step_that_runs_too_long():
 EVERY_FIELD = dict(n=2, max_tokens=9, min_tokens=2, temperature=0.7, top_k=5, top_p=0.9,
                    min_p=0.1, repetition_penalty=1.1, presence_penalty=0.2,
                    frequency_penalty=0.3, seed=3, logprobs=2, prompt_logprobs=1,
-                   stop=["a", "bb"], stop_token_ids=[4, 5], ignore_eos=True)
+                   stop=["a", "bb"], stop_token_ids=[4, 5], ignore_eos=True,
+                   structured_outputs={"json": {"type": "object", "required": ["a"]}},
+                   logit_bias={7: -2.5, 11: 100})
 
 
 def test_every_sampling_field_survives_the_message():
