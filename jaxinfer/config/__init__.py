@@ -17,7 +17,12 @@ from jaxinfer.config.engine import (
     EngineConfig,
     SpeculativeConfig,
 )
-from jaxinfer.config.faces import REASONING_PARSERS, DistributedConfig, ServerConfig
+from jaxinfer.config.faces import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    DistributedConfig,
+    ServerConfig,
+)
 from jaxinfer.config.model import (
     ARCHITECTURES,
     ATTENTION_IMPLS,
@@ -33,7 +38,8 @@ from jaxinfer.config.moe import MOE_ARCHITECTURES, MoEConfig
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",
     "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PRESET_DIR", "QUANTIZATION_MODES",
-    "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS", "SPECULATIVE_METHODS", "DistributedConfig",
+    "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS", "SPECULATIVE_METHODS", "TOOL_CALL_PARSERS",
+    "DistributedConfig",
     "EngineConfig", "MoEConfig", "ModelConfig", "RopeScaling", "ServerConfig",
     "SpeculativeConfig", "load_preset", "preset_names",
 ]

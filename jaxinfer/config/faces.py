@@ -11,7 +11,9 @@ from jaxinfer.config.engine import setting
 
 # `--reasoning_parser` values (vLLM's names): the keys of jaxinfer.text.reasoning.PARSERS,
 # listed here because config sits below the text layer
-REASONING_PARSERS = ("openai_gptoss",)
+REASONING_PARSERS = ("openai_gptoss", "qwen3")
+# `--tool_call_parser` values (vLLM's names): the keys of jaxinfer.text.tool_parsers.PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,11 +93,21 @@ class ServerConfig:
         None, "chat: split a reasoning model's output, its reasoning into the message's "
         "`reasoning` field and its answer into `content` (vLLM's flag and field); "
         "openai_gptoss: gpt-oss's harmony channels (analysis and commentary: reasoning, "
-        "final: content)", REASONING_PARSERS)
+        "final: content); qwen3: <think>...</think> is reasoning (Qwen3, and the output may "
+        "start inside the block when the chat template opens it)", REASONING_PARSERS)
     include_reasoning_content: bool = setting(
         False, "with --reasoning_parser, also send the reasoning as `reasoning_content` "
         "(DeepSeek's and SGLang's name, and vLLM's before `reasoning`) for clients that "
         "read only that")
+    enable_auto_tool_choice: bool = setting(
+        False, "chat: let the model decide to call tools (tool_choice 'auto', OpenAI's "
+        "default when tools are given); needs --tool_call_parser. Without it such a "
+        "request is a 400 naming tool_choice (vLLM's flag and rule)")
+    tool_call_parser: str | None = setting(
+        None, "chat: the format a model writes tool calls in, read into `tool_calls` "
+        "(vLLM's names): hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>), "
+        "llama3_json (Llama 3.1-3.3 JSON calls), mistral ([TOOL_CALLS]...), openai "
+        "(gpt-oss: harmony's commentary to=functions.NAME)", TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
@@ -113,6 +125,12 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} must be one of "
                              f"{', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (which "
+                             "format the model writes its calls in)")
         if self.include_reasoning_content and self.reasoning_parser is None:
             raise ValueError("include_reasoning_content=True needs reasoning_parser (there "
                              "is no reasoning to send without one)")

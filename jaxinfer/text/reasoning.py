@@ -21,6 +21,9 @@ The `final` channel is the content. Every other channel is reasoning: `analysis`
 chain of thought) and `commentary` (tool calls and their preambles, which this server
 does not parse into tool calls). Two messages on the same side are joined by a newline.
 Text before any marker (a model that does not speak harmony) is content.
+
+Qwen3 (`qwen3`) writes `<think>REASONING</think>ANSWER`; its chat template may open the
+block in the prompt, so that parser reads the prompt's end (`ThinkParser`).
 """
 
 from __future__ import annotations
@@ -58,38 +61,38 @@ class ReasoningParser(Protocol):
     def finish(self) -> Split: ...
 
 
-class _MarkerScanner:
+class MarkerScanner:
     """Text cut into plain runs and whole markers; a tail that may start a marker waits
-    for the next piece (or `finish`)."""
+    for the next piece (or `final`)."""
 
     def __init__(self, markers: Sequence[str]) -> None:
-        self._markers = tuple(markers)  # each starts with "<|"
+        # the longest first: a marker that starts another one never cuts it short
+        self._markers = tuple(sorted(markers, key=len, reverse=True))
         self._pending = ""
 
     def scan(self, text: str, final: bool = False) -> list[tuple[bool, str]]:
         """(is a marker, text) runs of the pending text plus `text`, in order."""
         pending, runs = self._pending + text, []
         while pending:
-            at = pending.find("<|")
-            if at < 0:
-                keep = 1 if pending.endswith("<") and not final else 0
+            hits = [(pending.find(m), m) for m in self._markers if m in pending]
+            if not hits:
+                keep = 0 if final else self._partial_tail(pending)
                 runs.append((False, pending[:len(pending) - keep]))
                 pending = pending[len(pending) - keep:]
                 break
-            if at > 0:
-                runs.append((False, pending[:at]))
-                pending = pending[at:]
-            marker = next((m for m in self._markers if pending.startswith(m)), None)
-            if marker is not None:
-                runs.append((True, marker))
-                pending = pending[len(marker):]
-            elif not final and any(m.startswith(pending) for m in self._markers):
-                break  # maybe a marker cut by the chunk boundary
-            else:
-                runs.append((False, "<"))  # "<|" that starts no marker is text
-                pending = pending[1:]
+            at, marker = min(hits, key=lambda hit: hit[0])
+            runs += [(False, pending[:at]), (True, marker)]
+            pending = pending[at + len(marker):]
         self._pending = pending
         return [(is_marker, run) for is_marker, run in runs if run]
+
+    def _partial_tail(self, text: str) -> int:
+        """The length of the longest end of `text` that begins a marker."""
+        longest = max(map(len, self._markers), default=1) - 1
+        for size in range(min(longest, len(text)), 0, -1):
+            if any(m.startswith(text[-size:]) for m in self._markers):
+                return size
+        return 0
 
 
 class HarmonyParser:
@@ -97,8 +100,8 @@ class HarmonyParser:
 
     markers = HARMONY_MARKERS
 
-    def __init__(self) -> None:
-        self._scanner = _MarkerScanner(HARMONY_MARKERS)
+    def __init__(self, prompt: str = "") -> None:
+        self._scanner = MarkerScanner(HARMONY_MARKERS)
         self._started = False  # a marker was seen: text outside messages is a header
         self._in_body = False
         self._to_content = False  # the open message's side
@@ -150,22 +153,59 @@ class HarmonyParser:
         return Split(**{side: text})
 
 
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class ThinkParser:
+    """Qwen3's (and DeepSeek-R1's) `<think>REASONING</think>ANSWER`. Qwen3's thinking
+    templates end the generation prompt with `<think>` (Qwen3-Thinking-2507 always), so
+    the output may start inside the block: the prompt's last marker says where it starts.
+    Outside a block text is content; a block never closed (cut by max_tokens) stays
+    reasoning."""
+
+    markers = (THINK_START, THINK_END)
+
+    def __init__(self, prompt: str = "") -> None:
+        self._scanner = MarkerScanner(self.markers)
+        self._thinking = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+
+    def add(self, text: str) -> Split:
+        return self._feed(self._scanner.scan(text))
+
+    def finish(self) -> Split:
+        return self._feed(self._scanner.scan("", final=True))
+
+    def _feed(self, runs: list[tuple[bool, str]]) -> Split:
+        out = Split()
+        for is_marker, run in runs:
+            if is_marker:
+                self._thinking = run == THINK_START
+            elif self._thinking:
+                out.reasoning += run
+            else:
+                out.content += run
+        return out
+
+
 # name (vLLM's `--reasoning_parser` value) -> parser; config.faces.REASONING_PARSERS
 # lists the same names for the flag's choices (config cannot import this layer)
-PARSERS: dict[str, type] = {"openai_gptoss": HarmonyParser}
+PARSERS: dict[str, type] = {"openai_gptoss": HarmonyParser, "qwen3": ThinkParser}
+# how much of the prompt's end a parser reads to know where the output starts
+PROMPT_TAIL_TOKENS = 64
 
 
-def parser(name: str) -> ReasoningParser:
-    """A new parser of that name; an unknown name is refused with the known ones."""
+def parser(name: str, prompt: str = "") -> ReasoningParser:
+    """A new parser of that name for an output that follows `prompt` (its end is enough);
+    an unknown name is refused with the known ones."""
     if name not in PARSERS:
         raise ValueError(f"reasoning_parser={name!r} is not a known reasoning parser; "
                          f"the known ones are {', '.join(PARSERS)}")
-    return PARSERS[name]()
+    return PARSERS[name](prompt)
 
 
-def split(name: str, text: str) -> Split:
+def split(name: str, text: str, prompt: str = "") -> Split:
     """The whole `text` split by the parser `name`."""
-    p = parser(name)
+    p = parser(name, prompt)
     out = p.add(text)
     out += p.finish()
     return out
