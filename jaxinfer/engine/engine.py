@@ -167,6 +167,9 @@ class Engine:
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:
             raise ValueError(f"stop_token_ids={outside[:5]} must be token ids below {vocab}")
+        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias keys {outside[:5]} must be token ids below {vocab}")
         stops = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and stops > STOP_WIDTH:
             raise ValueError(f"min_tokens with {stops} stop ids: at most {STOP_WIDTH} "

@@ -15,6 +15,7 @@ import operator
 from jaxinfer.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
+MAX_LOGIT_BIAS = 300  # logit_bias pairs per request (OpenAI's limit); a slot holds as many
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS; vLLM also raises those
 # in (0, 0.01) to 0.01, jaxinfer samples them as given). The device's softmax is finite
 # at any temperature; below 1e-5 its draw is the argmax but for exact ties, and float32
@@ -108,6 +109,8 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be an object of token id -> bias, not "
                          f"{type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
     out = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdigit() else key

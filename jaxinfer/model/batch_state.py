@@ -64,6 +64,10 @@ class BatchState:
     rows: SlotRows  # [N + 1]
     expert_tokens: jax.Array  # i32[L_moe, E]: tokens each MoE layer routed to each expert
     # over the engine's life (a dense model: [0, 0])
+    # logit_bias: each slot's biased token ids (-1 padding) and their biases, written at
+    # admission (sparse: B pairs, the most a request may send)
+    bias_ids: jax.Array  # i32[N + 1, B]
+    bias_values: jax.Array  # f32[N + 1, B]
     # i32[N + 1, pages_per_seq]: the sliding-window layers' own page ids (a second page
     # group, engine/kv_groups.py); None without one: the structure is fixed per engine.
     sliding_page_table: jax.Array | None = None
@@ -143,14 +147,17 @@ class Admission:
     rows: SlotRows  # [A]
     page_writes: jax.Array  # i32[W, 3]: (slot, page index, page id)
     history_writes: jax.Array  # i32[W, 3]: (slot, position, token id)
+    bias_writes: jax.Array  # i32[Wb, 3]: (slot, index, token id or -1) of logit_bias pairs
+    bias_values: jax.Array  # f32[Wb]: the bias of each pair
     sliding_page_writes: jax.Array | None = None  # i32[W, 3]; None without a sliding group
 
 
 def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
          num_stop_ids: int, experts: tuple[int, int] = (0, 0),
-         sliding_group: bool = False) -> BatchState:
+         sliding_group: bool = False, bias_width: int = 0) -> BatchState:
     """N = `num_slots` empty slots and the padding one, all neutral; `experts`: (MoE
-    layers, experts) of the routing counts; `sliding_group`: a second page table."""
+    layers, experts) of the routing counts; `sliding_group`: a second page table;
+    `bias_width`: logit_bias pairs a slot holds."""
     n = num_slots + 1
     return BatchState(
         page_table=jnp.zeros((n, pages_per_seq), jnp.int32),
@@ -158,6 +165,8 @@ def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
         last_token=jnp.zeros((n,), jnp.int32),
         rows=neutral_rows(n, num_stop_ids),
         expert_tokens=jnp.zeros(experts, jnp.int32),
+        bias_ids=jnp.full((n, bias_width), -1, jnp.int32),
+        bias_values=jnp.zeros((n, bias_width), jnp.float32),
         sliding_page_table=jnp.zeros((n, pages_per_seq), jnp.int32) if sliding_group
         else None)
 
@@ -179,11 +188,22 @@ def admit(state: BatchState, admission: Admission) -> BatchState:
                         state.rows, admission.rows)
     state = dataclasses.replace(
         state, rows=rows, page_table=_write(state.page_table, admission.page_writes),
-        history=_write(state.history, admission.history_writes))
+        history=_write(state.history, admission.history_writes),
+        **_admit_bias(state, admission))
     if state.sliding_page_table is None:
         return state
     return dataclasses.replace(state, sliding_page_table=_write(
         state.sliding_page_table, admission.sliding_page_writes))
+
+
+def _admit_bias(state: BatchState, admission: Admission) -> dict[str, jax.Array]:
+    """The bias table with the admission's pairs written (the host also writes -1 over the
+    pairs a slot's last request left, runner/slots.py)."""
+    writes = admission.bias_writes
+    ids = _write(state.bias_ids, writes)
+    values = state.bias_values.at[writes[:, 0], writes[:, 1]].set(admission.bias_values,
+                                                                  mode="drop")
+    return {"bias_ids": ids, "bias_values": values}
 
 
 def _write(table: jax.Array, writes: jax.Array) -> jax.Array:
@@ -230,7 +250,8 @@ def _sampling(state: BatchState, delta: StepDelta, sampled_at: jax.Array) -> Sam
         frequency_penalty=row.frequency_penalty, seeds=row.seeds, counters=generated,
         history=state.history, history_rows=slots, prompt_lens=row.prompt_lens,
         history_lens=history_lens, ban_stop=generated < row.min_tokens,
-        stop_ids=row.stop_ids, logprobs=row.logprobs)
+        stop_ids=row.stop_ids, logprobs=row.logprobs, bias_ids=state.bias_ids[slots],
+        bias_values=state.bias_values[slots])
 
 
 def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> BatchState:

@@ -1,7 +1,7 @@
 """Next-token sampling on device, one batched call for every request row.
 
-vLLM's sampling set: repetition/presence/frequency penalties, the min_tokens
-ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
+vLLM's sampling set: OpenAI's logit_bias, repetition/presence/frequency penalties,
+the min_tokens ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
 Each row draws from its own key, folded from the request's seed and its count
 of generated tokens, so a request's tokens never depend on what else is in the
 batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
@@ -47,6 +47,10 @@ class SamplingInputs:
     ban_stop: jax.Array  # bool[R]: True while the request has < min_tokens outputs
     stop_ids: jax.Array  # i32[R, E]: ids that end the request, padded with -1
     logprobs: jax.Array  # i32[R]: top logprobs the row wants; 0 = none
+    # logit_bias (OpenAI's): token ids, -1 padding, and the values added to their logits;
+    # None where the caller has no bias (a draft model's rows)
+    bias_ids: jax.Array | None = None  # i32[R, B]
+    bias_values: jax.Array | None = None  # f32[R, B]
 
 
 @jax.tree_util.register_dataclass
@@ -119,11 +123,28 @@ def penalize(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 
     The [R, V] token counts are built only when some row has a penalty on.
     """
+    logits = apply_logit_bias(logits, inputs)
     any_penalty = (jnp.any(inputs.repetition_penalty != 1)
                    | jnp.any(inputs.presence_penalty != 0)
                    | jnp.any(inputs.frequency_penalty != 0))
     logits = jax.lax.cond(any_penalty, _apply_penalties, lambda l, _i: l, logits, inputs)
     return _ban_stop_ids(logits, inputs)
+
+
+def apply_logit_bias(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """f32[R, V] logits plus each row's logit_bias, added before the penalties (vLLM's
+    order); a scatter-add run only when some row has a bias."""
+    if inputs.bias_ids is None:
+        return logits
+    ids, values = inputs.bias_ids, inputs.bias_values
+
+    def add(x: jax.Array) -> jax.Array:
+        num_rows, vocab = x.shape
+        rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], ids.shape)
+        # Padding (-1) points one past the vocab and is dropped.
+        return x.at[rows, jnp.where(ids >= 0, ids, vocab)].add(values, mode="drop")
+
+    return jax.lax.cond(jnp.any(ids >= 0), add, lambda x: x, logits)
 
 
 def _apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:

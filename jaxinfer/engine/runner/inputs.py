@@ -15,11 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.request import Request, SamplingParams
+from jaxinfer.engine.request import MAX_LOGIT_BIAS, Request, SamplingParams
 from jaxinfer.model.attention import AttentionMetadata
 from jaxinfer.model.sampler import SamplingInputs
 
 STOP_WIDTH = 16  # stop ids per request row, masked while min_tokens is not reached
+BIAS_WIDTH = MAX_LOGIT_BIAS  # logit_bias pairs a slot's row holds on the device
 NUM_SAMPLE_POSITIONS = 1  # Q: positions sampled per request in the compiled step
 
 

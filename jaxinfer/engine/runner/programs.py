@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
-from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS, STOP_WIDTH
+from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.model import batch_state, layers, moe, params_table, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
@@ -107,7 +107,8 @@ def state_spec(num_slots: int, *, page_size: int, max_model_len: int,
     `experts`: `moe.routing_shape(cfg)`; `sliding`: with a second page group's table."""
     return jax.eval_shape(functools.partial(
         batch_state.init, num_slots, pages_per_seq=-(-max_model_len // page_size),
-        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, experts=experts,
+        max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
+        experts=experts,
         sliding_group=sliding))
 
 

@@ -48,6 +48,7 @@ from jaxinfer.engine.runner import results
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import (
+    BIAS_WIDTH,
     STOP_WIDTH,
     Chunk,
     ScoreSpan,
@@ -133,7 +134,7 @@ class Runner:
                                sliding=self.sliding)
         self.state = jax.jit(functools.partial(
             batch_state.init, num_slots, pages_per_seq=self.pages_per_seq,
-            max_model_len=max_model_len, num_stop_ids=STOP_WIDTH,
+            max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
             experts=moe.routing_shape(cfg), sliding_group=self.sliding),
             out_shardings=whole)()
         ins, outs = (param_shardings, kv_shardings, whole, whole), (kv_shardings, whole, whole)

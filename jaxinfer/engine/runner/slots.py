@@ -29,6 +29,7 @@ from jaxinfer.engine.runner.inputs import (
 from jaxinfer.model.batch_state import Admission, SlotRows, StepDelta
 
 ADMIT_ROWS = 8  # slots one admission call writes
+BIAS_WRITES = 32  # logit_bias pairs one admission call writes (few requests have any)
 WRITE_WIDTH = 256  # page or history writes one admission call carries
 TAIL = 8  # a slot's last page ids compared with the request's each step
 
@@ -53,6 +54,7 @@ class SlotTable:
         self._slots: dict[int, _Slot] = {}  # slot -> its request
         self._slot_of: dict[Request, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest
+        self._bias_held = [0] * num_slots  # logit_bias pairs written to each slot's row
 
     def slot(self, request: Request) -> int | None:
         return self._slot_of.get(request)
@@ -160,18 +162,29 @@ class SlotTable:
         for slot, request, start in placed:
             if request.params.penalized and start:
                 history += [(slot, p, t) for p, t in enumerate(request.tokens(0, start))]
+        bias = [pair for slot, request, _ in placed for pair in self._bias_writes(slot, request)]
         calls = []
-        while placed or overflow or history or sliding:
+        while placed or overflow or history or sliding or bias:
             batch, placed = placed[:ADMIT_ROWS], placed[ADMIT_ROWS:]
             pages, overflow = overflow[:WRITE_WIDTH], overflow[WRITE_WIDTH:]
             past, history = history[:WRITE_WIDTH], history[WRITE_WIDTH:]
             slid, sliding = sliding[:WRITE_WIDTH], sliding[WRITE_WIDTH:]
-            calls.append(self._admission(batch, pages, past, slid))
+            pairs, bias = bias[:BIAS_WRITES], bias[BIAS_WRITES:]
+            calls.append(self._admission(batch, pages, past, slid, pairs))
         return calls
+
+    def _bias_writes(self, slot: int, request: Request) -> list[tuple[int, int, int, float]]:
+        """(slot, index, token id, bias) of the request's logit_bias, then -1 over the
+        pairs the slot's last request left in its row (no clearing on the device)."""
+        pairs = sorted((request.params.logit_bias or {}).items())
+        held, self._bias_held[slot] = self._bias_held[slot], len(pairs)
+        return ([(slot, k, token, bias) for k, (token, bias) in enumerate(pairs)]
+                + [(slot, k, -1, 0.0) for k in range(len(pairs), held)])
 
     def _admission(self, placed: list[tuple[int, Request, int]],
                    pages: list[tuple[int, int, int]], history: list[tuple[int, int, int]],
-                   sliding: list[tuple[int, int, int]]) -> Admission:
+                   sliding: list[tuple[int, int, int]],
+                   bias: list[tuple[int, int, int, float]]) -> Admission:
         """One admission call's arrays (padded: slot N + 1, dropped on the device)."""
         n = self.num_slots
         return Admission(
@@ -180,12 +193,15 @@ class SlotTable:
             rows=self._rows([r for _, r, _ in placed]),
             page_writes=_triples(pages, WRITE_WIDTH, n + 1),
             history_writes=_triples(history, WRITE_WIDTH, n + 1),
+            bias_writes=_triples([pair[:3] for pair in bias], BIAS_WRITES, n + 1),
+            bias_values=np.array([pair[3] for pair in bias] + [0.0] * (BIAS_WRITES - len(bias)),
+                                 np.float32),
             sliding_page_writes=_triples(sliding, WRITE_WIDTH, n + 1) if self.sliding
             else None)
 
     def empty_admission(self) -> Admission:
         """An admission call that writes nothing (its shapes compile the program)."""
-        return self._admission([], [], [], [])
+        return self._admission([], [], [], [], [])
 
     def _rows(self, requests: Sequence[Request]) -> SlotRows:
         """SlotRows of ADMIT_ROWS rows: the requests', then greedy padding."""
