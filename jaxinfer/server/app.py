@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
-from jaxinfer.server import prometheus, protocol
+from jaxinfer.server import prometheus, protocol, structured, tools
 from jaxinfer.server import responses as out
 from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
@@ -215,8 +215,8 @@ async def _completions(request: fastapi.Request) -> Response:
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
     limit = protocol.max_tokens(body)
-    submissions = [Submission(prompt=p, params=params, limit=limit, echo=body.echo)
-                   for p in prompts]
+    submissions = [Submission(prompt=p, params=params, limit=limit, echo=body.echo,
+                              constraint_field=structured.field(body)) for p in prompts]
     shape = _Shape("text_completion", "cmpl", state, params, top=body.logprobs,
                    echo=body.echo, echo_only=protocol.echo_only(body))
     return await _respond(request, state, shape, submissions, body)
@@ -226,11 +226,13 @@ async def _chat(request: fastapi.Request) -> Response:
     state, body = await _parsed(request, ChatRequest)
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
+    params, calls = tools.plan(body, state.config, params)
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
-                            limit=protocol.max_tokens(body))
+                            limit=protocol.max_tokens(body), tools=calls.tools,
+                            constraint_field=structured.field(body) or "tool_choice")
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
-                   reasoning=splitter(state.config, state.tokenizer, params))
+                   reasoning=splitter(state.config, state.tokenizer, params, calls))
     return await _respond(request, state, shape, [submission], body)
 
 
@@ -356,7 +358,7 @@ async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
         for piece in shape.pieces(streams[prompt_index], update):
             choices[prompt_index * n + piece.index].add(
                 piece.text, piece.token_ids, piece.logprobs, piece.finish_reason,
-                piece.reasoning)
+                piece.reasoning, piece.tool_calls)
     generated = sum(shape.generated(c.token_ids) for c in choices)
     extra = {}
     if shape.chat and shape.params.prompt_logprobs is not None:  # vLLM's place in chat
@@ -380,7 +382,7 @@ async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
             for piece in shape.pieces(streams[prompt_index], update):
                 index = prompt_index * n + piece.index
                 choice = out.Choice(index, piece.text, piece.token_ids, piece.logprobs,
-                                    piece.finish_reason, piece.reasoning)
+                                    piece.finish_reason, piece.reasoning, list(piece.tool_calls))
                 rendered = shape.choice(choice, streams[prompt_index], delta=True,
                                         first=index not in offsets,
                                         text_offset=offsets.get(index, 0))

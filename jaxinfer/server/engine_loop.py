@@ -37,7 +37,7 @@ from jaxinfer.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from jaxinfer.server import protocol
+from jaxinfer.server import protocol, tools
 from jaxinfer.server.protocol import APIError
 from jaxinfer.server.streams import Inbox, Stream, Update, moved, piece_of
 
@@ -56,6 +56,9 @@ class Submission:
     add_generation_prompt: bool = True
     limit: protocol.MaxTokens = protocol.MaxTokens(16)
     echo: bool = False  # the handler needs the prompt's text (`Stream.prompt_text`)
+    tools: list[dict] | None = None  # chat: the functions the template shows the model
+    # the field an output constraint came in: the param of an error compiling it
+    constraint_field: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,21 +153,32 @@ class EngineLoop:
         """On a preparing thread: the prompt tokenized (the tokenizer lets go of the GIL)
         and the request checked; an APIError if it cannot be served."""
         try:
-            ids = self.engine.prompt_token_ids(
-                submission.prompt, submission.messages,
-                add_generation_prompt=submission.add_generation_prompt)
+            ids = self._prompt_ids(submission)
             params = protocol.fit_max_tokens(submission.params, len(ids),
                                              self.engine.max_model_len, submission.limit)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, APIError):
+                raise
+            raise APIError(400, str(e), param=_param(submission, e)) from None
+        try:
             request = self.engine.prepare(submission.prompt, params, prompt_token_ids=ids)
             text = self._prompt_text(submission.prompt, ids) if submission.echo else ""
         except APIError:
             raise
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param=_param(submission, e)) from None
+        except (ValueError, TypeError) as e:  # a constraint the engine cannot compile too
+            raise APIError(400, str(e), param=_param(submission, e, prepared=True)) from None
         except Exception as e:
             log.exception("preparing a request failed")
             raise APIError(500, f"adding the request failed: {e}") from None
         return Prepared(request, text)
+
+    def _prompt_ids(self, submission: Submission) -> list[int]:
+        if submission.tools is not None:
+            return tools.prompt_token_ids(self.engine, submission.messages, submission.tools,
+                                          submission.add_generation_prompt)
+        return self.engine.prompt_token_ids(
+            submission.prompt, submission.messages,
+            add_generation_prompt=submission.add_generation_prompt)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a client went away); unknown ids: nothing."""
@@ -337,10 +351,14 @@ class EngineLoop:
             self.on_failure(self.failure)
 
 
-def _param(submission: Submission, error: Exception) -> str:
+def _param(submission: Submission, error: Exception, prepared: bool = False) -> str:
     """The field an engine-side ValueError is about: the one it opens with (`top_k=...`,
-    `min_tokens with 20 stop ids`), else the prompt."""
+    `min_tokens with 20 stop ids`), else the prompt. Preparing a constrained request, an
+    error that names no other field is the constraint's (the engine compiles it then)."""
     head = protocol.error_field(error)
+    constrained = prepared and submission.params.structured_outputs is not None
+    if constrained and head in (None, "structured_outputs") and submission.constraint_field:
+        return submission.constraint_field
     if head is not None:
         return submission.limit.field if head == "max_tokens" else head
     return "messages" if submission.messages is not None else "prompt"

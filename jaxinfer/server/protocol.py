@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.server import structured
 
 MAX_N = 64  # completions per prompt
 MAX_STOP = 16  # stop strings per request
@@ -83,6 +84,10 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted, only logged
+    # an output constraint: OpenAI's, or vLLM's (json, regex, choice, grammar); checked
+    # in server/structured.py, compiled by the engine
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 TokenIds = Annotated[list[int], pydantic.Field(min_length=1)]
@@ -101,10 +106,46 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant turn made, sent back in a later request."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, pydantic.Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # an assistant turn's reasoning sent back (vLLM's name, and DeepSeek's older one); the
     # chat template sees it under every name templates read (text/chat_template.py)
     reasoning: str | None = None
@@ -116,9 +157,23 @@ class Message(_Body):
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         out = {"role": self.role, "content": content or ""}
+        if self.tool_calls is not None:  # arguments as objects, as templates read them
+            out["tool_calls"] = [call_for_template(c.model_dump()) for c in self.tool_calls]
         return out | {key: getattr(self, key) for key in ("name", "reasoning",
-                                                         "reasoning_content")
+                                                         "reasoning_content", "tool_call_id")
                       if getattr(self, key) is not None}
+
+
+def call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's call with its JSON arguments parsed (vLLM does so: templates such as
+    Qwen3's and Llama 3's write `arguments | tojson`); text that is no JSON object stays."""
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return call | {"function": call["function"] | {"arguments": arguments}}
 
 
 class ChatRequest(_Sampling):
@@ -129,6 +184,9 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra; returned beside `choices`
+    tools: list[Tool] | None = None  # server/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def echo_only(body: CompletionRequest | ChatRequest) -> bool:
@@ -166,7 +224,8 @@ def check_scoring(body: CompletionRequest | ChatRequest, params: SamplingParams,
 
 # every field name of every body: a location part that is none of them names a union member
 _FIELDS = frozenset().union(*(m.model_fields for m in (
-    CompletionRequest, ChatRequest, Message, TextPart, StreamOptions)))
+    CompletionRequest, ChatRequest, Message, TextPart, StreamOptions, ToolCall, FunctionCall,
+    Tool, FunctionDefinition, NamedToolChoice, FunctionName)))
 
 
 def parse_json(raw: bytes) -> Any:
@@ -260,6 +319,10 @@ def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams
         given["max_tokens"] = 1 if echo_only(body) else body.max_tokens
         given["logprobs"] = body.logprobs
     given["prompt_logprobs"] = prompt_logprobs(body)
+    try:
+        given["structured_outputs"] = structured.constraint(body)
+    except structured.FieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
     if body.prompt_logprobs is None and given["prompt_logprobs"] is not None:
         names["prompt_logprobs"] = "logprobs"  # under echo
     return _build(defaults, given, names)

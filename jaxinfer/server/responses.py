@@ -33,11 +33,13 @@ class Choice:
     logprobs: list[Entry] | None = None
     finish_reason: str | None = None
     reasoning: str = ""  # chat under a reasoning parser (`text` is then the content)
+    tool_calls: list[dict] = dataclasses.field(default_factory=list)  # deltas, in order
 
     def add(self, text: str, token_ids: list[int], logprobs: list[Entry] | None,
-            finish_reason: str | None, reasoning: str = "") -> None:
+            finish_reason: str | None, reasoning: str = "", tool_calls: tuple = ()) -> None:
         self.text += text
         self.reasoning += reasoning
+        self.tool_calls += tool_calls
         self.token_ids += token_ids
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
@@ -124,13 +126,30 @@ def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
                                              top)}
     if delta:
         reasoning = dict.fromkeys(reasoning_names, choice.reasoning) if choice.reasoning else {}
-        body = {"delta": reasoning | ({"content": choice.text} if choice.text else {})}
+        body = {"delta": reasoning | ({"content": choice.text} if choice.text else {})
+                | ({"tool_calls": choice.tool_calls} if choice.tool_calls else {})}
     else:
         content = choice.text or (None if reasoning_names else "")
-        body = {"message": {"role": "assistant", "content": content}
+        calls = {"tool_calls": merged_calls(choice.tool_calls)} if choice.tool_calls else {}
+        if calls and not choice.text.strip():
+            content = None  # vLLM's: only calls, no text
+        body = {"message": {"role": "assistant", "content": content} | calls
                 | dict.fromkeys(reasoning_names, choice.reasoning or None)}
     return {"index": choice.index, **body, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}
+
+
+def merged_calls(deltas: list[dict]) -> list[dict]:
+    """A message's `tool_calls` from its stream deltas: each call's id, type and name from
+    its first delta, its arguments joined."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        if "id" in delta:
+            calls[delta["index"]] = {"id": delta["id"], "type": delta["type"],
+                                     "function": dict(delta["function"])}
+        else:
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    return list(calls.values())
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]],

@@ -24,6 +24,7 @@ class Piece:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     reasoning: str = ""  # under a reasoning parser (server/reasoning.py): `text` is content
+    tool_calls: tuple[dict, ...] = ()  # OpenAI's tool_calls deltas (server/reasoning.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,136 @@
+"""Tool calling in /v1/chat/completions (OpenAI's fields, vLLM's rules).
+
+`tools` go to the chat template as transformers passes them (OpenAI's
+`{"type": "function", "function": {...}}` dicts). `tool_choice`:
+- `none`: the model answers in text (the template still sees the tools);
+- `auto` (OpenAI's default when tools are given): the model decides; its calls are read
+  from its text by `--tool_call_parser` (jaxinfer/text/tool_parsers.py). It needs a server
+  started with `--enable_auto_tool_choice`, else a 400 naming `tool_choice` (vLLM's rule);
+- `required`, or `{"type": "function", "function": {"name": ...}}`: a constraint makes the
+  model write calls, as vLLM builds it: for `required`, a JSON list (one item unless
+  `parallel_tool_calls`) of `{"name": one of the functions, "parameters": its schema}`;
+  for a named function, its arguments alone, valid under its `parameters`.
+Calls come back as `tool_calls` (ids `chatcmpl-tool-...`) with `finish_reason`
+`tool_calls` (server/reasoning.py reads them out of the text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxinfer.config import ServerConfig
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.structured import StructuredOutputsParams
+from jaxinfer.server.protocol import APIError, ChatRequest, NamedToolChoice
+from jaxinfer.text.tokenizer import TooLong
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's output is read for calls: `parser` (auto), `required`, or the
+    `named` function; none of them: the output is text."""
+
+    tools: list[dict] | None = None  # as the chat template sees them
+    parser: str | None = None
+    required: bool = False
+    named: str | None = None
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.parser is not None or self.required or self.named is not None
+
+
+def plan(body: ChatRequest, config: ServerConfig,
+         params: SamplingParams) -> tuple[SamplingParams, ToolPlan]:
+    """The request's params (with the constraint `tool_choice` asks for) and its plan; a
+    400 naming the field for a request that cannot be served."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools (the functions it may call)",
+                           param="tool_choice")
+        return params, ToolPlan()
+    names = [tool.function.name for tool in body.tools]
+    if len(set(names)) < len(names):
+        raise APIError(400, f"tools: two functions are named "
+                       f"{next(n for n in names if names.count(n) > 1)!r}", param="tools")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    choice = choice or "auto"
+    if choice == "none":
+        return params, ToolPlan(tools)
+    if choice == "auto":
+        if not config.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice (the default when tools are given) '
+                           "needs a server started with --enable_auto_tool_choice and "
+                           "--tool_call_parser; send tool_choice 'required', 'none' or a "
+                           "named function", param="tool_choice")
+        return params, ToolPlan(tools, parser=config.tool_call_parser)
+    if params.structured_outputs is not None:
+        raise APIError(400, f"tool_choice={_shown(choice)} constrains the output; it "
+                       "cannot be given with response_format or structured_outputs",
+                       param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        return _named(body, tools, choice.function.name, params)
+    schema = required_schema(tools, parallel=body.parallel_tool_calls is not False)
+    return _constrained(params, schema), ToolPlan(tools, required=True)
+
+
+def _named(body: ChatRequest, tools: list[dict], name: str,
+           params: SamplingParams) -> tuple[SamplingParams, ToolPlan]:
+    function = next((t["function"] for t in tools if t["function"]["name"] == name), None)
+    if function is None:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
+                       f"tools ({', '.join(t['function']['name'] for t in tools)})",
+                       param="tool_choice")
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    return _constrained(params, schema), ToolPlan(tools, named=name)
+
+
+def _constrained(params: SamplingParams, schema: dict) -> SamplingParams:
+    try:
+        constraint = StructuredOutputsParams(json=schema)
+    except ValueError as e:
+        raise APIError(400, f"tools: {e}", param="tools") from None
+    return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def required_schema(tools: list[dict], *, parallel: bool) -> dict[str, Any]:
+    """vLLM's schema for `tool_choice="required"`: a list of calls, each one function's
+    name and its parameters; every function's `$defs` lifted to the top, where their
+    `#/$defs/...` references point."""
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        function = tool["function"]
+        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        defs |= parameters.pop("$defs", {})
+        items.append({"type": "object", "additionalProperties": False,
+                      "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema | ({"$defs": defs} if defs else {})
+
+
+def prompt_token_ids(engine: Any, messages: list[dict], tools: list[dict],
+                     add_generation_prompt: bool) -> list[int]:
+    """The chat prompt rendered with `tools` (the engine's own path takes no template
+    variables), then checked by the engine as any token-id prompt."""
+    if engine.tokenizer is None:
+        raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): chat "
+                         "messages need one")
+    try:
+        ids = engine.tokenizer.prompt_ids(None, messages, tools=tools,
+                                          add_generation_prompt=add_generation_prompt,
+                                          max_tokens=engine.max_model_len - 1)
+    except TooLong as e:
+        raise ValueError(f"{e}; max_model_len {engine.max_model_len} leaves no room to "
+                         "generate") from None
+    return engine.prompt_token_ids(ids)
+
+
+def _shown(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice.model_dump())
