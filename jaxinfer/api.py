@@ -25,6 +25,7 @@ from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.data_parallel import make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.text.tokenizer import TooLong
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, object]]  # chat messages: {"role": ..., "content": ...}
@@ -83,21 +84,38 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             tools: Sequence[Mapping[str, object]] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         several, through the checkpoint's chat template: the server's path for
-        /v1/chat/completions. One finished RequestOutput per conversation, in order."""
+        /v1/chat/completions. `tools`: function definitions in OpenAI's shape
+        (`{"type": "function", "function": {"name", "description", "parameters"}}`), which
+        the template shows the model (vLLM's argument). One finished RequestOutput per
+        conversation, in order."""
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         prompts = []
         for index, conversation in enumerate(messages):
             try:
-                prompts.append(self.engine.prompt_token_ids(
-                    messages=[dict(m) for m in conversation],
-                    add_generation_prompt=add_generation_prompt))
+                prompts.append(self._chat_prompt([dict(m) for m in conversation], tools,
+                                                 add_generation_prompt))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"conversation {index}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, messages: list[dict], tools: Sequence[Mapping] | None,
+                     add_generation_prompt: bool) -> list[int]:
+        if tools is None or self.tokenizer is None:
+            return self.engine.prompt_token_ids(messages=messages,
+                                                add_generation_prompt=add_generation_prompt)
+        try:  # the engine's own path takes no template variables: rendered here, then checked
+            ids = self.tokenizer.prompt_ids(None, messages, tools=[dict(t) for t in tools],
+                                            add_generation_prompt=add_generation_prompt,
+                                            max_tokens=self.max_model_len - 1)
+        except TooLong as e:
+            raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room to "
+                             "generate") from None
+        return self.engine.prompt_token_ids(ids)
 
     def metrics(self) -> dict[str, float | int]:
         """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""
