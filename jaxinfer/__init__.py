@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 _WHERE = {"LLM": "jaxinfer.api", "EngineConfig": "jaxinfer.config",
-          "RequestOutput": "jaxinfer.engine.request", "SamplingParams": "jaxinfer.engine.request"}
+          "RequestOutput": "jaxinfer.engine.request", "SamplingParams": "jaxinfer.engine.request",
+          "StructuredOutputsParams": "jaxinfer.engine.structured"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,8 +23,9 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import kv_groups, loading
+from jaxinfer.engine import checks, kv_groups, loading
 from jaxinfer.engine import runner as runner_lib
+from jaxinfer.engine.grammar import Constraints
 from jaxinfer.engine.metrics import Metrics
 from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
 from jaxinfer.engine.page_pool import PagePool
@@ -34,7 +35,6 @@ from jaxinfer.engine.request import (
     Request,
     RequestOutput,
     SamplingParams,
-    token_id,
 )
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
@@ -83,6 +83,10 @@ class Engine:
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
         self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
+        self.constraints = Constraints(  # structured outputs' matchers (engine/grammar.py)
+            self.model_dir if self.tokenizer else None,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
+        self.metrics.token_masks = self.runner.masks.counts
         self.async_scheduling = config.async_scheduling and self.speculation is None
         self.metrics.async_scheduling = self.async_scheduling
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
@@ -136,44 +140,16 @@ class Engine:
                              "give prompts as token ids, not text or chat messages")
         else:
             ids = list(prompt if prompt is not None else [])
-        return self._check_prompt(ids)
-
-    def _check_prompt(self, ids: list) -> list[int]:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:  # before looking at each id: bounded work
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len "
-                             f"{self.max_model_len} leaves no room to generate")
-        vocab = self.model_config.vocab_size
-        tokens = [token_id(t) for t in ids]
-        bad = [t for t, i in zip(ids, tokens, strict=True) if i is None or not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
-        return tokens
+        return checks.check_prompt(ids, max_model_len=self.max_model_len,
+                                   vocab_size=self.model_config.vocab_size)
 
     def check_params(self, params: SamplingParams) -> None:
-        """Engine-level limits of sampling parameters (beyond SamplingParams' own)."""
-        if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} needs an engine made "
-                             "with enable_prompt_logprobs=True (LLM(..., "
-                             "enable_prompt_logprobs=True), --enable_prompt_logprobs)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True): "
-                             "use stop_token_ids")
-        vocab = self.model_config.vocab_size
-        for name in ("top_k", "max_tokens", "min_tokens"):  # the device reads them as int32
-            if getattr(params, name) >= 2**31:
-                raise ValueError(f"{name}={getattr(params, name)} must be < 2**31")
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"stop_token_ids={outside[:5]} must be token ids below {vocab}")
-        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if outside:
-            raise ValueError(f"logit_bias keys {outside[:5]} must be token ids below {vocab}")
-        stops = len(params.stop_token_ids) + len(self.eos_token_ids)
-        if params.min_tokens and stops > STOP_WIDTH:
-            raise ValueError(f"min_tokens with {stops} stop ids: at most {STOP_WIDTH} "
-                             "(stop_token_ids plus EOS ids)")
+        """Engine-level limits of sampling parameters (beyond SamplingParams' own), and a
+        structured-output constraint compiled (ValueError naming the field)."""
+        checks.check_params(params, config=self.config, has_tokenizer=self.tokenizer is not None,
+                            vocab_size=self.model_config.vocab_size,
+                            eos_token_ids=self.eos_token_ids, stop_width=STOP_WIDTH)
+        self.constraints.check(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
@@ -216,6 +192,7 @@ class Engine:
             self.metrics.latency.added(request.request_id, time.perf_counter())
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
             self._texts[request.request_id] = TextState(detokenizer, params.stop)
+            self.constraints.add(request)
             children.append(request)
         if params.prompt_logprobs is not None:
             children[0].prompt_logprobs = []  # the first completion scores the prompt
@@ -250,6 +227,7 @@ class Engine:
         """Forget a finished prompt and return its final output."""
         for request in self._requests.pop(request_id):
             self._texts.pop(request.request_id, None)
+            self.constraints.drop(request)
         return self._outputs.pop(request_id)
 
     # ---- the loop -------------------------------------------------------------------
@@ -288,7 +266,7 @@ class Engine:
         if self._device_free_at is not None:
             self.metrics.device_idle_seconds += now - self._device_free_at
             self._device_free_at = None
-        step = self.runner.dispatch(plan, draft_probs)
+        step = self.runner.dispatch(plan, draft_probs, self.constraints.rows(plan.chunks))
         return _Dispatched(plan, step, slots, now, self.runner.last_step_bytes)
 
     def _complete(self, done: _Dispatched, started: float) -> list[RequestOutput]:
@@ -307,6 +285,8 @@ class Engine:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
         sampled = [[s.token_id for s in chunk] for chunk in samples]
         self.scheduler.update(plan, sampled)
+        for request in self.constraints.advance(plan.chunks):  # its grammar is complete
+            self.scheduler.finish(request, "stop")
         if self.speculation is not None:
             self.speculation.record(plan, sampled, done.slots, ready - done.dispatched)
         changed = self._record_tokens(plan, samples, lengths)

@@ -119,6 +119,9 @@ class Metrics:
     expert_tokens: Callable[[], dict[int, list[int]]] | None = None
     # pages in use and free per page group, read live (engine/kv_groups.py)
     page_groups: Callable[[], dict[str, dict[str, int]]] | None = None
+    # structured outputs: (seconds, steps) the host spent filling token masks, read live
+    # (runner/token_masks.py)
+    token_masks: Callable[[], tuple[float, int]] | None = None
     latency: Latency = dataclasses.field(default_factory=Latency)  # per-request histograms
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -204,6 +207,7 @@ class Metrics:
             "host_ms_per_step": round(1e3 * self.host_seconds / steps, 3),
             "device_idle_ms_per_step": round(
                 1e3 * self.device_idle_seconds / steps, 3),
+            **self._grammar_summary(steps),
             "bytes_read_per_s_gb": round(achieved, 2),
             "memory_bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 2),
             "roofline_fraction": round(achieved / self.bandwidth_gb_per_s, 3)
@@ -217,6 +221,15 @@ class Metrics:
             **self._expert_summary(),
             **(self.speculation(self.step_seconds) if self.speculation else {}),
         }
+
+    def _grammar_summary(self, steps: int) -> dict[str, float | int]:
+        """Structured outputs: steps that sent a token mask and the host's time filling
+        masks, per step (all steps) and per constrained step."""
+        seconds, masked = self.token_masks() if self.token_masks else (0.0, 0)
+        return {"constrained_steps": masked, "grammar_mask_seconds": round(seconds, 4),
+                "grammar_mask_ms_per_step": round(1e3 * seconds / steps, 3),
+                "grammar_mask_ms_per_constrained_step": round(
+                    1e3 * seconds / max(masked, 1), 3)}
 
     def _flops_summary(self, busy: float) -> dict[str, object]:
         """Model FLOPs, their rate, the mesh's peak and MFU; `bound`: the longer of the

@@ -24,7 +24,8 @@ KEPT = ("async_scheduling", "memory_bandwidth_gb_per_s", "peak_flops_source", "b
 # means weighted by busy seconds; other floats by steps; MFU and the hit rate recomputed
 BY_BUSY = ("roofline_fraction",)
 RATES = ("prompt_tokens_per_s", "generated_tokens_per_s", "bytes_read_per_s_gb",
-         "achieved_tflops", "peak_tflops", "mean_pages_in_use", "warmup_seconds")
+         "achieved_tflops", "peak_tflops", "mean_pages_in_use", "warmup_seconds",
+         "grammar_mask_seconds")
 LATENCY_FIELDS = ("queue", "ttft", "itl", "e2e")
 
 

@@ -35,7 +35,9 @@ while this one runs (asynchronous scheduling) and sees the same cache. A sampled
 not yet read back is a placeholder (`num_output_placeholders`) the next step feeds from
 the device; `update` appends it one step late. A request whose placeholders reach
 `max_tokens` or `max_model_len` is not scheduled again: only an EOS, stop token or stop
-string leaves an extra position computed, which `update` discards.
+string leaves an extra position computed, which `update` discards. A constrained request
+(structured outputs) with a placeholder is left out until its token is read: its next
+mask needs it.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(_target(request) - request.num_computed_tokens, budget)
-            if count <= 0 or self._ends_in_flight(request):
+            if count <= 0 or self._ends_in_flight(request) or self._awaits_token(request):
                 index += 1
                 continue
             if not self._reserve_or_preempt(request, count, preempted):
@@ -170,6 +172,14 @@ class Scheduler:
         return pending > 0 and (
             len(request.output_token_ids) + pending >= request.params.max_tokens
             or request.num_tokens + pending >= self.max_model_len)
+
+    @staticmethod
+    def _awaits_token(request: Request) -> bool:
+        """Whether a constrained request (structured outputs) has a token in flight: its
+        next token's mask needs that one on the host, so it sits out this step (the
+        others do not wait; engine/grammar.py)."""
+        return (request.num_output_placeholders > 0
+                and request.params.structured_outputs is not None)
 
     def _reserve_or_preempt(self, request: Request, count: int,
                             preempted: list[Request]) -> bool:

@@ -58,7 +58,8 @@ WINDOW = 16  # step times an estimate is the median of
 EXPLORE_EVERY = 64  # steps an option may go unmeasured (per slot rung) ...
 EXPLORE_WITHIN = 0.8  # ... if its estimated speed is at least this fraction of the best
 TRUSTED_DRAFTS = 64  # drafts verified before the engine's acceptance rate is trusted
-SKIP_REASONS = ("prompt_chunks", "batch_size", "cost", "no_match", "limit", "pages")
+SKIP_REASONS = ("prompt_chunks", "batch_size", "cost", "no_match", "limit", "pages",
+                "structured_outputs")
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -294,7 +295,12 @@ class Speculation:
         room = [max(0, min(c.request.params.max_tokens - len(c.request.output_token_ids),
                            scheduler.max_model_len - c.request.num_tokens) - 1)
                 for c in chunks]
-        caps = [min(self.max_drafts, r) for r in room]
+        # A constrained request never speculates: its drafts would need a mask per
+        # position, each after the drafts before it (engine/grammar.py).
+        constrained = [c.request.params.structured_outputs is not None for c in chunks]
+        self.stats.skipped["structured_outputs"] += sum(constrained)
+        room = [-1 if c else r for c, r in zip(constrained, room, strict=True)]
+        caps = [min(self.max_drafts, max(r, 0)) for r in room]
         requests = [c.request for c in chunks]
         proposals = None
         if not self.draft_model:
@@ -326,8 +332,11 @@ class Speculation:
     def _count_skips(self, room: Sequence[int], caps: Sequence[int],
                      granted: Sequence[int] | None) -> None:
         """Why each request of a decode step verifies no draft: no room left (`limit`),
-        nothing found (`no_match`), the policy said no (`cost`), no pages (`pages`)."""
+        nothing found (`no_match`), the policy said no (`cost`), no pages (`pages`); a
+        room of -1: constrained, counted already."""
         for r, cap, got in zip(room, caps, granted or [0] * len(room), strict=True):
+            if r < 0:
+                continue
             if r == 0:
                 self.stats.skipped["limit"] += 1
             elif cap == 0:

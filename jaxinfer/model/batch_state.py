@@ -266,15 +266,18 @@ def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> Ba
 
 def stateful(step_fn: Callable[..., tuple], *, page_size: int, routing: bool = False
              ) -> Callable[..., tuple]:
-    """A model step `(params, kv_cache, inputs, *extra) -> (kv_cache, packed, *more)`
-    as the runner compiles it: `(params, kv_cache, state, delta, *extra) -> (kv_cache,
-    state, packed, *more)`. `routing`: the step returns a MoE model's routing counts
-    last, which are added to `state.expert_tokens` (never sent to the host per step)."""
+    """A model step `(params, kv_cache, inputs, *extra, token_mask) -> (kv_cache, packed,
+    *more)` as the runner compiles it: `(params, kv_cache, state, delta, token_mask,
+    *extra) -> (kv_cache, state, packed, *more)`; `token_mask` i32[S, W] is each
+    request row's allowed-token bits (structured outputs; all ones where unconstrained).
+    `routing`: the step returns a MoE model's routing counts last, which are added to
+    `state.expert_tokens` (never sent to the host per step)."""
 
     def run(params: dict, kv_cache: KVCache, state: BatchState, delta: StepDelta,
-            *extra: jax.Array) -> tuple:
+            token_mask: jax.Array, *extra: jax.Array) -> tuple:
         state, inputs = expand(state, delta, page_size=page_size)
-        kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra)
+        kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra,
+                                          token_mask=token_mask)
         if routing:
             *more, routed = more
             state = dataclasses.replace(state, expert_tokens=state.expert_tokens + routed)

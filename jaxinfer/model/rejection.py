@@ -50,14 +50,16 @@ def stream_uniforms(inputs: SamplingInputs, stream: int) -> jax.Array:
 
 
 def verify(logits: jax.Array, inputs: SamplingInputs, proposed_ids: jax.Array,
-           draft_probs: jax.Array | None, *, num_logprobs: int) -> SampleOutput:
+           draft_probs: jax.Array | None, *, num_logprobs: int,
+           token_mask: jax.Array | None = None) -> SampleOutput:
     """Each row's token: its proposal where accepted, else a draw from the residual
     (rows without one: the plain draw); with logprobs as `sampler.sample` gives them.
 
     logits f32[R, V] raw; proposed_ids i32[R] (-1: none); draft_probs f32[R, V] or None
-    (proposals certain)."""
+    (proposals certain); token_mask i32[R, W] (`sampler.constrain`: a constrained
+    request proposes nothing, so its row is a plain draw among allowed tokens)."""
     logits = logits.astype(jnp.float32)
-    penalized = sampler.penalize(logits, inputs)
+    penalized = sampler.constrain(sampler.penalize(logits, inputs), token_mask)
     greedy = sampler.first_argmax(penalized)
     is_random = inputs.temperature > 0
     chosen = jax.lax.cond(

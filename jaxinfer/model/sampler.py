@@ -70,11 +70,13 @@ class SampleOutput:
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int,
-           proposed_ids: jax.Array | None = None) -> SampleOutput:
+           proposed_ids: jax.Array | None = None, token_mask: jax.Array | None = None
+           ) -> SampleOutput:
     """Pick one token per row of f32[R, V] logits; score the i32[R] `proposed_ids`
-    (-1 = none; None = no row proposes)."""
+    (-1 = none; None = no row proposes); `token_mask`: i32[R, ceil(V / 32)] allowed-token
+    bits (`constrain`), None or all ones for no constraint."""
     logits = logits.astype(jnp.float32)
-    penalized = penalize(logits, inputs)
+    penalized = constrain(penalize(logits, inputs), token_mask)
     greedy = first_argmax(penalized)
     is_random = inputs.temperature > 0
     # Greedy-only batches skip the draw; greedy rows take `greedy` either way.
@@ -109,6 +111,30 @@ def _proposed_logprobs(logits: jax.Array, log_total: jax.Array,
     proposed = proposed_ids.astype(jnp.int32)
     found = jnp.take_along_axis(logits, jnp.maximum(proposed, 0)[:, None], axis=-1)[:, 0]
     return jnp.where(proposed >= 0, found - log_total, -jnp.inf)
+
+
+def constrain(logits: jax.Array, token_mask: jax.Array | None) -> jax.Array:
+    """f32[R, V] logits with the tokens a row's grammar forbids at -inf (structured
+    outputs). `token_mask` i32[R, W], W = ceil(V / 32): bit v % 32 of word v // 32 set
+    where token v is allowed (llguidance's layout); -1 words (all ones) constrain
+    nothing, and a step with no constrained row skips the [R, V] work (`lax.cond`).
+    Applied after penalties and logit_bias, before temperature and filtering, so every
+    sampling method draws among allowed tokens; logprobs stay the raw ones."""
+    if token_mask is None:
+        return logits
+
+    def apply(x: jax.Array) -> jax.Array:
+        num_rows, vocab = x.shape
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (token_mask[:, :, None] >> shifts) & 1  # i32[R, W, 32]
+        allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0  # bool[R, V]
+        masked = jnp.where(allowed, x, -jnp.inf)
+        # A row left with nothing (min_tokens banning the only allowed stop id) samples
+        # among its allowed tokens evenly rather than from NaNs.
+        empty = jnp.all(masked == -jnp.inf, axis=-1, keepdims=True)
+        return jnp.where(empty, jnp.where(allowed, 0.0, -jnp.inf), masked)
+
+    return jax.lax.cond(jnp.any(token_mask != -1), apply, lambda x: x, logits)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

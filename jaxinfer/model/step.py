@@ -61,20 +61,22 @@ class StepInputs:
 
 
 def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
-         cfg: ModelConfig, num_logprobs: int, decode_only: bool = False
-         ) -> tuple[KVCache, jax.Array]:
+         cfg: ModelConfig, num_logprobs: int, decode_only: bool = False,
+         token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """Forward, then sample each position; returns (kv_cache, i32[S, Q, 3 + 2k]).
-    `decode_only`: every request has one token (a decode bucket; see transformer)."""
+    `decode_only`: every request has one token (a decode bucket; see transformer).
+    `token_mask`: i32[S, W] allowed-token bits per request (structured outputs,
+    `sampler.constrain`), applied at each of its positions; None: no constraint."""
     kv_cache, logits, *routed = transformer.forward(
         params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, max_q_len=int(decode_only),
         routing=cfg.moe is not None)  # f32[S * Q, V]
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
-    return kv_cache, _sample_packed(logits, inputs, num_logprobs), *routed
+    return kv_cache, _sample_packed(logits, inputs, num_logprobs, token_mask), *routed
 
 
 def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
-                draft_probs: jax.Array | None = None, *, cfg: ModelConfig, num_logprobs: int
-                ) -> tuple[KVCache, jax.Array]:
+                draft_probs: jax.Array | None = None, *, cfg: ModelConfig, num_logprobs: int,
+                token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """`step` with rejection sampling of each position's proposed token: returns
     (kv_cache, i32[S, Q, 3 + 2k]) whose token at a position is the proposal where
     accepted. draft_probs f32[S, Q, V]: q of each position's proposal; None: certain."""
@@ -86,7 +88,8 @@ def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInput
     if draft_probs is not None:
         draft_probs = draft_probs.reshape(num_slots * num_positions, -1)
     out = rejection.verify(logits, inputs.sampling, inputs.proposed_ids.reshape(-1),
-                           draft_probs, num_logprobs=num_logprobs)
+                           draft_probs, num_logprobs=num_logprobs,
+                           token_mask=_per_position(token_mask, num_positions))
     return kv_cache, sampler.pack(out).reshape(num_slots, num_positions, -1), *routed
 
 
@@ -98,8 +101,8 @@ def draft_prefill(params: transformer.Params, kv_cache: KVCache, token_ids: jax.
 
 
 def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
-               score_inputs: scoring.ScoreInputs, *, cfg: ModelConfig, num_logprobs: int
-               ) -> tuple[KVCache, jax.Array, jax.Array]:
+               score_inputs: scoring.ScoreInputs, *, cfg: ModelConfig, num_logprobs: int,
+               token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array, jax.Array]:
     """`step` that also scores every token position (prompt logprobs): returns
     (kv_cache, i32[S, Q, 3 + 2k] samples, i32[T, 2 + 2k] scores, see model/scoring.py).
 
@@ -117,16 +120,26 @@ def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs
         routing=cfg.moe is not None)  # f32[T, V]
     logits = sharding.replicate(logits)
     scores = scoring.pack(scoring.score(logits, score_inputs, num_logprobs=num_logprobs))
-    sampled = _sample_packed(logits[inputs.md.logits_indices], inputs, num_logprobs)
+    sampled = _sample_packed(logits[inputs.md.logits_indices], inputs, num_logprobs,
+                             token_mask)
     return kv_cache, sampled, scores, *routed
 
 
-def _sample_packed(logits: jax.Array, inputs: StepInputs, num_logprobs: int) -> jax.Array:
+def _sample_packed(logits: jax.Array, inputs: StepInputs, num_logprobs: int,
+                   token_mask: jax.Array | None = None) -> jax.Array:
     """i32[S, Q, 3 + 2k]: the samples of f32[S * Q, V] logits, packed."""
     num_slots, num_positions = inputs.proposed_ids.shape
     out = sampler.sample(logits, inputs.sampling, num_logprobs=num_logprobs,
-                         proposed_ids=inputs.proposed_ids.reshape(-1))
+                         proposed_ids=inputs.proposed_ids.reshape(-1),
+                         token_mask=_per_position(token_mask, num_positions))
     return sampler.pack(out).reshape(num_slots, num_positions, -1)
+
+
+def _per_position(token_mask: jax.Array | None, num_positions: int) -> jax.Array | None:
+    """i32[S * Q, W]: each request's mask row at each of its Q positions."""
+    if token_mask is None or num_positions == 1:
+        return token_mask
+    return jnp.repeat(token_mask, num_positions, axis=0)
 
 
 def logits(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,

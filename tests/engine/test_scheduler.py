@@ -241,3 +241,28 @@ def test_host_modules_import_without_jax():
             "sorted(m for m in sys.modules if m.startswith(('jax', 'numpy')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_constrained_request_waits_for_its_token_in_flight():
+    """Asynchronous scheduling: a constrained request (structured outputs) sits out the
+    step after one that samples it, until its token is read; the others go on."""
+    from jaxinfer.engine.structured import StructuredOutputsParams
+
+    s = _scheduler()
+    s.add(_request("free", 4, arrival=0))
+    s.add(_request("json", 4, arrival=1,
+                   structured_outputs=StructuredOutputsParams(json_object=True)))
+    first, chunks = _plan(s)
+    assert chunks == [("free", 0, 4, 1), ("json", 0, 4, 1)]
+    second, chunks = _plan(s)  # planned before the first is read
+    assert chunks == [("free", 4, 1, 1)]
+    json_request = first.chunks[1].request
+    assert json_request.num_output_placeholders == 1
+    s.update(first, [[7], [8]])
+    third, chunks = _plan(s)
+    assert chunks == [("free", 5, 1, 1), ("json", 4, 1, 1)]  # its token read: back in
+    assert json_request.output_token_ids == [8] and json_request.num_computed_tokens == 5
+    s.update(second, [[9]])
+    s.update(third, [[10], [11]])
+    assert first.chunks[0].request.output_token_ids == [7, 9, 10]
+    assert json_request.output_token_ids == [8, 11]

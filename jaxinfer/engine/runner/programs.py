@@ -26,6 +26,7 @@ from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
+from jaxinfer.engine.runner.token_masks import mask_words
 from jaxinfer.model import batch_state, layers, moe, params_table, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
@@ -100,6 +101,11 @@ def input_spec(bucket: Bucket, *, page_size: int,
     return _specs(delta)
 
 
+def mask_spec(bucket: Bucket, vocab_size: int) -> jax.ShapeDtypeStruct:
+    """The ShapeDtypeStruct of a bucket's token mask (runner/token_masks.py)."""
+    return jax.ShapeDtypeStruct((bucket.num_slots, mask_words(vocab_size)), jnp.int32)
+
+
 def state_spec(num_slots: int, *, page_size: int, max_model_len: int,
                experts: tuple[int, int] = (0, 0), sliding: bool = False
                ) -> batch_state.BatchState:
@@ -144,7 +150,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
     steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode),
-                             in_shardings=(param_shardings, kv_shardings, whole, whole),
+                             in_shardings=(param_shardings, kv_shardings, whole, whole,
+                                           whole),
                              out_shardings=(kv_shardings, whole, whole),
                              donate_argnums=(1, 2))
              for decode in (False, True)}
@@ -153,7 +160,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                                     experts=moe.routing_shape(cfg), sliding=sliding), whole)
     with jax.set_mesh(mesh):
         lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
-            b, page_size=page_size, sliding=sliding), whole)) for b in buckets]
+            b, page_size=page_size, sliding=sliding), whole), on_shardings(
+                mask_spec(b, cfg.vocab_size), whole)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:

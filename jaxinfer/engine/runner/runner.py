@@ -68,6 +68,7 @@ from jaxinfer.engine.runner.programs import (
 )
 from jaxinfer.engine.runner.results import PromptScores, Sample, StepResult
 from jaxinfer.engine.runner.slots import SlotTable
+from jaxinfer.engine.runner.token_masks import TokenMasks
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.model import batch_state, moe, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
@@ -137,7 +138,10 @@ class Runner:
             max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
             experts=moe.routing_shape(cfg), sliding_group=self.sliding),
             out_shardings=whole)()
-        ins, outs = (param_shardings, kv_shardings, whole, whole), (kv_shardings, whole, whole)
+        # inputs: params, KV cache, state, delta, token mask (token_masks.py)
+        ins = (param_shardings, kv_shardings, whole, whole, whole)
+        outs = (kv_shardings, whole, whole)
+        self.masks = TokenMasks(cfg.vocab_size, whole)
         self._steps = {decode: jax.jit(step_function(cfg, page_size=page_size,
                                                      decode_only=decode),
                                        in_shardings=ins, out_shardings=outs,
@@ -197,7 +201,8 @@ class Runner:
         if (bucket, scores) not in self._compiled:
             spec = input_spec(bucket, page_size=self.page_size, sliding=self.sliding)
             with self._lower_lock, jax.set_mesh(self.mesh):
-                args = (self.params, self.kv_cache, self.state, spec)
+                args = (self.params, self.kv_cache, self.state, spec,
+                        self.masks.spec(bucket.num_slots))
                 if scores:
                     lowered = self._score_step.lower(*args, score_input_spec(bucket))
                 elif bucket.num_positions > 1:
@@ -218,10 +223,13 @@ class Runner:
             self._admit_compiled = lowered.compile()
         return self._admit_compiled
 
-    def dispatch(self, plan: StepPlan, draft_probs: jax.Array | None = None) -> InFlight:
+    def dispatch(self, plan: StepPlan, draft_probs: jax.Array | None = None,
+                 token_masks: typing.Sequence[tuple[int, object]] = ()) -> InFlight:
         """Start one step and return without waiting for it. A plan with draft tokens
         runs in a verify bucket; `draft_probs` f32[S, Q, V] (S its slots) are their q
-        when the runner takes them (`draft_probs=True`)."""
+        when the runner takes them (`draft_probs=True`). `token_masks`: (chunk index,
+        llguidance matcher) of the constrained requests the step samples
+        (token_masks.py)."""
         requests = [c.request for c in plan.chunks]
         spans = score_spans(requests, [(c.start, c.num_tokens) for c in plan.chunks])
         scores = any(span is not None for span in spans)
@@ -237,20 +245,22 @@ class Runner:
                                                              for c in plan.chunks))
         compiled = self._compile(bucket, scores)
         delta = self._send(plan.chunks, bucket)
+        mask, mask_bytes = self.masks.build(token_masks, bucket.num_slots)
+        self.last_step_bytes += mask_bytes
         packed_scores = None
         if verify:
             self.kv_cache, self.state, packed = compiled(
-                self.params, self.kv_cache, self.state, delta,
+                self.params, self.kv_cache, self.state, delta, mask,
                 *[draft_probs][:self.draft_probs])
         elif scores:
             targets, num_top = score_targets(requests, spans, num_tokens=bucket.num_tokens)
             self.last_step_bytes += targets.nbytes + num_top.nbytes
             self.kv_cache, self.state, packed, packed_scores = compiled(
-                self.params, self.kv_cache, self.state, delta,
+                self.params, self.kv_cache, self.state, delta, mask,
                 scoring.ScoreInputs(targets, num_top))
         else:
             self.kv_cache, self.state, packed = compiled(self.params, self.kv_cache,
-                                                         self.state, delta)
+                                                         self.state, delta, mask)
         self.bytes_sent += self.last_step_bytes
         return InFlight(bucket, plan.chunks, packed, packed_scores, spans)
 
@@ -302,8 +312,9 @@ class Runner:
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            self.kv_cache, self.state, packed = compiled(self.params, self.kv_cache,
-                                                         self.state, delta, *extra)
+            self.kv_cache, self.state, packed = compiled(
+                self.params, self.kv_cache, self.state, delta,
+                self.masks.ones(bucket.num_slots), *extra)
             np.asarray(packed)
             times.append(time.perf_counter() - began)
         return sorted(times)[len(times) // 2]

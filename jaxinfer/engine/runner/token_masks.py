@@ -1,0 +1,70 @@
+"""Each step's allowed-token bitmask (structured outputs), built on the host in numpy.
+
+Every compiled step takes an i32[S, W] mask, W = ceil(V / 32), one row per request row
+of its bucket (llguidance's layout: bit v % 32 of word v // 32 set where token v is
+allowed; model/sampler.py: `constrain`). A step with no constrained request sends
+nothing: it passes an all-ones array kept on the device per bucket width, and the
+device skips the masking under `lax.cond`. A step with some fills their rows from their
+matchers (engine/grammar.py) on llguidance's thread pool, the others all ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+
+def mask_words(vocab_size: int) -> int:
+    """W: 32-bit words of one row's mask."""
+    return -(-vocab_size // 32)
+
+
+class TokenMasks:
+    """The step's mask input: the device's all-ones array, or one filled here."""
+
+    def __init__(self, vocab_size: int, sharding: jax.sharding.Sharding) -> None:
+        self.words = mask_words(vocab_size)
+        self.sharding = sharding
+        self._ones: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device
+        self._executor: llguidance.LLExecutor | None = None
+        self.seconds = 0.0  # host time filling masks, over the runner's life
+        self.steps = 0  # steps that sent a mask
+
+    def counts(self) -> tuple[float, int]:
+        """(seconds filling masks, steps that sent one) so far (the engine's metrics)."""
+        return self.seconds, self.steps
+
+    def spec(self, num_slots: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((num_slots, self.words), np.int32)
+
+    def ones(self, num_slots: int) -> jax.Array:
+        """i32[S, W] all ones, placed once per S (no transfer in later steps)."""
+        if num_slots not in self._ones:
+            self._ones[num_slots] = jax.device_put(
+                np.full((num_slots, self.words), -1, np.int32), self.sharding)
+        return self._ones[num_slots]
+
+    def build(self, rows: Sequence[tuple[int, object]], num_slots: int
+              ) -> tuple[jax.Array | np.ndarray, int]:
+        """(the mask, host-to-device bytes): request row i of each (i, matcher) allowed
+        what its matcher allows next, every other row all ones."""
+        if not rows:
+            return self.ones(num_slots), 0
+        began = time.perf_counter()
+        mask = np.full((num_slots, self.words), -1, np.int32)
+        if len(rows) == 1:
+            index, matcher = rows[0]
+            llg_numpy.fill_next_token_bitmask(matcher, mask, index)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(
+                self._executor, [(matcher, index) for index, matcher in rows], mask)
+        self.seconds += time.perf_counter() - began
+        self.steps += 1
+        return mask, mask.nbytes
