@@ -230,7 +230,7 @@ async def _chat(request: fastapi.Request) -> Response:
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
                             limit=protocol.max_tokens(body), tools=calls.tools,
-                            constraint_field=structured.field(body) or "tool_choice")
+                            constraint_field=structured.field(body) or "tools")
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
                    reasoning=splitter(state.config, state.tokenizer, params, calls))
     return await _respond(request, state, shape, [submission], body)
