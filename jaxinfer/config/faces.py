@@ -99,6 +99,9 @@ class ServerConfig:
         False, "with --reasoning_parser, also send the reasoning as `reasoning_content` "
         "(DeepSeek's and SGLang's name, and vLLM's before `reasoning`) for clients that "
         "read only that")
+    disable_uvicorn_access_log: bool = setting(
+        False, "no access log (vLLM's flag); by default each request is logged as uvicorn "
+        "logs it: '127.0.0.1:PORT - \"POST /v1/chat/completions HTTP/1.1\" 200'")
     enable_auto_tool_choice: bool = setting(
         False, "chat: let the model decide to call tools (tool_choice 'auto', OpenAI's "
         "default when tools are given); needs --tool_call_parser. Without it such a "

@@ -64,7 +64,7 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     server = _Server(uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off",
+        app, log_config=None, access_log=not config.disable_uvicorn_access_log, lifespan="off",
         http=http.protocol_class(config.header_read_timeout, config.body_read_timeout),
         timeout_graceful_shutdown=config.shutdown_timeout + 5), state)
     loop.start()

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,9 +36,11 @@ from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import prometheus, protocol, structured, tools
 from jaxinfer.server import responses as out
 from jaxinfer.server.engine_loop import EngineLoop, Submission
+from jaxinfer.server.fields import IgnoredFieldsHeader, check_message_content, take_ignored
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
 from jaxinfer.server.reasoning import ReasoningSplitter, splitter
 from jaxinfer.server.streams import Disconnected, Piece, Stream, Update, updates
+from jaxinfer.server.usage import per_chunk
 from jaxinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class ServerState:
     enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
     tokenizer: Tokenizer | None = None  # for --reasoning_parser (server/reasoning.py)
     draining: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # a signal came
+    started: int = dataclasses.field(default_factory=lambda: int(time.time()))  # /v1/models
 
 
 def create_app(state: ServerState) -> fastapi.FastAPI:
@@ -67,6 +71,7 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None,
                           redirect_slashes=False)
     app.state.server = state
+    app.add_middleware(IgnoredFieldsHeader)  # names the fields a request had ignored
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Disconnected, _disconnected)
@@ -125,14 +130,15 @@ async def _health(request: fastapi.Request) -> Response:
 async def _metrics(request: fastapi.Request) -> Response:
     state = _state(request)
     snapshot = await state.loop.call(prometheus.snapshot)
-    return PlainTextResponse(prometheus.exposition(snapshot),
+    return PlainTextResponse(prometheus.exposition(snapshot, state.model_name),
                              media_type=prometheus.CONTENT_TYPE)
 
 
 async def _models(request: fastapi.Request) -> Response:
     state = _authorized(request)
     return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+        "id": state.model_name, "object": "model", "created": state.started,
+        "owned_by": "jaxinfer",
         "root": state.model_root, "max_model_len": state.max_model_len}]})
 
 
@@ -199,8 +205,10 @@ def _too_large(size: int, limit: int, verb: str, close: bool = False) -> APIErro
 
 async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:
     state = _authorized(request)
-    raw = await _read_body(request, state)
-    body = protocol.validate(model, protocol.parse_json(raw))
+    data = protocol.parse_json(await _read_body(request, state))
+    take_ignored(request.url.path, data, request.scope)
+    check_message_content(data)
+    body = protocol.validate(model, data)
     if body.model is not None and body.model != state.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                        f"{state.model_name!r}", param="model", code="model_not_found")
@@ -298,8 +306,7 @@ async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
                    submissions: list[Submission], body: Any) -> Response:
     streams = await state.loop.submit(submissions, asyncio.Queue())
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(state.loop, shape, streams, include_usage)
+        events = _events(state.loop, shape, streams, body.stream_options)
         return _EventStream(events, on_close=lambda: _abort_unfinished(state.loop, streams))
     watcher = asyncio.create_task(_watch_disconnect(request, streams[0].inbox))
     try:
@@ -368,11 +375,12 @@ async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
 
 
 async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  options: protocol.StreamOptions | None) -> AsyncIterator[str]:
     """The SSE stream: a chunk per completion per step, the usage chunk if asked, [DONE];
     an error mid-stream is sent as an error event. Leaving early aborts the rest."""
     n, generated, offsets = shape.params.n, 0, {}
-    extra: Callable[[], dict] = (lambda: {"usage": None}) if include_usage else dict
+    include_usage = options is not None and options.include_usage
+    extra = per_chunk(options, lambda: _usage(streams, generated))
     try:
         if shape.chat:  # OpenAI opens each chat choice with the assistant's role
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -6,9 +6,10 @@ exposition needs (the same `Metrics` object `llm.metrics()` summarizes); the
 exposition then builds the families from that copy, so a scrape never reads
 state a step is changing.
 
-Data parallelism: each replica's samples carry vLLM's label `engine` (the replica's
-index), one series per replica in every family; totals are their sum
-(`sum without (engine) (...)`).
+Every sample carries vLLM's label `model_name` (the served model's name), which vLLM's
+Grafana dashboards filter on. Data parallelism: each replica's samples also carry vLLM's
+label `engine` (the replica's index), one series per replica in every family; totals are
+their sum (`sum without (engine) (...)`).
 """
 
 from __future__ import annotations
@@ -48,17 +49,24 @@ def snapshot(engine: Engine) -> dict[str, Any]:
             "prefix_cache": metrics.prefix_cache() if metrics.prefix_cache else None}
 
 
-def exposition(snap: dict[str, Any]) -> bytes:
+def exposition(snap: dict[str, Any], model_name: str) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snap))
+    registry.register(_Collector(snap, model_name))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, snap: dict[str, Any]) -> None:
+    def __init__(self, snap: dict[str, Any], model_name: str) -> None:
         self.snap = snap
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
+        label = {"model_name": self.model_name}
+        for family in self._unlabelled():
+            family.samples = [s._replace(labels=label | s.labels) for s in family.samples]
+            yield family
+
+    def _unlabelled(self) -> Iterator[Metric]:
         if "replicas" not in self.snap:
             yield from _families(self.snap)
             return

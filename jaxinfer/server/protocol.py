@@ -62,6 +62,7 @@ class _Body(pydantic.BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (server/usage.py)
 
 
 class _Sampling(_Body):
@@ -83,7 +84,8 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
-    user: str | None = None  # OpenAI's end-user tag: accepted, only logged
+    user: str | None = None  # OpenAI's end-user tag: taken out first (server/fields.py)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     # an output constraint: OpenAI's, or vLLM's (json, regex, choice, grammar); checked
     # in server/structured.py, compiled by the engine
     response_format: dict[str, Any] | None = None
@@ -302,7 +304,7 @@ def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams
     if len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
     given = {"n": body.n, "stop": tuple(stop),
-             "stop_token_ids": tuple(body.stop_token_ids or ())}
+             "stop_token_ids": tuple(body.stop_token_ids or ()), "logit_bias": body.logit_bias}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "ignore_eos",
                  "min_tokens"):

@@ -101,11 +101,12 @@ def test_draft_model_greedy_equals_plain_engine(draft_engine, plain_tokens):
     metrics = _check_exact(draft_engine, plain_tokens)
     assert metrics["spec_accepted_tokens"] < metrics["spec_draft_tokens"]  # rejections ran
     assert metrics["spec_draft_time_share"] > 0
-    text = prometheus.exposition(prometheus.snapshot(draft_engine)).decode()
-    accepted = f"jaxinfer:spec_decode_num_accepted_tokens_total {metrics['spec_accepted_tokens']}"
+    text = prometheus.exposition(prometheus.snapshot(draft_engine), "m").decode()
+    accepted = ('jaxinfer:spec_decode_num_accepted_tokens_total{model_name="m"} '
+                f"{metrics['spec_accepted_tokens']}")
     assert accepted + ".0" in text or accepted in text
     assert "jaxinfer:spec_decode_num_draft_tokens_total" in text
-    assert 'jaxinfer:spec_decode_skipped_total{reason="prompt_chunks"}' in text
+    assert 'jaxinfer:spec_decode_skipped_total{model_name="m",reason="prompt_chunks"}' in text
 
 
 def test_sampling_settings_hold_under_speculation(draft_engine):

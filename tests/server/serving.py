@@ -24,12 +24,16 @@ def greedy(llm, max_tokens: int, **overrides):
 
 
 def metric_values(server) -> dict[str, float]:
-    """Every sample of /metrics by name (labels folded into the name)."""
+    """Every sample of /metrics by name (labels folded into the name, but `model_name`,
+    which every sample must carry: the served model's name)."""
     text = server.get("/metrics").text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            labels = dict(sample.labels)
+            if labels.pop("model_name", None) != server.model:
+                raise AssertionError(f"{sample} lacks model_name={server.model!r}")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
             values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
 

@@ -226,8 +226,8 @@ async def _sample_metrics(client: httpx.AsyncClient, stop: asyncio.Event,
 
 
 def _gauges(text: str) -> dict[str, float]:
-    """The num_requests_* gauges of a /metrics text."""
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+    """The num_requests_* gauges of a /metrics text (by name, labels dropped)."""
+    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("jaxinfer:num_requests")}
 
 
