@@ -22,10 +22,11 @@ from jaxinfer.engine.request import (
     SamplingParams,
     prompt_logprobs_json,
 )
+from jaxinfer.engine.structured import StructuredOutputsParams, from_response_format
 
 log = logging.getLogger(__name__)
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-REQUEST_FIELDS = PARAM_FIELDS | {"id", "prompt", "messages", "priority"}
+REQUEST_FIELDS = PARAM_FIELDS | {"id", "prompt", "messages", "priority", "response_format"}
 
 
 class Request(NamedTuple):
@@ -131,8 +132,18 @@ def request_args(record: dict, default_params: SamplingParams
     if ("prompt" in record) == ("messages" in record):
         raise ValueError("give exactly one of 'prompt' or 'messages'")
     given = {k: v for k, v in record.items() if k in PARAM_FIELDS}
+    if "response_format" in record:  # OpenAI's shape of a constraint
+        if "structured_outputs" in record:
+            raise ValueError("give at most one of 'response_format' or 'structured_outputs'")
+        given["structured_outputs"] = _response_format(record["response_format"])
     params = dataclasses.replace(default_params, **given)
     return record.get("prompt"), record.get("messages"), params, record.get("priority", 0)
+
+
+def _response_format(value: object) -> StructuredOutputsParams | None:
+    if not isinstance(value, dict):
+        raise ValueError(f"response_format must be an object, not {type(value).__name__}")
+    return from_response_format(value)
 
 
 def finished(path: str | os.PathLike, *, retry_errors: bool = False) -> Finished:

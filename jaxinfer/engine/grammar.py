@@ -16,6 +16,7 @@ finishes its request with "stop".
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import pathlib
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from jaxinfer.engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept (distinct constraints)
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's json_object: any JSON object
+JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 class GrammarCompiler:
@@ -51,7 +52,7 @@ class GrammarCompiler:
         self.misses += 1
         kind, text = key
         try:
-            grammar = llguidance.grammar_from(*_source(kind, text))
+            grammar = _grammar(kind, text)
         except ValueError as e:
             raise ValueError(f"structured_outputs.{kind}: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -69,14 +70,15 @@ class GrammarCompiler:
         return matcher
 
 
-def _source(kind: str, text: str) -> tuple[str, str]:
-    """(llguidance format, text) of a spec: `grammar` is EBNF (GBNF) or Lark, told apart
-    by llguidance; `choice` an alternation of the literal strings."""
-    if kind == "json_object":
-        return "json", JSON_OBJECT_SCHEMA
-    if kind == "choice":
-        return "choice", text  # already a JSON list (spec())
-    return {"json": "json", "regex": "regex", "grammar": "grammar"}[kind], text
+def _grammar(kind: str, text: str) -> str:
+    """The llguidance grammar of a spec. JSON is compact (no whitespace between tokens
+    but the separators', vLLM's `disable_any_whitespace`): with free whitespace a small
+    model pads a document until max_tokens. `grammar` is EBNF (GBNF) or Lark, told
+    apart by llguidance; `choice` an alternation of the literal strings."""
+    if kind in ("json", "json_object"):
+        schema = json.loads(text) if kind == "json" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    return llguidance.grammar_from(kind, text)  # choice: spec() gives a JSON list
 
 
 class Constraints:

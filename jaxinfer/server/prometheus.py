@@ -161,6 +161,10 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
                        summary["model_flops"])
     yield _counter("host_to_device_bytes", "bytes of step inputs sent to the device",
                    summary["host_to_device_bytes"])
+    yield _counter("constrained_steps", "steps that sampled a structured-output request "
+                   "(sent a token mask)", summary.get("constrained_steps", 0))
+    yield _counter("grammar_mask_seconds", "host seconds filling structured outputs' token "
+                   "masks", summary.get("grammar_mask_seconds", 0.0))
     if "expert_tokens" in summary:
         routed = CounterMetricFamily(PREFIX + "expert_tokens", "tokens routed to each "
                                      "expert, per MoE decoder layer",
