@@ -115,8 +115,9 @@ def test_auto_reads_a_hermes_call_whole_and_streamed(tool_client, tool_server):
         assert (deltas[0].function.name, deltas[0].function.arguments) == ("get_weather", "")
         assert all(d.index == 0 and d.id is None for d in deltas[1:])
         assert "".join(d.function.arguments for d in deltas[1:]) == call.function.arguments
-        assert "".join(c.choices[0].delta.reasoning or "" for c in chunks if c.choices) == \
-            choice.message.reasoning
+        reasoning = [(c.choices[0].delta.model_extra or {}).get("reasoning") or ""
+                     for c in chunks if c.choices]
+        assert "".join(reasoning) == choice.message.reasoning
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
