@@ -82,7 +82,7 @@ async def _answer(tokenizer: Tokenizer, ids: list[int], size: int, *, streamed: 
     _play_engine(tokenizer, stream, ids, size)
     if not streamed:
         return [await app._collect(shape, [stream])]
-    events = [e async for e in app._events(None, shape, [stream], include_usage=False)]
+    events = [e async for e in app._events(None, shape, [stream], None)]
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
