@@ -98,6 +98,7 @@ def test_structured_mixed_with_unconstrained_requests(llm):
         assert out.finish_reason == "stop"
         assert isinstance(json.loads(out.text), dict)
     assert all(len(out.token_ids) == 24 for out in outputs[1::2])
+    assert llm.metrics()["compiles_after_warmup"] == 0
 
 
 @pytest.mark.parametrize("constraint, field", [
@@ -154,3 +155,22 @@ def test_structured_batch_runner_response_format_lines(llm, tmp_path):
     assert records["b"]["text"] in ("red", "green")
     assert "response_format.type" in records["c"]["error"]
     assert "structured_outputs.regex" in records["d"]["error"]
+
+
+@pytest.mark.slow  # its own engine with verify buckets: ~40 s of warm-up
+def test_structured_requests_never_speculate_in_verify_steps():
+    """n-gram speculation on: the free greedy requests verify drafts while the
+    constrained ones, in the same verify steps, sample one position under their mask."""
+    from jaxinfer.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    llm = LLM(str(DEFAULT_MODEL), **CONFIG | dict(max_num_seqs=2), speculative_config=spec)
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(["# a b c\n" * 6, "x = "], [free, _params(json=SCHEMA)])
+    assert len(outputs[0].token_ids) == 40
+    assert outputs[1].finish_reason == "stop"
+    jsonschema.validate(json.loads(outputs[1].text), SCHEMA)
+    metrics = llm.metrics()
+    assert metrics["spec_verify_steps"] > 0 and metrics["spec_draft_tokens"] > 0
+    assert metrics["spec_skipped_structured_outputs"] > 0
+    assert metrics["compiles_after_warmup"] == 0
