@@ -14,6 +14,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 from jaxinfer.config import DEFAULT_MODEL
+from jaxinfer.server import prometheus
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=384, seed=0)
 SCHEMA = {
@@ -53,7 +54,9 @@ def test_structured_json_schema_every_completion_valid(llm):
         jsonschema.validate(json.loads(out.text), SCHEMA)
     metrics = llm.metrics()
     assert metrics["compiles_after_warmup"] == compiles
-    assert metrics["constrained_steps"] > 0
+    assert metrics["constrained_steps"] > 0 and metrics["grammar_mask_seconds"] > 0
+    text = prometheus.exposition(prometheus.snapshot(llm.engine), "demo").decode()
+    assert 'jaxinfer:constrained_steps_total{model_name="demo"} ' in text
 
 
 def test_structured_regex_choice_and_grammar_hold(llm):

@@ -21,6 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import Bucket
 from jaxinfer.engine.runner.programs import (
     input_spec,
+    mask_spec,
     on_shardings,
     state_spec,
     step_function,
@@ -48,7 +49,7 @@ def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
     kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=kv_dtype,
                        backend="gpu", shards=TP)
     step = jax.jit(step_function(cfg, page_size=PAGE_SIZE, decode_only=bucket.decode),
-                   in_shardings=(params_sh, kv_sh, whole, whole),
+                   in_shardings=(params_sh, kv_sh, whole, whole, whole),
                    out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     inputs = input_spec(bucket, page_size=PAGE_SIZE)
     state = state_spec(bucket.num_slots, page_size=PAGE_SIZE, max_model_len=MAX_LEN,
@@ -58,7 +59,8 @@ def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
             step, platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
         )(on_shardings(shapes, params_sh), on_shardings(kv, kv_sh),
-          on_shardings(state, whole), on_shardings(inputs, whole))
+          on_shardings(state, whole), on_shardings(inputs, whole),
+          on_shardings(mask_spec(bucket, cfg.vocab_size), whole))
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2])  # 2: each KV head copied to 2 devices

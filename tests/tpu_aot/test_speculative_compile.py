@@ -22,6 +22,7 @@ from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import sampling_inputs
 from jaxinfer.engine.runner.programs import (
     input_spec,
+    mask_spec,
     on_shardings,
     state_spec,
     step_shardings,
@@ -63,10 +64,11 @@ def test_verify_step_compiles_with_the_mosaic_kernel(which):
     probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
                                  sharding=whole)
     verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size),
-                     in_shardings=(param_sh, kv_sh, whole, whole, whole),
+                     in_shardings=(param_sh, kv_sh, whole, whole, whole, whole),
                      out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
+    mask = on_shardings(mask_spec(bucket, cfg.vocab_size), whole)
     with jax.set_mesh(mesh):
-        compiled = verify.lower(params, kv, state, inputs, probs).compile()
+        compiled = verify.lower(params, kv, state, inputs, mask, probs).compile()
     text = compiled.as_text()
     assert text.count("tpu_custom_call") == 2 * cfg.num_layers  # the kernel's two passes
     assert compiled.memory_analysis().argument_size_in_bytes > 0
