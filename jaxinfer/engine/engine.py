@@ -239,18 +239,24 @@ class Engine:
         started = time.perf_counter()
         if self._in_flight is not None and self.runner.is_done(self._in_flight.step):
             self._device_free_at = self._device_free_at or started
+        read = []
+        if self._in_flight is not None and self.scheduler.held_back_by_tokens():
+            # Most running requests are constrained and wait for the step in flight: read
+            # it first, so the next step takes them (docs/structured_outputs.md).
+            done, self._in_flight = self._in_flight, None
+            read = self._complete(done, started)
         plan = self.scheduler.schedule()
         if not plan.chunks and self._in_flight is None:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not read:
                 raise RuntimeError("the scheduler could not place any waiting request "
                                    "(KV cache smaller than one request?)")
-            return []
+            return read
         compiles = self.compiles.begin()
         dispatched = self._dispatch(plan) if plan.chunks else None
         previous = dispatched
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, dispatched
-        outputs = self._complete(previous, started) if previous is not None else []
+        outputs = read or (self._complete(previous, started) if previous is not None else [])
         self._check_compiles(compiles)
         if not self.has_unfinished():
             self._device_free_at = None  # idle for want of work: not a gap between steps

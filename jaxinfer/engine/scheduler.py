@@ -181,6 +181,13 @@ class Scheduler:
         return (request.num_output_placeholders > 0
                 and request.params.structured_outputs is not None)
 
+    def held_back_by_tokens(self) -> bool:
+        """Whether at least half the running requests are constrained ones with a token
+        in flight: planning now would leave them out, so the engine reads the step in
+        flight first (a step of half its requests costs nearly a full one)."""
+        waiting = sum(self._awaits_token(r) for r in self.running)
+        return waiting > 0 and 2 * waiting >= len(self.running)
+
     def _reserve_or_preempt(self, request: Request, count: int,
                             preempted: list[Request]) -> bool:
         """Pages for `count` more tokens of `request`, preempting from the back as needed."""

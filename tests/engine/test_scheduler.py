@@ -254,11 +254,13 @@ def test_constrained_request_waits_for_its_token_in_flight():
                    structured_outputs=StructuredOutputsParams(json_object=True)))
     first, chunks = _plan(s)
     assert chunks == [("free", 0, 4, 1), ("json", 0, 4, 1)]
-    second, chunks = _plan(s)  # planned before the first is read
+    assert s.held_back_by_tokens()  # 1 of 2 running waits: the engine reads first
+    second, chunks = _plan(s)  # planned before the first is read anyway
     assert chunks == [("free", 4, 1, 1)]
     json_request = first.chunks[1].request
     assert json_request.num_output_placeholders == 1
     s.update(first, [[7], [8]])
+    assert not s.held_back_by_tokens()
     third, chunks = _plan(s)
     assert chunks == [("free", 5, 1, 1), ("json", 4, 1, 1)]  # its token read: back in
     assert json_request.output_token_ids == [8] and json_request.num_computed_tokens == 5
@@ -266,3 +268,7 @@ def test_constrained_request_waits_for_its_token_in_flight():
     s.update(third, [[10], [11]])
     assert first.chunks[0].request.output_token_ids == [7, 9, 10]
     assert json_request.output_token_ids == [8, 11]
+    for rid in "abc":  # three free requests to one constrained: it alone waits
+        s.add(_request(rid, 4, arrival=2))
+    plan, _ = _plan(s)
+    assert len(s.running) == 4 and not s.held_back_by_tokens()

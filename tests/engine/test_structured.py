@@ -104,6 +104,16 @@ def test_structured_mixed_with_unconstrained_requests(llm):
     assert llm.metrics()["compiles_after_warmup"] == 0
 
 
+def test_structured_one_constrained_among_free_requests(llm):
+    """One constrained request among three free ones: under asynchronous scheduling it
+    sits out every other step (the free ones do not wait) and still holds."""
+    free = SamplingParams(max_tokens=48, temperature=1.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [free, free, _params(json=SCHEMA), free])
+    assert outputs[2].finish_reason == "stop"
+    jsonschema.validate(json.loads(outputs[2].text), SCHEMA)
+    assert all(len(outputs[i].token_ids) == 48 for i in (0, 1, 3))
+
+
 @pytest.mark.parametrize("constraint, field", [
     ({"json": {"type": "bogus"}}, "structured_outputs.json"),
     ({"regex": "[a-"}, "structured_outputs.regex"),
