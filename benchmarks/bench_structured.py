@@ -6,11 +6,14 @@ ignore EOS, the constrained ones follow a regex that cannot end sooner
 (`[a-z ]{K,}`, K = 20 x max_tokens characters), so both runs generate the same tokens
 and only the constraint differs. Each run is repeated (`--repeats`, the best kept)
 after a warm-up pass. Reports tokens/s, the ratio half/free (the target is >= 0.8),
-the host's mask time per constrained step and the mean step time. `--runs=free` runs
+the host's mask time per constrained step and the mean step time; then the sampler
+alone (`--sampler`): no mask vs an all-ones mask (the unconstrained path's added device
+work) vs a real one, at the demo's vocab and at 128k. `--runs=free --nosampler` runs
 only the unconstrained workload, e.g. against the commit before structured outputs:
 
     python benchmarks/bench_structured.py
-    BENCH=benchmarks/bench_structured.py benchmarks/compare_commits.sh BASE --runs=free
+    BENCH=benchmarks/bench_structured.py benchmarks/compare_commits.sh BASE --runs=free \
+        --nosampler
 
 Prints one JSON object.
 """
@@ -33,6 +36,7 @@ flags.DEFINE_integer("repeats", 3, "timed repeats of each run (the fastest is ke
 flags.DEFINE_list("runs", ["free", "half"], "free: no constraint; half: every other "
                   "request constrained")
 flags.DEFINE_list("modes", ["async", "sync"], "scheduling loops to measure")
+flags.DEFINE_bool("sampler", True, "also time the sampler alone with and without a mask")
 FLAGS = flags.FLAGS
 PROMPTS = ["import os\n", "The answer is", "def main():\n", "# A list of", "class A:\n",
            "x = ", "for i in range(", "Note: "]
@@ -94,12 +98,49 @@ def _mode(asynchronous: bool) -> dict:
     return out
 
 
+def _sampler(vocab: int, rows: int = 8, calls: int = 100) -> dict:
+    """The sampler alone, jitted, temperature 1.0 over f32[rows, vocab] logits: no mask
+    argument (the step before structured outputs), an all-ones mask (what every
+    unconstrained step now runs) and a real one; the fastest of `calls`, in ms."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine.runner import sampling_inputs
+    from jaxinfer.model import sampler
+
+    inputs = sampling_inputs([], num_rows=rows, history_width=16,
+                             eos_token_ids=frozenset())
+    inputs = dataclasses.replace(inputs, temperature=np.ones(rows, np.float32))
+    logits = jax.device_put(
+        np.random.default_rng(0).normal(size=(rows, vocab)).astype(np.float32))
+    words = -(-vocab // 32)
+    some = np.full((rows, words), -1, np.int32)
+    some[::2] = np.random.default_rng(1).integers(-2**31, 2**31, (rows // 2, words))
+    masks = {"no_mask": None, "all_ones": np.full((rows, words), -1, np.int32),
+             "half_rows_masked": some}
+    masks = {k: None if m is None else jax.device_put(m) for k, m in masks.items()}
+    sample = jax.jit(sampler.sample, static_argnames="num_logprobs")
+    times = {name: [] for name in masks}
+    for mask in masks.values():  # compile first
+        jax.block_until_ready(sample(logits, inputs, num_logprobs=0, token_mask=mask))
+    for _ in range(calls):  # interleaved, so host load hits every variant alike
+        for name, mask in masks.items():
+            began = time.perf_counter()
+            jax.block_until_ready(sample(logits, inputs, num_logprobs=0, token_mask=mask))
+            times[name].append(time.perf_counter() - began)
+    return {name: round(1e3 * min(t), 4) for name, t in times.items()}
+
+
 def main(argv: list[str]) -> None:
     del argv
     result = {"model": "demo", "num_requests": FLAGS.num_requests,
               "max_tokens": FLAGS.max_tokens, "max_num_seqs": FLAGS.max_num_seqs}
     for mode in FLAGS.modes:
         result[mode] = _mode(mode == "async")
+    if FLAGS.sampler:
+        result["sampler_ms"] = {f"V={v}": _sampler(v) for v in (4096, 128256)}
     json.dump(result, sys.stdout, indent=1)
     sys.stdout.write("\n")
 
