@@ -11,8 +11,10 @@ only when some row needs it: token counts (penalties), the draw (temperature
 `logprobs` > 0; the others get ids -1). Greedy is a max then the first index
 that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower.
 A row may carry a proposed token (a draft to verify; -1 for none): its raw
-logprob is returned beside the sampled token's. Rows are whatever the caller
-makes them: the step samples R = S * Q of them (Q positions per request).
+logprob is returned beside the sampled token's. Structured outputs pass a bitmask of
+allowed tokens per row (`constrain`), applied after the penalties and logit_bias.
+Rows are whatever the caller makes them: the step samples R = S * Q of them (Q
+positions per request).
 `pack`/`unpack` turn the output into one int32 array per step and back (host
 side, numpy), keeping any leading dimensions.
 """

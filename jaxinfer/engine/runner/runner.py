@@ -11,7 +11,9 @@ reads back its one packed int32 array. `execute()` is the two in a row: the
 engine's synchronous loop; its asynchronous one (engine/engine.py) dispatches
 step t + 1 before collecting step t, the decode tokens step t + 1 feeds taken on
 the device from step t's samples. The runner counts the bytes it sends
-(`bytes_sent`, `last_step_bytes`).
+(`bytes_sent`, `last_step_bytes`). Every step also takes a token mask, i32[S, V / 32]
+(token_masks.py): structured outputs' allowed tokens, all ones (kept on the device, not
+sent) when no request in the step is constrained.
 
 With `enable_prompt_logprobs` warm-up also compiles the scoring variant of the step
 (model/step.py: `score_step`) for every mixed bucket; a step that scores some prompt
