@@ -29,12 +29,12 @@ from typing import Any
 import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
-from jaxinfer.server import prometheus, protocol, structured, tools
+from jaxinfer.server import bodies, prometheus, protocol, structured, tools
 from jaxinfer.server import responses as out
+from jaxinfer.server.bodies import SHUTTING_DOWN
 from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.fields import IgnoredFieldsHeader, check_message_content, take_ignored
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
@@ -46,7 +46,6 @@ from jaxinfer.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
           "/health": "GET", "/metrics": "GET"}
-SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,56 +155,9 @@ def _authorized(request: fastapi.Request) -> ServerState:
     return state
 
 
-async def _read_body(request: fastapi.Request, state: ServerState) -> bytes:
-    """The body, within `body_read_timeout` seconds (else 408); 413 past the size limit,
-    at once when Content-Length declares it (before uvicorn sends `100 Continue`; a
-    client already sending reads the 413 while uvicorn drops the rest, see http.py); 503
-    as soon as the server starts shutting down."""
-    config = state.config
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > config.max_request_body_bytes:
-        waits = request.headers.get("expect", "").lower() == "100-continue"
-        raise _too_large(int(declared), config.max_request_body_bytes, "declares", close=waits)
-    reading = asyncio.ensure_future(_body(request, config.max_request_body_bytes))
-    draining = asyncio.ensure_future(state.draining.wait())
-    try:
-        done, _ = await asyncio.wait({reading, draining}, timeout=config.body_read_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        reading.cancel()
-        draining.cancel()
-    if reading in done:
-        return reading.result()
-    if draining in done:
-        raise APIError(503, SHUTTING_DOWN, code="shutting_down", close=True)
-    raise APIError(408, f"the request body did not arrive within {config.body_read_timeout:g}"
-                   " s (body_read_timeout)", code="request_timeout", close=True)
-
-
-async def _body(request: fastapi.Request, limit: int) -> bytes:
-    """The body, or 413 past `limit` bytes (the rest is read and dropped, never kept); a
-    client that leaves meanwhile raises Disconnected."""
-    body, size = bytearray(), 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                body += chunk
-    except ClientDisconnect:
-        raise Disconnected from None
-    if size > limit:
-        raise _too_large(size, limit, "has")
-    return bytes(body)
-
-
-def _too_large(size: int, limit: int, verb: str, close: bool = False) -> APIError:
-    return APIError(413, f"the request body {verb} {size} bytes; the limit is {limit} "
-                    "(max_request_body_bytes)", code="request_too_large", close=close)
-
-
 async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:
     state = _authorized(request)
-    data = protocol.parse_json(await _read_body(request, state))
+    data = protocol.parse_json(await bodies.read(request, state.config, state.draining))
     take_ignored(request.url.path, data, request.scope)
     check_message_content(data)
     body = protocol.validate(model, data)

@@ -22,6 +22,18 @@ import pydantic
 
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.server import structured
+from jaxinfer.server.messages import (  # noqa: F401  (the request bodies' parts)
+    Body,
+    FunctionCall,
+    FunctionDefinition,
+    FunctionName,
+    Message,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    ToolCall,
+    call_for_template,
+)
 
 MAX_N = 64  # completions per prompt
 MAX_STOP = 16  # stop strings per request
@@ -56,16 +68,14 @@ class APIError(Exception):
         return headers | ({"Connection": "close"} if self.close else {})
 
 
-class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (server/usage.py)
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
 
     model: str | None = None
@@ -101,81 +111,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False  # the prompt leads the text (and logprobs: its scores, see below)
     prompt_logprobs: int | None = None  # vLLM's extra: top-k per prompt token
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Body):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Body):
-    """A call an assistant turn made, sent back in a later request."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(_Body):
-    name: Annotated[str, pydantic.Field(min_length=1)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    # an assistant turn's reasoning sent back (vLLM's name, and DeepSeek's older one); the
-    # chat template sees it under every name templates read (text/chat_template.py)
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-    def plain(self) -> dict[str, str]:
-        """The message as the chat template sees it: text parts joined."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        out = {"role": self.role, "content": content or ""}
-        if self.tool_calls is not None:  # arguments as objects, as templates read them
-            out["tool_calls"] = [call_for_template(c.model_dump()) for c in self.tool_calls]
-        return out | {key: getattr(self, key) for key in ("name", "reasoning",
-                                                         "reasoning_content", "tool_call_id")
-                      if getattr(self, key) is not None}
-
-
-def call_for_template(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant's call with its JSON arguments parsed (vLLM does so: templates such as
-    Qwen3's and Llama 3's write `arguments | tojson`); text that is no JSON object stays."""
-    try:
-        arguments = json.loads(call["function"]["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return call | {"function": call["function"] | {"arguments": arguments}}
 
 
 class ChatRequest(_Sampling):
@@ -246,7 +181,7 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def validate(model: type[_Body], data: Any) -> Any:
+def validate(model: type[Body], data: Any) -> Any:
     """`data` as a `model`, or a 400 naming the first bad field."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {_kind(data)}")
