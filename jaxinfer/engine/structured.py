@@ -69,8 +69,8 @@ class StructuredOutputsParams:
     def spec(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints give equal specs."""
         value = getattr(self, self.kind)
-        if self.kind == "json":
-            return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "json":  # key order kept: the output writes properties in it
+            return "json", json.dumps(value, separators=(",", ":"))
         if self.kind == "choice":
             return "choice", json.dumps(list(value))
         if self.kind == "json_object":
