@@ -104,7 +104,7 @@ def test_sampling_flags_override_only_their_field():
     (["serve", "--max_waiting_requests=0"], "--max_waiting_requests=0 must be a positive int",
      2),
     (["serve", "--reasoning_parser=deepseek_r9"],
-     "flag --reasoning_parser=deepseek_r9: value should be one of <openai_gptoss>", 2),
+     "flag --reasoning_parser=deepseek_r9: value should be one of <openai_gptoss|qwen3>", 2),
     (["serve", "--include_reasoning_content"],
      "serve: --include_reasoning_content=True needs reasoning_parser", 2),
     (["serve", "--model=/no/such/model", "--port=0"],
@@ -129,7 +129,8 @@ def test_plan_does_not_import_the_runner():
     assert result.returncode == 0, result.stderr
     assert ["decode_roofline_tokens_per_s", "-"] in [  # no bandwidth given
         line.split() for line in result.stdout.splitlines()]
-    assert result.stdout.splitlines()[-1] == "['jaxinfer.engine', 'jaxinfer.engine.request']"
+    assert result.stdout.splitlines()[-1] == (
+        "['jaxinfer.engine', 'jaxinfer.engine.request', 'jaxinfer.engine.structured']")
 
 
 def test_serve_refuses_a_taken_port_before_loading():

@@ -201,3 +201,50 @@ def test_forced_tool_calls_validate_whole_and_streamed(client, server, tool_choi
         assert json.loads("".join(d.function.arguments for d in deltas[1:])) == arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+def _forced_call(client, server, tool_choice, seed: int, stream: bool) -> tuple[str, dict]:
+    kwargs = dict(model=server.model, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                  tool_choice=tool_choice, parallel_tool_calls=False, temperature=1.0,
+                  max_tokens=120, seed=seed)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = _calls(choice.message)
+        return call
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    return deltas[0].function.name, json.loads("".join(d.function.arguments for d in deltas))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_validate_100_of_100_whole_and_streamed(client, server, tool_choice):
+    for stream in (False, True):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            calls = list(pool.map(
+                lambda seed, s=stream: _forced_call(client, server, tool_choice, seed, s),
+                range(100)))
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[name])
+            assert tool_choice == "required" or name == "get_weather"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("constraint,pattern", [
+    ({"regex": r"[a-z]{2,6}@example\.(com|org)"}, r"[a-z]{2,6}@example\.(com|org)"),
+    ({"choice": ["yes", "no", "maybe later"]}, r"yes|no|maybe later"),
+    ({"grammar": 'root ::= num "+" num\nnum ::= [1-9] [0-9]?'}, r"[1-9][0-9]?\+[1-9][0-9]?"),
+])
+def test_regex_choice_and_grammar_100_of_100(client, server, constraint, pattern):
+    outputs = []
+    for seed in (0, 50):  # completion i samples with seed + i: 100 distinct seeds
+        response = client.completions.create(
+            model=server.model, prompt=PROMPT, temperature=1.0, seed=seed, n=50,
+            max_tokens=40, extra_body={"structured_outputs": constraint})
+        outputs += [(c.text, c.finish_reason) for c in response.choices]
+    assert len(outputs) == 100
+    for output, finish in outputs:
+        assert re.fullmatch(pattern, output) and finish == "stop", output
