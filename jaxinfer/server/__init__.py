@@ -106,9 +106,10 @@ def _exit_now() -> None:
 
 def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:
     tokenizer = llm.tokenizer
-    if tokenizer is None and config.reasoning_parser is not None:
-        raise ValueError(f"--reasoning_parser={config.reasoning_parser} reads the generated "
-                         "text: it needs the model's tokenizer (drop --skip_tokenizer_init)")
+    for flag in ("reasoning_parser", "tool_call_parser"):
+        if tokenizer is None and getattr(config, flag) is not None:
+            raise ValueError(f"--{flag}={getattr(config, flag)} reads the generated text: it "
+                             "needs the model's tokenizer (drop --skip_tokenizer_init)")
     token_text = None
     if tokenizer is not None:
         token_text = functools.lru_cache(maxsize=65536)(
