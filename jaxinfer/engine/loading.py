@@ -30,7 +30,7 @@ import jax
 
 from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.metrics import FlopCount
@@ -113,23 +113,33 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         buckets=buckets, attention_impl=config.attention_impl,
         enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None,
         num_sliding_pages=memory_plan.num_sliding_pages)
-    speculation = None
-    if spec is not None:
-        proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
-        if draft is not None:
-            proposer = DraftProposer(DraftRunner(
-                served_draft, checkpoint.load_params(spec.model, draft, config.dtype, mesh),
-                mesh=mesh, num_pages=memory_plan.num_pages, page_size=config.page_size,
-                max_model_len=max_len, buckets=buckets, num_positions=buckets.verify_positions,
-                vocab_size=served.vocab_size, kv_dtype=config.kv_dtype,
-                eos_token_ids=eos_token_ids, attention_impl=config.attention_impl))
-        speculation = Speculation(proposer, max_drafts=spec.num_speculative_tokens,
-                                  adaptive=spec.adaptive,
-                                  disable_by_batch_size=spec.disable_by_batch_size)
+    speculation = spec and make_speculation(
+        spec, served, config, draft=draft, served_draft=served_draft, mesh=mesh,
+        num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,
+        eos_token_ids=eos_token_ids)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
+
+
+def make_speculation(spec: SpeculativeConfig, served: ModelConfig, config: EngineConfig, *,
+                     draft: ModelConfig | None, served_draft: ModelConfig | None,
+                     mesh: object, num_pages: int, max_len: int, buckets: BucketSet,
+                     eos_token_ids: frozenset[int]) -> Speculation:
+    """The speculation policy and its proposer: n-gram lookup, or the draft model (`draft`
+    as its checkpoint says, `served_draft` as it runs; weights read onto the target's
+    mesh)."""
+    proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+    if draft is not None:
+        proposer = DraftProposer(DraftRunner(
+            served_draft, checkpoint.load_params(spec.model, draft, config.dtype, mesh),
+            mesh=mesh, num_pages=num_pages, page_size=config.page_size,
+            max_model_len=max_len, buckets=buckets, num_positions=buckets.verify_positions,
+            vocab_size=served.vocab_size, kv_dtype=config.kv_dtype,
+            eos_token_ids=eos_token_ids, attention_impl=config.attention_impl))
+    return Speculation(proposer, max_drafts=spec.num_speculative_tokens,
+                       adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size)
 
 
 def check_data_parallel(config: EngineConfig) -> None:

@@ -74,8 +74,7 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
                                         math.ceil(len(requests.pending) / num_replicas)))
         replica_args = dict(engine_settings, model=str(model),
                             platform="cpu" if accelerator == "cpu" else None)
-        resources = _resources(accelerator, config.tensor_parallel_size
-                               * config.data_parallel_size, num_cpus_per_replica)
+        resources = _resources(accelerator, config, num_cpus_per_replica)
         started = time.perf_counter()
         counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
                   "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
@@ -157,9 +156,10 @@ def _dataset(pending: list[Request], replica_args: dict, num_replicas: int,
         fn_constructor_kwargs=replica_args, **resources)
 
 
-def _resources(accelerator: str, devices: int, num_cpus: float) -> dict:
+def _resources(accelerator: str, config: EngineConfig, num_cpus: float) -> dict:
     """What one Ray replica asks Ray for: its devices (data_parallel_size x
     tensor_parallel_size: a Ray replica may hold data-parallel replicas), or CPUs."""
+    devices = config.data_parallel_size * config.tensor_parallel_size
     if accelerator == "gpu":
         return {"num_gpus": devices, "num_cpus": num_cpus}
     if accelerator == "tpu":

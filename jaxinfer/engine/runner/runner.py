@@ -140,32 +140,38 @@ class Runner:
             max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
             experts=moe.routing_shape(cfg), sliding_group=self.sliding),
             out_shardings=whole)()
-        # inputs: params, KV cache, state, delta, token mask (token_masks.py)
+        self.masks = TokenMasks(cfg.vocab_size, whole)
+        self.enable_prompt_logprobs = enable_prompt_logprobs
+        self.draft_probs = draft_probs  # verify steps take the draft's q (draft model)
+        self._jit_programs(cfg, page_size, param_shardings, kv_shardings, whole)
+        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, scores)
+        self._admit_compiled: jax.stages.Compiled | None = None
+        self._lower_lock = threading.Lock()
+        self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
+        self.last_step_bytes = 0
+
+    def _jit_programs(self, cfg: ModelConfig, page_size: int, param_shardings: object,
+                      kv_shardings: object, whole: object) -> None:
+        """The jitted programs: the step (decode-only and mixed), its scoring and verify
+        variants, admission and logits; inputs are params, KV cache, batch state, the
+        step's delta and its token mask (token_masks.py); KV cache and state donated."""
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
-        self.masks = TokenMasks(cfg.vocab_size, whole)
         self._steps = {decode: jax.jit(step_function(cfg, page_size=page_size,
                                                      decode_only=decode),
                                        in_shardings=ins, out_shardings=outs,
                                        donate_argnums=(1, 2)) for decode in (False, True)}
-        self.enable_prompt_logprobs = enable_prompt_logprobs
         self._score_step = jax.jit(score_step_function(cfg, page_size=page_size),
                                    in_shardings=ins + (whole,), out_shardings=outs + (whole,),
                                    donate_argnums=(1, 2))
-        self.draft_probs = draft_probs  # verify steps take the draft's q (draft model)
         self._verify = jax.jit(verify_step_function(cfg, page_size=page_size),
-                               in_shardings=ins + (whole,) * draft_probs, out_shardings=outs,
+                               in_shardings=ins + (whole,) * self.draft_probs, out_shardings=outs,
                                donate_argnums=(1, 2))
         self._admit = jax.jit(batch_state.admit, in_shardings=(whole, whole),
                               out_shardings=whole, donate_argnums=(0,))
         self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
                                in_shardings=(param_shardings, kv_shardings, whole, whole),
                                out_shardings=(kv_shardings, whole), donate_argnums=(1,))
-        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, scores)
-        self._admit_compiled: jax.stages.Compiled | None = None
-        self._lower_lock = threading.Lock()
-        self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
-        self.last_step_bytes = 0
 
     @property
     def weight_bytes(self) -> int:
