@@ -33,6 +33,7 @@ ROPE_TYPES = ("default", "llama3", "linear")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
+FINAL_NORMED = -1  # a feature layer: the last layer's output after the final norm
 # Model shapes by name (llama3.1-8b, ...), package data: installed with the wheel.
 PRESET_DIR = importlib.resources.files("jaxinfer.config") / "presets"
 
@@ -118,6 +119,13 @@ class ModelConfig:
     """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
     it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
     attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
+    feature_layers: tuple[int, ...] = ()
+    """Hidden features the step keeps for speculative heads (EAGLE, Medusa): each entry
+    i in [0, num_layers] is the residual stream entering layer i (num_layers: after the
+    last one), FINAL_NORMED (-1) the last layer's output after the final norm (what the
+    LM head reads). When set, the KV cache has one more entry, the feature store
+    [pages * page_size, len * hidden_size], written at each computed token's KV slot.
+    The engine sets it from the speculative heads' config; checkpoints never do."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -144,6 +152,10 @@ class ModelConfig:
                              f"model; {self.architecture} has no experts")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
+        bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "
+                             f"{self.num_layers}] for a {self.num_layers}-layer model")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -191,6 +203,11 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[int, ...]:
         """The layers whose attention sees only the last `sliding_window` tokens."""
         return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the features the step keeps per token (0: none kept)."""
+        return len(self.feature_layers) * self.hidden_size
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has experts in place of its MLP."""

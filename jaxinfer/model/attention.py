@@ -97,15 +97,25 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
         return spec
 
     full, sliding = layer(num_pages), num_sliding_pages and layer(num_sliding_pages)
-    return [sliding if num_sliding_pages and cfg.layer_window(i) is not None else full
+    spec = [sliding if num_sliding_pages and cfg.layer_window(i) is not None else full
             for i in range(cfg.num_layers)]
+    if cfg.feature_layers:  # the feature store (ModelConfig.feature_layers), by KV slot
+        spec.append(jax.ShapeDtypeStruct((num_pages * page_size, cfg.feature_size),
+                                         feature_dtype(dtype)))
+    return spec
+
+
+def feature_dtype(kv_dtype: jnp.dtype | str) -> jnp.dtype:
+    """The feature store's dtype: float32 beside a float32 KV cache, else bfloat16."""
+    return jnp.dtype(jnp.float32 if jnp.dtype(kv_quant.storage_dtype(kv_dtype)) == jnp.float32
+                     else jnp.bfloat16)
 
 
 def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
     """NamedShardings of a KV cache tree (arrays or specs): pages and scales split by
-    KV head over the model axis."""
+    KV head over the model axis, a feature store replicated."""
     def named(x: object) -> jax.sharding.NamedSharding:
-        spec = KV_PAGES_SPEC if len(x.shape) == 5 else KV_SCALES_SPEC
+        spec = {5: KV_PAGES_SPEC, 2: P()}.get(len(x.shape), KV_SCALES_SPEC)
         return jax.sharding.NamedSharding(mesh, spec)
 
     return jax.tree.map(named, kv_cache)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.config.model import FINAL_NORMED
 from jaxinfer.model import layers, moe, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
@@ -78,8 +79,11 @@ def forward(
                                       layers.rope_scale(cfg, kind))
              for kind in layers.rope_kinds(cfg)}  # once per step and kind, not per layer
     real_tokens = md.cu_q_lens[md.num_seqs[0]]
-    new_cache, routed = [], []
+    kv_cache, store = split_feature_store(kv_cache, cfg)
+    new_cache, routed, captured = [], [], {}
     for index, (layer, kv_pages) in enumerate(zip(params["layers"], kv_cache, strict=True)):
+        if index in cfg.feature_layers:
+            captured[index] = x
         h = layers.norm(x, layer["attn_norm"], cfg)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg,
                                          rope=ropes[cfg.layer_rope(index)],
@@ -94,23 +98,55 @@ def forward(
             y = layers.mlp(layer, h, cfg.hidden_act)
         x = x + post_norm(layer, "post_mlp_norm", y, cfg)
         new_cache.append(kv_pages)
+    if store is not None:
+        captured[cfg.num_layers] = x
+        features = gather_features(captured, params, cfg)
+        new_cache.append(store.at[md.slot_mapping].set(features.astype(store.dtype)))
     logits = compute_logits(params, x[md.logits_indices], cfg)
     if not routing:
         return new_cache, logits
     return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)
 
 
-def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-    """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V]."""
+def split_feature_store(kv_cache: KVCache, cfg: ModelConfig) -> tuple[KVCache, object]:
+    """(the layers' KV pages, the feature store or None): with `cfg.feature_layers` the
+    cache's last entry is the store, f[pages * page_size, feature_size]."""
+    if not cfg.feature_layers:
+        return kv_cache, None
+    return kv_cache[:-1], kv_cache[-1]
+
+
+def gather_features(captured: dict[int, jax.Array], params: Params, cfg: ModelConfig
+                    ) -> jax.Array:
+    """f32[..., feature_size]: the residual streams named by `cfg.feature_layers`
+    (`captured[i]`: the stream entering layer i, i = L after the last layer), in order;
+    FINAL_NORMED is the last one after the final norm."""
+    def one(index: int) -> jax.Array:
+        if index == FINAL_NORMED:
+            return layers.norm(captured[cfg.num_layers], params["final_norm"], cfg)
+        return captured[index]
+
+    return jnp.concatenate([one(i).astype(jnp.float32) for i in cfg.feature_layers], -1)
+
+
+def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig,
+                  with_features: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V];
+    `with_features`: (logits, f32[B, T, feature_size]) of `cfg.feature_layers`."""
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)
+    captured = {}
     for index, layer in enumerate(params["layers"]):
+        captured[index] = x
         h = layers.norm(x, layer["attn_norm"], cfg)
         attn = dense_causal_attention(layer, h, cfg, cfg.layer_window(index),
                                       cfg.layer_rope(index))
         x = x + post_norm(layer, "post_attn_norm", attn, cfg)
         y = mlp(layer, layers.norm(x, layer["mlp_norm"], cfg), cfg)
         x = x + post_norm(layer, "post_mlp_norm", y, cfg)
-    return compute_logits(params, x, cfg)
+    if not with_features:
+        return compute_logits(params, x, cfg)
+    captured[cfg.num_layers] = x
+    return compute_logits(params, x, cfg), gather_features(captured, params, cfg)
 
 
 def mlp(layer: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -186,7 +186,7 @@ def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None
     layer = NamedSharding(mesh, KV_PAGES_SPEC)
     if kv_quant.is_quantized(kv_dtype):
         layer = QuantizedPages(layer, NamedSharding(mesh, KV_SCALES_SPEC))
-    kv_cache = [layer] * cfg.num_layers
+    kv_cache = [layer] * cfg.num_layers + [sharding.replicated(mesh)] * bool(cfg.feature_layers)
     return params, kv_cache, sharding.replicated(mesh)
 
 
