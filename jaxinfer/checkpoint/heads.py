@@ -1,0 +1,431 @@
+"""Speculative heads' checkpoints (EAGLE-1/2, EAGLE-3, Medusa) <-> their params.
+
+A head directory holds config.json (config/heads.py reads it) and model.safetensors
+(or shards listed in model.safetensors.index.json); pickle weights (.bin, .pt) are
+refused, never unpickled. Every tensor is checked by name, shape and dtype against
+the published layout, torch's [out, in] orientation, as vLLM loads it:
+
+- eagle3 (SafeAILab's EAGLE-3): midlayer.self_attn.{q,k,v}_proj.weight [*, 2D] (q/k/v
+  read concat(input_layernorm(embeds), hidden_norm(fc(features)))), o_proj [D, N*H],
+  midlayer.mlp.{gate,up,down}_proj, midlayer.{input_layernorm, hidden_norm,
+  post_attention_layernorm}.weight [D], fc.weight [D, F], norm.weight [D],
+  lm_head.weight [V_draft, D], d2t int64 [V_draft] (target id = draft id + d2t; needed
+  when V_draft < V), t2d bool [V] (read past, as vLLM does), embed_tokens.weight
+  [V, D] optional (needed when D differs from the target's). "layers.0." is read as
+  "midlayer." (vLLM renames the same way).
+- eagle (SafeAILab's EAGLE-1/2): fc.weight [D, 2D] (+ fc.bias), layers.0.* of a Llama
+  decoder layer. layers.0.input_layernorm.weight and embed_tokens.weight may be there
+  and are read past: vLLM replaces layer 0's input norm by the identity (as EAGLE's
+  cnets.py skips it) and always embeds with the target's table on one pipeline stage.
+- medusa (vLLM's layout): blocks.{h}.layers.{j}.weight [D, D] (+ .bias with
+  medusa_fc_bias), lm_heads.{h}.weight [V', D] (only lm_heads.0 with original_lm_head),
+  token_map int [V'] when truncated_vocab_size V' < V (lm_heads may then be [V, D],
+  cut to the map's rows, as vLLM does); a "medusa_heads." prefix is dropped.
+
+The params (linear weights [in, out], like the rest of jaxinfer; model/eagle.py and
+model/medusa.py run them):
+- eagle/eagle3: fc [F_in, D], fc_bias [D] (eagle, when the checkpoint has one),
+  embed [V, D] (eagle3, only when the checkpoint has its own), layer: {attn_norm [D]
+  (eagle3's input_layernorm over the embeddings), hidden_norm [D] (eagle3), wqkv
+  [D_in, (N + 2G) * H] fused as the target's (model/fusion.py; D_in = 2D for eagle3),
+  wo [N*H, D], mlp_norm [D], w_gate_up [D, 2F'], w_down [F', D]}; eagle3 also
+  final_norm [D], lm_head [D, V_draft], d2t i32[V_draft].
+- medusa: blocks_w [H, L, D, D], blocks_b [H, L, D] (with medusa_fc_bias), lm_heads
+  [H or 1 (original_lm_head), D, V'], token_map i32[V'] (truncated vocabulary only).
+
+`save_eagle3`, `save_eagle` and `save_medusa` write those layouts back (float tensors in
+the given dtype, d2t int64, t2d bool, token_map int64); `random_head` makes a random
+head for tests and training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.checkpoint import safetensors_file
+from jaxinfer.checkpoint.hf import (
+    _read_tensors,
+    check_dtype,
+    model_dir_path,
+    read_hf_config,
+)
+from jaxinfer.config import ModelConfig
+from jaxinfer.config.heads import HeadConfig, head_config, head_to_hf
+from jaxinfer.model import fusion
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+FLOAT = ("float32", "float16", "bfloat16")
+INDEX = ("int64", "int32")
+MASK = ("bool",)
+LAYER_PARTS = {  # published suffix -> (our key, which part of it), layer 0
+    "self_attn.q_proj.weight": ("wqkv", 0), "self_attn.k_proj.weight": ("wqkv", 1),
+    "self_attn.v_proj.weight": ("wqkv", 2), "self_attn.o_proj.weight": ("wo", 0),
+    "mlp.gate_proj.weight": ("w_gate_up", 0), "mlp.up_proj.weight": ("w_gate_up", 1),
+    "mlp.down_proj.weight": ("w_down", 0), "post_attention_layernorm.weight": ("mlp_norm", 0),
+    "input_layernorm.weight": ("attn_norm", 0), "hidden_norm.weight": ("hidden_norm", 0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One published tensor: the shapes it may have (the first is written), its kind of
+    dtype, and whether a checkpoint must have it."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] = FLOAT
+    required: bool = True
+
+
+def load_head(model_dir: str | os.PathLike, target: ModelConfig, dtype: str = "float32",
+              method: str | None = None) -> tuple[HeadConfig, dict]:
+    """(HeadConfig, params) of a head directory for `target`, float tensors in `dtype`
+    ("float32" or "bfloat16"); errors name the field or tensor that does not fit."""
+    check_dtype(dtype)
+    root = model_dir_path(model_dir)
+    head = head_config(read_hf_config(root), target, method)
+    tensors = _renamed(head, read_tensors(root))
+    if head.method == "eagle":
+        head = dataclasses.replace(head, fc_bias="fc.bias" in tensors)
+    expected = published_layout(head, own_embed="embed_tokens.weight" in tensors)
+    _check(root, tensors, expected)
+    build = {"eagle": _eagle_params, "eagle3": _eagle3_params, "medusa": _medusa_params}
+    params = build[head.method](tensors, head)
+    float_dtype = jnp.dtype(dtype)
+    return head, jax.tree.map(lambda x: jnp.asarray(
+        x, float_dtype if np.issubdtype(x.dtype, np.floating) else jnp.int32), params)
+
+
+def read_tensors(root: pathlib.Path) -> dict[str, np.ndarray]:
+    """The directory's safetensors tensors (memory-mapped); a pickle-only directory is
+    refused with the file's name."""
+    safetensors = (root / "model.safetensors").is_file() or (
+        root / "model.safetensors.index.json").is_file()
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not safetensors and pickles:
+        raise ValueError(f"{root}: only pickle weights {pickles}; jaxinfer reads "
+                         "safetensors only and never unpickles (convert the file to "
+                         "model.safetensors first)")
+    return _read_tensors(root)
+
+
+def _renamed(head: HeadConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Names as published under the aliases vLLM accepts: eagle3's layers.0. for
+    midlayer., medusa's medusa_heads. prefix."""
+    def name(n: str) -> str:
+        if head.method == "eagle3" and n.startswith("layers.0."):
+            return "midlayer." + n.removeprefix("layers.0.")
+        return n.removeprefix("medusa_heads.") if head.method == "medusa" else n
+    return {name(n): t for n, t in tensors.items()}
+
+
+def published_layout(head: HeadConfig, own_embed: bool = False) -> dict[str, Spec]:
+    """Every tensor name of `head`'s published layout -> its Spec (torch orientation)."""
+    if head.method == "medusa":
+        return _medusa_layout(head)
+    d, vocab = head.hidden_size, head.vocab_size
+    prefix = "midlayer." if head.method == "eagle3" else "layers.0."
+    d_in = 2 * d if head.method == "eagle3" else d
+    out = {prefix + suffix: Spec((shape,)) for suffix, shape in
+           _layer_shapes(head.layer, d_in).items()}
+    out["fc.weight"] = Spec(((d, head.feature_size if head.method == "eagle3" else 2 * d),))
+    out["embed_tokens.weight"] = Spec(((vocab, d),), required=False)
+    if head.method == "eagle":
+        out["fc.bias"] = Spec(((d,),), required=head.fc_bias)
+        out[prefix + "input_layernorm.weight"] = Spec(((d,),), required=False)
+        return out
+    out["embed_tokens.weight"] = Spec(((vocab, d),), required=own_embed or (
+        d != head.target_hidden_size))
+    out |= {prefix + "hidden_norm.weight": Spec(((d,),)), "norm.weight": Spec(((d,),)),
+            "lm_head.weight": Spec(((head.draft_vocab_size, d),)),
+            "d2t": Spec(((head.draft_vocab_size,),), INDEX,
+                        required=head.draft_vocab_size < vocab),
+            "t2d": Spec(((vocab,),), MASK, required=False)}
+    return out
+
+
+def _layer_shapes(layer: ModelConfig, d_in: int) -> dict[str, tuple[int, ...]]:
+    d, f = layer.hidden_size, layer.intermediate_size
+    q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    return {"self_attn.q_proj.weight": (q, d_in), "self_attn.k_proj.weight": (kv, d_in),
+            "self_attn.v_proj.weight": (kv, d_in), "self_attn.o_proj.weight": (d, q),
+            "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f), "input_layernorm.weight": (d,),
+            "post_attention_layernorm.weight": (d,)}
+
+
+def _medusa_layout(head: HeadConfig) -> dict[str, Spec]:
+    d, kept = head.hidden_size, head.draft_vocab_size
+    truncated = kept < head.vocab_size
+    out = {}
+    for h in range(head.num_heads):
+        for j in range(head.num_layers):
+            out[f"blocks.{h}.layers.{j}.weight"] = Spec(((d, d),))
+            if head.fc_bias:
+                out[f"blocks.{h}.layers.{j}.bias"] = Spec(((d,),))
+        if h == 0 or not head.shared_lm_head:
+            shapes = ((kept, d), (head.vocab_size, d)) if truncated else ((kept, d),)
+            out[f"lm_heads.{h}.weight"] = Spec(shapes)
+    if truncated:
+        out["token_map"] = Spec(((kept,),), INDEX)
+    return out
+
+
+def _check(root: pathlib.Path, tensors: dict[str, np.ndarray],
+           expected: dict[str, Spec]) -> None:
+    """ValueError naming the first tensor missing, unexpected, misshapen or mistyped."""
+    missing = sorted(n for n, spec in expected.items() if spec.required and n not in tensors)
+    if missing:
+        raise ValueError(f"{root}: checkpoint lacks tensor(s) {missing[:5]}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"{root}: unexpected tensor(s) {unexpected[:5]}; config.json "
+                         "does not describe them")
+    for name, array in tensors.items():
+        spec = expected[name]
+        if tuple(array.shape) not in spec.shapes:
+            raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
+                             f"expected {' or '.join(map(str, spec.shapes))} from "
+                             "config.json")
+        if array.dtype.name not in spec.dtypes:
+            raise ValueError(f"{root}: tensor {name} has dtype {array.dtype.name}, "
+                             f"expected one of {spec.dtypes}")
+
+
+def _layer_params(tensors: dict[str, np.ndarray], prefix: str, cfg: ModelConfig) -> dict:
+    """Our fused layer ([in, out]) from the published layer-0 tensors under `prefix`."""
+    parts: dict[str, list] = {}
+    for suffix, (key, index) in LAYER_PARTS.items():
+        if prefix + suffix in tensors:
+            tensor = np.asarray(tensors[prefix + suffix], np.float32)
+            parts.setdefault(key, [None] * 3)[index] = tensor.T if tensor.ndim == 2 else tensor
+    out = {key: value[0] for key, value in parts.items()
+           if key not in ("wqkv", "w_gate_up")}
+    out["wqkv"] = fusion.fuse_qkv(*parts["wqkv"], cfg)
+    out["w_gate_up"] = fusion.fuse_gate_up(*parts["w_gate_up"][:2])
+    return out
+
+
+def _eagle_params(tensors: dict[str, np.ndarray], head: HeadConfig) -> dict:
+    layer = _layer_params(tensors, "layers.0.", head.layer)
+    layer.pop("attn_norm", None)  # layer 0's input norm is the identity (module docstring)
+    out = {"fc": np.asarray(tensors["fc.weight"], np.float32).T, "layer": layer}
+    if head.fc_bias:
+        out["fc_bias"] = np.asarray(tensors["fc.bias"], np.float32)
+    return out
+
+
+def _eagle3_params(tensors: dict[str, np.ndarray], head: HeadConfig) -> dict:
+    def f32(name: str) -> np.ndarray:
+        return np.asarray(tensors[name], np.float32)
+
+    d2t = tensors.get("d2t", np.zeros(head.draft_vocab_size, np.int64))
+    out = {"fc": f32("fc.weight").T,
+           "layer": _layer_params(tensors, "midlayer.", head.layer),
+           "final_norm": f32("norm.weight"), "lm_head": f32("lm_head.weight").T,
+           "d2t": np.asarray(d2t, np.int32)}
+    target_ids = np.arange(head.draft_vocab_size) + out["d2t"]
+    if target_ids.min() < 0 or target_ids.max() >= head.vocab_size:
+        raise ValueError(f"tensor d2t maps draft ids outside the target's vocabulary "
+                         f"[0, {head.vocab_size})")
+    if "embed_tokens.weight" in tensors:
+        out["embed"] = f32("embed_tokens.weight")
+    return out
+
+
+def _medusa_params(tensors: dict[str, np.ndarray], head: HeadConfig) -> dict:
+    d = head.hidden_size
+    shape = (head.num_heads, head.num_layers)
+    w = np.zeros((*shape, d, d), np.float32)
+    b = np.zeros((*shape, d), np.float32)
+    for h in range(head.num_heads):
+        for j in range(head.num_layers):
+            w[h, j] = np.asarray(tensors[f"blocks.{h}.layers.{j}.weight"], np.float32).T
+            if head.fc_bias:
+                b[h, j] = tensors[f"blocks.{h}.layers.{j}.bias"]
+    count = 1 if head.shared_lm_head else head.num_heads
+    token_map = np.asarray(tensors["token_map"], np.int64) if "token_map" in tensors else None
+    if token_map is not None and (token_map.min() < 0 or token_map.max() >= head.vocab_size):
+        raise ValueError(f"tensor token_map holds ids outside [0, {head.vocab_size})")
+    heads = []
+    for h in range(count):
+        lm = np.asarray(tensors[f"lm_heads.{h}.weight"], np.float32)
+        if token_map is not None and lm.shape[0] == head.vocab_size:
+            lm = lm[token_map]  # a whole LM head cut to the map's rows, as vLLM does
+        heads.append(lm.T)
+    out = {"blocks_w": w, "lm_heads": np.stack(heads)}
+    if head.fc_bias:
+        out["blocks_b"] = b
+    if token_map is not None:
+        out["token_map"] = token_map.astype(np.int32)
+    return out
+
+
+def save_head(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
+              target: ModelConfig, dtype: str = "float32") -> None:
+    """Write config.json and model.safetensors of `head` in its published layout."""
+    check_dtype(dtype)
+    root = pathlib.Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+    tensors = (_medusa_tensors(head, params) if head.method == "medusa"
+               else _eagle_tensors(head, params))
+    float_dtype = np.dtype(jnp.dtype(dtype))
+    tensors = {n: t.astype(float_dtype) if np.issubdtype(t.dtype, np.floating) else t
+               for n, t in tensors.items()}
+    safetensors_file.save(tensors, root / "model.safetensors", {"format": "pt"})
+    hf = head_to_hf(head, target) | {"torch_dtype": dtype}
+    (root / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def save_eagle3(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
+                target: ModelConfig, dtype: str = "float32") -> None:
+    """SafeAILab's EAGLE-3 layout (module docstring)."""
+    _expect(head, "eagle3")
+    save_head(model_dir, head, params, target, dtype)
+
+
+def save_eagle(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
+               target: ModelConfig, dtype: str = "float32") -> None:
+    """SafeAILab's EAGLE-1/2 layout (module docstring)."""
+    _expect(head, "eagle")
+    save_head(model_dir, head, params, target, dtype)
+
+
+def save_medusa(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
+                target: ModelConfig, dtype: str = "float32") -> None:
+    """vLLM's Medusa layout (module docstring)."""
+    _expect(head, "medusa")
+    save_head(model_dir, head, params, target, dtype)
+
+
+def _expect(head: HeadConfig, method: str) -> None:
+    if head.method != method:
+        raise ValueError(f"a {head.method} head cannot be saved as {method}")
+
+
+def _eagle_tensors(head: HeadConfig, params: dict) -> dict[str, np.ndarray]:
+    prefix = "midlayer." if head.method == "eagle3" else "layers.0."
+    layer = params["layer"]
+    q, k, v = fusion.split_qkv(layer["wqkv"], head.layer)
+    gate, up = fusion.split_gate_up(layer["w_gate_up"])
+    ours = {"wo": layer["wo"], "w_down": layer["w_down"], "mlp_norm": layer["mlp_norm"]}
+    ours |= {key: layer[key] for key in ("attn_norm", "hidden_norm") if key in layer}
+    lead = q.shape[:-2]
+    parts = {"wqkv": [x.reshape(*lead, -1) for x in (q, k, v)], "w_gate_up": [gate, up]}
+    out = {}
+    for suffix, (key, index) in LAYER_PARTS.items():
+        value = parts[key][index] if key in parts else ours.get(key)
+        if value is not None:
+            out[prefix + suffix] = value.T if value.ndim == 2 else value
+    out["fc.weight"] = params["fc"].T
+    if "fc_bias" in params:
+        out["fc.bias"] = params["fc_bias"]
+    if "embed" in params:
+        out["embed_tokens.weight"] = params["embed"]
+    if head.method == "eagle3":
+        target_ids = np.arange(head.draft_vocab_size) + params["d2t"]
+        t2d = np.zeros(head.vocab_size, bool)
+        t2d[target_ids] = True
+        out |= {"norm.weight": params["final_norm"], "lm_head.weight": params["lm_head"].T,
+                "d2t": params["d2t"].astype(np.int64), "t2d": t2d}
+    return out
+
+
+def _medusa_tensors(head: HeadConfig, params: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for h in range(head.num_heads):
+        for j in range(head.num_layers):
+            out[f"blocks.{h}.layers.{j}.weight"] = params["blocks_w"][h, j].T
+            if head.fc_bias:
+                out[f"blocks.{h}.layers.{j}.bias"] = params["blocks_b"][h, j]
+    for h in range(params["lm_heads"].shape[0]):
+        out[f"lm_heads.{h}.weight"] = params["lm_heads"][h].T
+    if "token_map" in params:
+        out["token_map"] = params["token_map"].astype(np.int64)
+    return out
+
+
+def random_head(method: str, target: ModelConfig, key: jax.Array, *,
+                own_embed: bool = False, **config: Any) -> tuple[HeadConfig, dict]:
+    """A random head of `method` for `target` (float32): `config` overrides config.json
+    fields of the published layout (hidden_size, intermediate_size, draft_vocab_size,
+    num_heads, eagle_aux_hidden_state_layer_ids, ...); `own_embed`: eagle3 with its own
+    embedding table. Weights are normal / sqrt(fan-in), norms near one, biases small."""
+    hf = _default_config(method, target) | config
+    head = head_config(hf, target, method)
+    rng = np.random.default_rng(np.asarray(jax.random.randint(key, (4,), 0, 2**31 - 1)))
+    if method == "medusa":
+        params = _random_medusa(head, rng)
+    else:
+        params = _random_eagle(head, rng, own_embed)
+    return head, jax.tree.map(jnp.asarray, params)
+
+
+def _default_config(method: str, target: ModelConfig) -> dict[str, Any]:
+    d = target.hidden_size
+    if method == "medusa":
+        return {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": d,
+                "vocab_size": target.vocab_size, "num_heads": 3, "num_hidden_layers": 1}
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
+           "intermediate_size": 2 * d, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 1, "vocab_size": target.vocab_size, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "max_position_embeddings": target.max_position_embeddings}
+    if method == "eagle3":
+        out |= {"architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": max(1, target.vocab_size // 2)}
+    return out
+
+
+def _random_eagle(head: HeadConfig, rng: np.random.Generator, own_embed: bool) -> dict:
+    layer_cfg, d = head.layer, head.hidden_size
+    d_in = 2 * d if head.method == "eagle3" else d
+    shapes = _layer_shapes(layer_cfg, d_in)
+    weights = {suffix: _normal(rng, shape) for suffix, shape in shapes.items()}
+    weights = {k: 1 + 0.1 * rng.standard_normal(v.shape[0]).astype(np.float32)
+               if v.ndim == 1 else v for k, v in weights.items()}
+    if head.method == "eagle3":
+        weights["hidden_norm.weight"] = 1 + 0.1 * rng.standard_normal(d).astype(np.float32)
+    prefix = "midlayer." if head.method == "eagle3" else "layers.0."
+    tensors = {prefix + k: v for k, v in weights.items()}
+    fc_in = head.feature_size if head.method == "eagle3" else 2 * d
+    tensors["fc.weight"] = _normal(rng, (d, fc_in))
+    if head.fc_bias:
+        tensors["fc.bias"] = 0.1 * rng.standard_normal(d).astype(np.float32)
+    if head.method == "eagle":
+        return _eagle_params(tensors, head)
+    kept = np.sort(rng.choice(head.vocab_size, head.draft_vocab_size, replace=False))
+    tensors |= {"norm.weight": 1 + 0.1 * rng.standard_normal(d).astype(np.float32),
+                "lm_head.weight": _normal(rng, (head.draft_vocab_size, d)),
+                "d2t": kept - np.arange(head.draft_vocab_size)}
+    if own_embed or d != head.target_hidden_size:
+        tensors["embed_tokens.weight"] = rng.standard_normal(
+            (head.vocab_size, d)).astype(np.float32)
+    return _eagle3_params(tensors, head)
+
+
+def _random_medusa(head: HeadConfig, rng: np.random.Generator) -> dict:
+    d, kept = head.hidden_size, head.draft_vocab_size
+    count = 1 if head.shared_lm_head else head.num_heads
+    out = {"blocks_w": _normal(rng, (head.num_heads, head.num_layers, d, d), d),
+           "lm_heads": _normal(rng, (count, d, kept), d)}
+    if head.fc_bias:
+        out["blocks_b"] = 0.1 * rng.standard_normal(
+            (head.num_heads, head.num_layers, d)).astype(np.float32)
+    if kept < head.vocab_size:
+        out["token_map"] = np.sort(rng.choice(head.vocab_size, kept,
+                                              replace=False)).astype(np.int32)
+    return out
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int = 0
+            ) -> np.ndarray:
+    """normal / sqrt(fan_in), by default the last axis (a torch [out, in] weight's)."""
+    return (rng.standard_normal(shape) / np.sqrt(fan_in or shape[-1])).astype(np.float32)
