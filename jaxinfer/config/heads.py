@@ -270,7 +270,7 @@ def head_to_hf(head: HeadConfig, target: ModelConfig) -> dict[str, Any]:
             "draft_vocab_size": head.draft_vocab_size,
             "target_hidden_size": head.target_hidden_size,
             "norm_before_residual": head.norm_before_residual}
-    if head.feature_layers != eagle3_feature_layers({}, target):
+    if target.num_layers < 3 or head.feature_layers != eagle3_feature_layers({}, target):
         out[TOP_IDS] = list(head.feature_layers)  # vLLM's convention: entry i as it is
     return out
 
