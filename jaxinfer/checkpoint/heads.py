@@ -3,7 +3,8 @@
 A head directory holds config.json (config/heads.py reads it) and model.safetensors
 (or shards listed in model.safetensors.index.json); pickle weights (.bin, .pt) are
 refused, never unpickled. Every tensor is checked by name, shape and dtype against
-the published layout, torch's [out, in] orientation, as vLLM loads it:
+the published layout (head_layouts.py), in torch's [out, in] orientation, as vLLM
+loads it:
 
 - eagle3 (SafeAILab's EAGLE-3): midlayer.self_attn.{q,k,v}_proj.weight [*, 2D] (q/k/v
   read concat(input_layernorm(embeds), hidden_norm(fc(features)))), o_proj [D, N*H],
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.checkpoint import safetensors_file
+from jaxinfer.checkpoint.head_layouts import check, layer_shapes, published_layout
 from jaxinfer.checkpoint.hf import (
     _read_tensors,
     check_dtype,
@@ -62,9 +64,6 @@ from jaxinfer.config.heads import HeadConfig, head_config, head_to_hf
 from jaxinfer.model import fusion
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-FLOAT = ("float32", "float16", "bfloat16")
-INDEX = ("int64", "int32")
-MASK = ("bool",)
 LAYER_PARTS = {  # published suffix -> (our key, which part of it), layer 0
     "self_attn.q_proj.weight": ("wqkv", 0), "self_attn.k_proj.weight": ("wqkv", 1),
     "self_attn.v_proj.weight": ("wqkv", 2), "self_attn.o_proj.weight": ("wo", 0),
@@ -72,16 +71,6 @@ LAYER_PARTS = {  # published suffix -> (our key, which part of it), layer 0
     "mlp.down_proj.weight": ("w_down", 0), "post_attention_layernorm.weight": ("mlp_norm", 0),
     "input_layernorm.weight": ("attn_norm", 0), "hidden_norm.weight": ("hidden_norm", 0),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One published tensor: the shapes it may have (the first is written), its kind of
-    dtype, and whether a checkpoint must have it."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...] = FLOAT
-    required: bool = True
 
 
 def load_head(model_dir: str | os.PathLike, target: ModelConfig, dtype: str = "float32",
@@ -95,7 +84,7 @@ def load_head(model_dir: str | os.PathLike, target: ModelConfig, dtype: str = "f
     if head.method == "eagle":
         head = dataclasses.replace(head, fc_bias="fc.bias" in tensors)
     expected = published_layout(head, own_embed="embed_tokens.weight" in tensors)
-    _check(root, tensors, expected)
+    check(root, tensors, expected)
     build = {"eagle": _eagle_params, "eagle3": _eagle3_params, "medusa": _medusa_params}
     params = build[head.method](tensors, head)
     float_dtype = jnp.dtype(dtype)
@@ -124,79 +113,6 @@ def _renamed(head: HeadConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.n
             return "midlayer." + n.removeprefix("layers.0.")
         return n.removeprefix("medusa_heads.") if head.method == "medusa" else n
     return {name(n): t for n, t in tensors.items()}
-
-
-def published_layout(head: HeadConfig, own_embed: bool = False) -> dict[str, Spec]:
-    """Every tensor name of `head`'s published layout -> its Spec (torch orientation)."""
-    if head.method == "medusa":
-        return _medusa_layout(head)
-    d, vocab = head.hidden_size, head.vocab_size
-    prefix = "midlayer." if head.method == "eagle3" else "layers.0."
-    d_in = 2 * d if head.method == "eagle3" else d
-    out = {prefix + suffix: Spec((shape,)) for suffix, shape in
-           _layer_shapes(head.layer, d_in).items()}
-    out["fc.weight"] = Spec(((d, head.feature_size if head.method == "eagle3" else 2 * d),))
-    out["embed_tokens.weight"] = Spec(((vocab, d),), required=False)
-    if head.method == "eagle":
-        out["fc.bias"] = Spec(((d,),), required=head.fc_bias)
-        out[prefix + "input_layernorm.weight"] = Spec(((d,),), required=False)
-        return out
-    out["embed_tokens.weight"] = Spec(((vocab, d),), required=own_embed or (
-        d != head.target_hidden_size))
-    out |= {prefix + "hidden_norm.weight": Spec(((d,),)), "norm.weight": Spec(((d,),)),
-            "lm_head.weight": Spec(((head.draft_vocab_size, d),)),
-            "d2t": Spec(((head.draft_vocab_size,),), INDEX,
-                        required=head.draft_vocab_size < vocab),
-            "t2d": Spec(((vocab,),), MASK, required=False)}
-    return out
-
-
-def _layer_shapes(layer: ModelConfig, d_in: int) -> dict[str, tuple[int, ...]]:
-    d, f = layer.hidden_size, layer.intermediate_size
-    q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    return {"self_attn.q_proj.weight": (q, d_in), "self_attn.k_proj.weight": (kv, d_in),
-            "self_attn.v_proj.weight": (kv, d_in), "self_attn.o_proj.weight": (d, q),
-            "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-            "mlp.down_proj.weight": (d, f), "input_layernorm.weight": (d,),
-            "post_attention_layernorm.weight": (d,)}
-
-
-def _medusa_layout(head: HeadConfig) -> dict[str, Spec]:
-    d, kept = head.hidden_size, head.draft_vocab_size
-    truncated = kept < head.vocab_size
-    out = {}
-    for h in range(head.num_heads):
-        for j in range(head.num_layers):
-            out[f"blocks.{h}.layers.{j}.weight"] = Spec(((d, d),))
-            if head.fc_bias:
-                out[f"blocks.{h}.layers.{j}.bias"] = Spec(((d,),))
-        if h == 0 or not head.shared_lm_head:
-            shapes = ((kept, d), (head.vocab_size, d)) if truncated else ((kept, d),)
-            out[f"lm_heads.{h}.weight"] = Spec(shapes)
-    if truncated:
-        out["token_map"] = Spec(((kept,),), INDEX)
-    return out
-
-
-def _check(root: pathlib.Path, tensors: dict[str, np.ndarray],
-           expected: dict[str, Spec]) -> None:
-    """ValueError naming the first tensor missing, unexpected, misshapen or mistyped."""
-    missing = sorted(n for n, spec in expected.items() if spec.required and n not in tensors)
-    if missing:
-        raise ValueError(f"{root}: checkpoint lacks tensor(s) {missing[:5]}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise ValueError(f"{root}: unexpected tensor(s) {unexpected[:5]}; config.json "
-                         "does not describe them")
-    for name, array in tensors.items():
-        spec = expected[name]
-        if tuple(array.shape) not in spec.shapes:
-            raise ValueError(f"{root}: tensor {name} has shape {tuple(array.shape)}, "
-                             f"expected {' or '.join(map(str, spec.shapes))} from "
-                             "config.json")
-        if array.dtype.name not in spec.dtypes:
-            raise ValueError(f"{root}: tensor {name} has dtype {array.dtype.name}, "
-                             f"expected one of {spec.dtypes}")
 
 
 def _layer_params(tensors: dict[str, np.ndarray], prefix: str, cfg: ModelConfig) -> dict:
@@ -387,7 +303,7 @@ def _default_config(method: str, target: ModelConfig) -> dict[str, Any]:
 def _random_eagle(head: HeadConfig, rng: np.random.Generator, own_embed: bool) -> dict:
     layer_cfg, d = head.layer, head.hidden_size
     d_in = 2 * d if head.method == "eagle3" else d
-    shapes = _layer_shapes(layer_cfg, d_in)
+    shapes = layer_shapes(layer_cfg, d_in)
     weights = {suffix: _normal(rng, shape) for suffix, shape in shapes.items()}
     weights = {k: 1 + 0.1 * rng.standard_normal(v.shape[0]).astype(np.float32)
                if v.ndim == 1 else v for k, v in weights.items()}
