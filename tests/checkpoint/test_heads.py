@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.checkpoint import heads, safetensors_file
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, load_preset
 from jaxinfer.config.heads import head_config, infer_method
 from jaxinfer.config.model import FINAL_NORMED
 
@@ -257,3 +257,25 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
     _, loaded = heads.load_head(tmp_path, TARGET, method="eagle")
     want = np.asarray(params["fc"]).astype(ml_dtypes.bfloat16).astype(np.float32)
     assert loaded["fc"].dtype == np.float32 and np.array_equal(loaded["fc"], want)
+
+
+def test_published_llama3_head_configs_fit_llama3_8b():
+    """SafeAILab's EAGLE-3 and EAGLE configs for Llama-3 8B (as on the hub) against the
+    8B target's shape."""
+    target = load_preset("llama3.1-8b")
+    llama = {"hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+             "max_position_embeddings": 2048, "model_type": "llama",
+             "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+             "torch_dtype": "float16", "vocab_size": 128256, "bos_token_id": 128000}
+    eagle3 = head_config(llama | {"architectures": ["LlamaForCausalLMEagle3"],
+                                  "draft_vocab_size": 32000}, target)
+    assert eagle3.feature_layers == (2, 16, 29) and eagle3.feature_size == 3 * 4096
+    assert (eagle3.layer.head_dim, eagle3.layer.num_kv_heads, eagle3.draft_vocab_size) == (
+        128, 8, 32000)
+    eagle = head_config(llama | {"architectures": ["LlamaForCausalLM"]}, target, "eagle")
+    assert eagle.feature_layers == (FINAL_NORMED,) and eagle.layer.rope_theta == 500000.0
+    layout = heads.published_layout(eagle3)
+    assert layout["midlayer.self_attn.q_proj.weight"].shapes == ((4096, 8192),)
+    assert layout["fc.weight"].shapes == ((4096, 12288),) and not layout[
+        "embed_tokens.weight"].required
