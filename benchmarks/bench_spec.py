@@ -20,10 +20,15 @@ setting, vLLM's `speculative_config`):
 - `ngram`: prompt lookup, k = 4, always (`adaptive: false`); `ngram_k8` (not run by
   default): k = 8;
 - `adaptive`: the draft model with k up to 4, the policy choosing per step;
-- `adaptive_ngram`: n-gram lookup, k up to 4, the policy choosing per step.
+- `adaptive_ngram`: n-gram lookup, k up to 4, the policy choosing per step;
+- `eagle3`, `eagle`, `medusa`: heads on the target's hidden states trained for the demo
+  model (checkpoints/demo-eagle3, demo-eagle, demo-medusa; tools/train_heads.py), always
+  k = 4 drafts; `adaptive_eagle3`: EAGLE-3 with k up to 4, the policy choosing per step.
 
 Targets: the best method's batch-1 speed-up at least 2x; the adaptive
-policy at least 0.95x of no speculation at every batch size. Prints one JSON object.
+policy at least 0.95x of no speculation at every batch size; the best head method's
+batch-1 speed-up at least 1.8x greedy (and not below n-gram lookup's) or 1.4x sampled
+(`--temperature=0.8`), and at least 1.3x the draft model's. Prints one JSON object.
 
     python benchmarks/bench_spec.py [--batches=1,4,16,64] [--modes=...] [--repeats=2]
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import pathlib
 import random
 import re
 import statistics
@@ -47,6 +53,8 @@ from jaxinfer.text.corpus import corpus_files, read_texts
 from jaxinfer.text.tokenizer import Tokenizer
 
 DRAFT = DEFAULT_MODEL.parent / "demo-draft"
+HEADS = {method: DEFAULT_MODEL.parent / f"demo-{method}" for method in ("eagle3", "eagle",
+                                                                         "medusa")}
 MODES = {
     "none": None,
     "draft_k2": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 2,
@@ -57,10 +65,18 @@ MODES = {
     "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False},
     "adaptive": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 4},
     "adaptive_ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    **{method: {"method": method, "model": str(path), "num_speculative_tokens": 4,
+                "adaptive": False} for method, path in HEADS.items()},
+    "adaptive_eagle3": {"method": "eagle3", "model": str(HEADS["eagle3"]),
+                        "num_speculative_tokens": 4},
 }
-ADAPTIVE = ("adaptive", "adaptive_ngram")
+ADAPTIVE = ("adaptive", "adaptive_ngram", "adaptive_eagle3")
+HEAD_MODES = tuple(HEADS)
 TARGET_SPEEDUP = 2.0
 TARGET_ADAPTIVE = 0.95
+# heads on the target's features: the best of them at batch 1, greedy at least 1.8x and not
+# below n-gram lookup, sampled at least 1.4x; either way at least 1.3x the draft model's
+TARGET_HEAD_GREEDY, TARGET_HEAD_SAMPLED, TARGET_HEAD_OVER_DRAFT = 1.8, 1.4, 1.3
 PER_FILE = 2  # prompts taken from one held-out file, at most
 WARM_TOKENS = 16  # an untimed run of this many tokens per engine first
 SPEC_METRICS = ("spec_acceptance_rate", "spec_mean_acceptance_length",
@@ -68,7 +84,8 @@ SPEC_METRICS = ("spec_acceptance_rate", "spec_mean_acceptance_length",
                 "spec_skipped_cost", "spec_skipped_no_match")
 
 flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes (requests at once)")
-flags.DEFINE_list("modes", [m for m in MODES if m != "ngram_k8"],
+flags.DEFINE_list("modes", [m for m in MODES if m != "ngram_k8" and (
+    MODES[m] is None or "model" not in MODES[m] or pathlib.Path(MODES[m]["model"]).is_dir())],
                   "modes to run; none is the baseline")
 flags.DEFINE_integer("prompt_tokens", 192, "tokens of each prompt")
 flags.DEFINE_integer("output_tokens", 128, "tokens generated per request")
@@ -165,7 +182,27 @@ def main(argv: list[str]) -> None:
         out["target_adaptive_met"] = {
             m: all(rows[m]["speedup"] >= TARGET_ADAPTIVE for rows in by_batch.values())
             for m in ADAPTIVE if m in FLAGS.modes}
+        out |= head_targets(by_batch[1])
     print(json.dumps(out, indent=1))
+
+
+def head_targets(rows: dict) -> dict:
+    """The heads' batch-1 targets against n-gram lookup and the draft model, where run."""
+    heads = [m for m in HEAD_MODES if m in rows]
+    if not heads:
+        return {}
+    best = max(heads, key=lambda m: rows[m]["speedup"])
+    speedup = rows[best]["speedup"]
+    out = {"best_head_mode": best, "best_head_speedup": speedup}
+    floor = TARGET_HEAD_SAMPLED if FLAGS.temperature else TARGET_HEAD_GREEDY
+    out["target_head_speedup_met"] = speedup >= floor
+    if "ngram" in rows and not FLAGS.temperature:
+        out["target_head_not_below_ngram_met"] = speedup >= rows["ngram"]["speedup"]
+    drafts = [rows[m]["speedup"] for m in ("draft_k2", "draft_k4") if m in rows]
+    if drafts:
+        out["head_over_draft_model"] = round(speedup / max(drafts), 3)
+        out["target_head_over_draft_met"] = speedup >= TARGET_HEAD_OVER_DRAFT * max(drafts)
+    return out
 
 
 if __name__ == "__main__":

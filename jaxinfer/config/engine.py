@@ -19,7 +19,8 @@ KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantization.py
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")  # those that read `model`
 # data-parallel request routing (SGLang's names): jaxinfer/engine/routing.py
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 MAX_SPECULATIVE_TOKENS = 8
@@ -30,9 +31,11 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): who proposes draft tokens and
     how many a step may verify per request (jaxinfer/engine/speculation.py)."""
 
-    method: str  # "draft_model" (a small model with the target's tokenizer) or "ngram"
+    # "draft_model" (a small model with the target's tokenizer), "ngram", or heads on the
+    # target's hidden states: "eagle" (EAGLE-1/2), "eagle3", "medusa" (config/heads.py)
+    method: str
     num_speculative_tokens: int  # k: the most draft tokens a request verifies per step
-    model: str | None = None  # draft_model: the draft's checkpoint directory
+    model: str | None = None  # the draft's or the heads' checkpoint directory
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched against earlier tokens
     prompt_lookup_max: int = 4  # ngram: longest suffix matched (the longest match wins)
     adaptive: bool = True  # choose per step whether (and how far) to speculate by cost
@@ -50,9 +53,11 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int "
                              f"in [1, {MAX_SPECULATIVE_TOKENS}]")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError(f"speculative_config model={self.model!r}: method='draft_model' "
-                             "needs the draft's directory and 'ngram' takes none")
+        if (self.method in MODEL_METHODS) != (self.model is not None):
+            needs = ("needs a checkpoint directory" if self.method in MODEL_METHODS
+                     else "takes none")
+            raise ValueError(f"speculative_config model={self.model!r}: method="
+                             f"{self.method!r} {needs}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)) or \
                 not 1 <= low <= high:
@@ -89,14 +94,33 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
                              f"{sorted(known)}")
         if "method" not in value and "model" in value:  # vLLM infers it from the model
-            value = value | {"method": "ngram" if value["model"] in ("ngram", "[ngram]")
-                             else "draft_model"}
+            value = value | {"method": infer_method(value["model"])}
+            if value["method"] == "ngram":
+                value.pop("model")
             if value["method"] == "ngram":
                 value.pop("model")
         missing = sorted(k for k in ("method", "num_speculative_tokens") if k not in value)
         if missing:
             raise ValueError(f"speculative_config lacks {missing}")
         return cls(**value)
+
+
+def infer_method(model: object) -> str:
+    """The speculative method of `model` when none is given, as vLLM infers it: "ngram"
+    by name; else the heads a checkpoint's config.json describes (config/heads.py); else,
+    for a config that looks like an ordinary Llama (SafeAILab's EAGLE checkpoints do),
+    "eagle3" or "eagle" when the directory's name says so; else "draft_model"."""
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    path = pathlib.Path(str(model))
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "draft_model"  # the loader then names what is wrong with the directory
+    from jaxinfer.config.heads import infer_method as head_method
+    name = path.resolve().name.lower()
+    by_name = "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else None
+    return head_method(hf) or by_name or "draft_model"
 
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -174,8 +198,10 @@ class EngineConfig:
         "whole experts (it must divide their number) instead of a slice of every expert; "
         "attention stays tensor parallel")
     speculative_config: SpeculativeConfig | None = setting(
-        None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\" or "
-        "\"draft_model\", \"num_speculative_tokens\": k, \"model\": draft directory, "
+        None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\", "
+        "\"draft_model\", \"eagle\", \"eagle3\" or \"medusa\" (inferred from the "
+        "model's config.json when absent), \"num_speculative_tokens\": k, \"model\": the "
+        "draft's or heads' directory, "
         "\"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes, \"adaptive\": "
         "choose per step by cost (default true)}; default: off")
 

@@ -8,11 +8,10 @@ memory, weights included; else, on CPU, every slot at full length within a fract
 of RAM), reads the weights and builds the `Runner` that holds params and KV cache.
 `Engine` calls it and keeps only the request lifecycle.
 
-With `speculative_config` it also builds the speculation (engine/speculation.py): the
-n-gram proposer, or a draft model checked against the target (the same tokenizer
-vocabulary, context at least max_model_len, splittable over the same devices), planned
-with it (weights, K/V per token) and served by its own `DraftRunner` over the same
-page ids.
+With `speculative_config` it also builds the speculation (engine/spec_loading.py): the
+n-gram proposer, a draft model or speculative heads, checked against the target,
+planned with it (weights, K/V and kept features per token) and served by their own
+runner over the same page ids.
 
 Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
 runner package, `checkpoint` and `planner`. For int4 on a float checkpoint it runs
@@ -30,13 +29,12 @@ import jax
 
 from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
-from jaxinfer.config import EngineConfig, ModelConfig, SpeculativeConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
+from jaxinfer.engine import spec_loading
 from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.metrics import FlopCount
-from jaxinfer.engine.proposer import DraftProposer, NgramProposer
 from jaxinfer.engine.request import SamplingParams
-from jaxinfer.engine.runner.draft import DraftRunner
 from jaxinfer.engine.speculation import Speculation
 from jaxinfer.model import quantization, sharding
 from jaxinfer.sizing import planner
@@ -84,11 +82,11 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
                                 config.data_parallel_size, replica)
-    served = sharding.served_config(model_config, config.tensor_parallel_size)
-    draft = draft_config(root, model_config, config, max_len)
-    served_draft = draft and sharding.served_config(draft, config.tensor_parallel_size)
+    parts = spec_loading.prepare(root, model_config, config, max_len)
+    served = parts.served_target(sharding.served_config(model_config,
+                                                        config.tensor_parallel_size))
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
-                              draft=served_draft)
+                              draft=parts.plan_draft(served, config))
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
                              config.quantization)
@@ -111,35 +109,16 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         page_size=config.page_size,
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention_impl=config.attention_impl,
-        enable_prompt_logprobs=config.enable_prompt_logprobs, draft_probs=draft is not None,
-        num_sliding_pages=memory_plan.num_sliding_pages)
-    speculation = spec and make_speculation(
-        spec, served, config, draft=draft, served_draft=served_draft, mesh=mesh,
+        enable_prompt_logprobs=config.enable_prompt_logprobs,
+        draft_probs=parts.proposes_with_model, num_sliding_pages=memory_plan.num_sliding_pages)
+    speculation = spec and spec_loading.make_speculation(
+        config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,
         eos_token_ids=eos_token_ids)
     return LoadedModel(model_dir=root, model_config=model_config, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
-
-
-def make_speculation(spec: SpeculativeConfig, served: ModelConfig, config: EngineConfig, *,
-                     draft: ModelConfig | None, served_draft: ModelConfig | None,
-                     mesh: object, num_pages: int, max_len: int, buckets: BucketSet,
-                     eos_token_ids: frozenset[int]) -> Speculation:
-    """The speculation policy and its proposer: n-gram lookup, or the draft model (`draft`
-    as its checkpoint says, `served_draft` as it runs; weights read onto the target's
-    mesh)."""
-    proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
-    if draft is not None:
-        proposer = DraftProposer(DraftRunner(
-            served_draft, checkpoint.load_params(spec.model, draft, config.dtype, mesh),
-            mesh=mesh, num_pages=num_pages, page_size=config.page_size,
-            max_model_len=max_len, buckets=buckets, num_positions=buckets.verify_positions,
-            vocab_size=served.vocab_size, kv_dtype=config.kv_dtype,
-            eos_token_ids=eos_token_ids, attention_impl=config.attention_impl))
-    return Speculation(proposer, max_drafts=spec.num_speculative_tokens,
-                       adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size)
 
 
 def check_data_parallel(config: EngineConfig) -> None:
@@ -152,58 +131,6 @@ def check_data_parallel(config: EngineConfig) -> None:
                          "over all processes (data_parallel_size=1), or one server or Ray "
                          "replica per host")
     sharding.layout_mesh(config.data_parallel_size, config.tensor_parallel_size)
-
-
-def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,
-                 max_len: int) -> ModelConfig | None:
-    """The draft model's config when `config` speculates with one, after checking it can
-    serve `target`: the same tokenizer vocabulary (tokenizer.json), a context of at
-    least `max_len`, a split over the same devices. ValueError naming the mismatch."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    draft_root = pathlib.Path(spec.model)
-    if not draft_root.is_dir():
-        raise FileNotFoundError(f"speculative_config model={spec.model!r}: no such directory")
-    draft = checkpoint.load_config(draft_root)
-    written = checkpoint.served_quantization(draft_root, None)
-    if written is not None:
-        raise ValueError(f"draft model {spec.model!r} holds {written} weights; a draft is "
-                         "served in the engine's float dtype: give its float checkpoint")
-    check_same_tokenizer(root, draft_root)
-    if draft.max_position_embeddings < max_len:
-        raise ValueError(f"draft model {spec.model!r}: max_position_embeddings="
-                         f"{draft.max_position_embeddings} is below max_model_len={max_len}")
-    degree = spec.draft_tensor_parallel_size
-    if degree not in (None, config.tensor_parallel_size):
-        raise ValueError(f"speculative_config draft_tensor_parallel_size={degree}: the draft "
-                         "is split over the target's devices, so it must equal "
-                         f"tensor_parallel_size={config.tensor_parallel_size} (or be left out)")
-    try:
-        planner.check_tensor_parallel(draft, config.tensor_parallel_size)
-    except ValueError as e:
-        raise ValueError(f"draft model {spec.model!r}: {e}") from None
-    return draft
-
-
-def check_same_tokenizer(target: pathlib.Path, draft: pathlib.Path) -> None:
-    """ValueError unless both directories' tokenizer.json map the same tokens to the same
-    ids (or neither has one: token-id prompts, nothing to compare)."""
-    have = [(d / "tokenizer.json").is_file() for d in (target, draft)]
-    if not any(have):
-        return
-    if not all(have):
-        missing = draft if have[0] else target
-        raise ValueError(f"the draft model must share the target's tokenizer, but "
-                         f"{str(missing)!r} has no tokenizer.json")
-    ours, theirs = Tokenizer.from_dir(target).vocab(), Tokenizer.from_dir(draft).vocab()
-    differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
-    if differ:
-        token = differ[0]
-        raise ValueError(
-            f"the draft model {str(draft)!r} does not share the target's tokenizer: "
-            f"{len(differ)} of {len(ours)} tokens differ (e.g. {token!r}: id "
-            f"{ours.get(token)} in the target, {theirs.get(token)} in the draft)")
 
 
 def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
@@ -270,7 +197,8 @@ def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
 
 
 def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
-                quantized_head: bool = True, draft: ModelConfig | None = None
+                quantized_head: bool = True,
+                draft: ModelConfig | tuple[int, int] | None = None
                 ) -> planner.MemoryPlan:
     """The page pool's plan for `model_config` as served (KV heads copied under tensor
     parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
@@ -296,8 +224,10 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
         log.warning("gpu_memory_utilization=%s is not used on CPU: the KV pool holds every "
                     "slot at full length within a share of RAM (kv_cache_memory_bytes sets "
                     "it)", config.gpu_memory_utilization)
-    page_bytes = config.page_size * sum(
-        planner.kv_bytes_per_token(m, config.kv_dtype) for m in (model_config, draft) if m)
+    beside = draft[1] if isinstance(draft, tuple) else (
+        draft and planner.kv_bytes_per_token(draft, config.kv_dtype))
+    page_bytes = config.page_size * (
+        planner.kv_bytes_per_token(model_config, config.kv_dtype) + (beside or 0))
     pages_per_seq = -(-max_len // config.page_size)
     wanted = (config.max_num_seqs * pages_per_seq + 1) * page_bytes
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

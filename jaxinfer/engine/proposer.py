@@ -19,6 +19,15 @@
   valid K/V exactly up to the accepted tokens, the target's computed length. A request
   that was preempted, or started on cached pages, starts over (writing the same K/V
   into a shared page again is harmless: a page holds the same tokens for every owner).
+- `HeadProposer` (vLLM's "eagle", "eagle3", "medusa"): heads on the target's own hidden
+  features (engine/runner/heads.py). EAGLE's drafter at position t reads the target's
+  feature of t and the token after it, so it follows a request as a draft model does,
+  one position behind: before it proposes, it catches up over every position before the
+  one preceding the last token (their features are in the target's feature store,
+  whichever step computed them, prompt chunks included); its first proposal step then
+  runs at that position, so after the call its K/V are valid up to it (the later steps'
+  K/V, from its own features, are written over when the next catch-up reaches them).
+  Medusa reads one feature and keeps nothing.
 """
 
 from __future__ import annotations
@@ -126,3 +135,37 @@ class DraftProposer:
             if not request.finished:
                 self._computed[request] = (request.num_preemptions,
                                            request.num_computed_tokens)
+
+
+class HeadProposer:
+    """EAGLE or Medusa proposals; the device work is its runner's (`HeadRunner`)."""
+
+    def __init__(self, runner: object, method: str) -> None:
+        self.runner = runner  # engine/runner/heads.HeadRunner
+        self.method = method
+        # Request -> (its preemption count then, positions whose drafter K/V are valid)
+        self._computed: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
+            weakref.WeakKeyDictionary())
+
+    def computed(self, request: Request) -> int:
+        """Positions of `request` whose drafter K/V are valid (0 after a preemption)."""
+        preemptions, count = self._computed.get(request, (-1, 0))
+        return count if preemptions == request.num_preemptions else 0
+
+    def propose(self, chunks: Sequence[ScheduledChunk], counts: Sequence[int]
+                ) -> tuple[list[list[int]], object]:
+        """Up to `counts[i]` drafts after each decode chunk's token; returns (drafts, their
+        probabilities f32[S, k_max + 1, V] on device, for the verify step)."""
+        requests = [c.request for c in chunks]
+        if self.runner.has_cache:
+            behind = [(r, self.computed(r)) for r in requests]
+            self.runner.catch_up([(r, done) for r, done in behind
+                                  if done < r.num_tokens - 2])
+        tokens, probs = self.runner.propose(requests, max(counts))
+        for request in requests:  # the first proposal step wrote the one before the last
+            self._computed[request] = (request.num_preemptions, request.num_tokens - 1)
+        return [list(row[:count]) for row, count in zip(tokens, counts, strict=True)], probs
+
+    def verified(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Nothing to do: the verified positions' features are in the target's store, and
+        the next catch-up reads them."""

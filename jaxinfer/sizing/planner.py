@@ -332,13 +332,15 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          bandwidth_gb_per_s: float | None = None, tensor_parallel_size: int = 1,
          num_devices: int | None = None, peak_flops_per_s: float | None = None,
          quantization: str | None = None, quantized_head: bool = True,
-         draft: ModelConfig | None = None, max_num_batched_tokens: int = 512,
+         draft: ModelConfig | tuple[int, int] | None = None,
+         max_num_batched_tokens: int = 512,
          hybrid_kv_cache: bool = True) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
     speculative draft model served beside it (in `dtype`, unquantized), its weights and
-    its K/V per token (one more cache of the same pages) counted too.
+    its K/V per token (one more cache of the same pages) counted too; or speculative
+    heads' (weight bytes, bytes per token: their K/V and the target's kept features).
     `bandwidth_gb_per_s` (GB/s, per device) for the decode roofline, None leaves it out;
     `peak_flops_per_s` adds the compute bound. `hybrid_kv_cache`: a model with both
     sliding-window and full-attention layers gives its sliding layers their own pages
@@ -354,7 +356,9 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     draft_weights = draft_per_token = 0
-    if draft is not None:
+    if isinstance(draft, tuple):  # heads: (weight bytes, K/V and feature bytes per token)
+        draft_weights, draft_per_token = draft
+    elif draft is not None:
         draft_weights = weight_bytes(draft, dtype, tp)
         draft_per_token = kv_bytes_per_token(draft, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)

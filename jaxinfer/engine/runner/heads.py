@@ -1,0 +1,238 @@
+"""Speculative heads on the target's hidden states: EAGLE-1/2, EAGLE-3 and Medusa.
+
+The target's step keeps the features the heads read (`ModelConfig.feature_layers`) in
+its feature store, the KV cache's last entry: f[pages * page_size, F], one row per KV
+slot, written for every token the target computes (prompt chunks, decode and verify
+positions alike). A `HeadRunner` reads that store from the target's runner at each
+call; it never copies it.
+
+- EAGLE (one decoder layer over [embedding of token t + 1, feature of position t]) keeps
+  its own one-layer paged KV cache over the target's page ids, as a draft model does,
+  so prefix caching and preemption move both caches' entries together (the planner
+  counts its K/V and the features per token). Two programs, compiled at warm-up for
+  every bucket they can meet: `catch_up` per mixed bucket writes the drafter's K/V of
+  positions it has not seen, from the stored features and the tokens that followed
+  them; `propose` per decode slot rung runs k drafter steps in one call, the first
+  from the target's feature of the position before the request's last token, the
+  others from the drafter's own hidden state.
+- Medusa has no cache: `propose` reads the feature of the position before the last
+  token and drafts with its k heads at once.
+
+Both return the drafts (host) and their q f32[S, K + 1, V] (device, straight into the
+target's verify step), drawn as a draft model draws (model/draft.py), so rejection
+sampling stays exact whatever the heads propose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxinfer.config.heads import HeadConfig
+from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner.compiles import CompileCounter
+from jaxinfer.engine.runner.device import tree_bytes
+from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
+from jaxinfer.model import draft as draft_model
+from jaxinfer.model import eagle, medusa, sharding
+from jaxinfer.model.attention import init_kv_cache, kv_cache_shardings
+from jaxinfer.pallas import kv_quant
+
+
+class HeadRunner:
+    """A head's params and programs beside the target's runner (`target`: its params'
+    embedding and LM head are shared, its feature store read)."""
+
+    def __init__(self, head: HeadConfig, params: dict, target: object, *, mesh: Mesh,
+                 num_pages: int, page_size: int, max_model_len: int, buckets: BucketSet,
+                 num_positions: int, vocab_size: int, kv_dtype: str = "float32",
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 attention_impl: str | None = None) -> None:
+        if head.layer is not None:
+            head = dataclasses.replace(head, layer=dataclasses.replace(
+                head.layer, attention_impl=attention_impl or head.layer.attention_impl))
+        self.head, self.target, self.mesh, self.buckets = head, target, mesh, buckets
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.pages_per_seq = -(-max_model_len // page_size)
+        self.num_positions = num_positions  # K + 1
+        self.eos_token_ids = eos_token_ids
+        self.whole = sharding.replicated(mesh)
+        self.params = jax.device_put(params, self.whole)
+        self.kv_cache = None
+        if self.has_cache:  # split by KV head over the model axis, as the target's pages
+            shards = mesh.shape[sharding.MODEL_AXIS]
+            if head.layer.num_kv_heads % shards:
+                raise ValueError(f"the {head.method} head's num_key_value_heads="
+                                 f"{head.layer.num_kv_heads} must be divisible by "
+                                 f"tensor_parallel_size={shards}")
+            make = functools.partial(init_kv_cache, head.layer, num_pages=num_pages,
+                                     page_size=page_size, shards=shards,
+                                     dtype=kv_quant.storage_dtype(kv_dtype))
+            self.kv_cache = jax.jit(make, out_shardings=kv_cache_shardings(
+                mesh, jax.eval_shape(make)))()[0]
+        self._jit(vocab_size)
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self.seconds = 0.0  # spent in catch_up and propose
+        self.compiles = CompileCounter()
+
+    @property
+    def has_cache(self) -> bool:
+        """Whether the head keeps K/V (EAGLE) and so catches up over skipped tokens."""
+        return self.head.method != "medusa"
+
+    def _jit(self, vocab_size: int) -> None:
+        common = dict(cfg=self.head, page_size=self.page_size,
+                      num_positions=self.num_positions, vocab_size=vocab_size)
+        if self.has_cache:
+            self._prefill = jax.jit(functools.partial(eagle.prefill, cfg=self.head),
+                                    donate_argnums=(2,))
+            self._propose = jax.jit(functools.partial(eagle.propose, **common),
+                                    donate_argnums=(2,))
+        else:  # Medusa reads nothing of the target's params: `shared` goes unused
+            self._propose = jax.jit(lambda params, shared, store, inputs: medusa.propose(
+                params, store, inputs, **common))
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.params)
+
+    def _shared(self) -> dict:
+        """The target's embedding (and untied LM head) the head reads, as they are."""
+        params = self.target.params
+        return {k: params[k] for k in ("embed", "lm_head") if k in params}
+
+    def _store(self) -> jax.Array:
+        return self.target.kv_cache[-1]
+
+    def warm_up(self) -> int:
+        """Compile every program now; returns how many."""
+        buckets = (self.prefill_buckets() if self.has_cache else []) + self.buckets.decode()
+        for bucket in buckets:
+            self._compile(bucket)
+        return len(buckets)
+
+    def prefill_buckets(self) -> list[Bucket]:
+        return [Bucket(t, self.buckets.max_num_seqs) for t in self.buckets.tokens]
+
+    def _compile(self, bucket: Bucket) -> jax.stages.Compiled:
+        if bucket not in self._compiled:
+            shared, store = _specs(self._shared()), _specs(self._store())
+            with jax.set_mesh(self.mesh):
+                if bucket.decode:
+                    spec = _specs(self._propose_inputs([], bucket, 1))
+                    lowered = self._propose.lower(self.params, shared, *self._cache_arg(),
+                                                  store, spec)
+                else:
+                    token_ids, md = build_metadata(
+                        [], page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                    lowered = self._prefill.lower(self.params, shared, self.kv_cache, store,
+                                                  *_specs((token_ids, md)))
+            self._compiled[bucket] = lowered.compile()
+        return self._compiled[bucket]
+
+    def _cache_arg(self) -> tuple:
+        return (self.kv_cache,) if self.has_cache else ()
+
+    def catch_up(self, segments: Sequence[tuple[Request, int]]) -> None:
+        """EAGLE: write the drafter's K/V of each request's positions from `done` up to,
+        not including, the one before its last token (the first proposal step's), each
+        fed the token that followed it, in calls of at most the token budget and slots."""
+        started = time.perf_counter()
+        budget, slots = self.buckets.tokens[-1], self.buckets.max_num_seqs
+        pending: list[Chunk] = []
+        used = 0
+        for request, done in segments:
+            tokens, end = request.all_token_ids, request.num_tokens - 2
+            while done < end:
+                if used == budget or len(pending) == slots:
+                    self._prefill_call(pending, used)
+                    pending, used = [], 0
+                count = min(end - done, budget - used)
+                pending.append(Chunk(tokens[done + 1:done + 1 + count], done,
+                                     request.page_ids, 0))
+                done, used = done + count, used + count
+        if pending:
+            self._prefill_call(pending, used)
+        self.seconds += time.perf_counter() - started
+
+    def _prefill_call(self, chunks: list[Chunk], num_tokens: int) -> None:
+        bucket = self.buckets.pick(num_tokens, len(chunks))
+        token_ids, md = build_metadata(chunks, page_size=self.page_size,
+                                       pages_per_seq=self.pages_per_seq,
+                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+        self.kv_cache = self._compile(bucket)(self.params, self._shared(), self.kv_cache,
+                                              self._store(), token_ids, md)
+
+    def propose(self, requests: Sequence[Request], num_drafts: int
+                ) -> tuple[np.ndarray, jax.Array]:
+        """`num_drafts` (k) drafts after each request's last token: returns (i32[n, K + 1]
+        drafts, host; f32[S, K + 1, V] their q, device), S the decode slot rung of n
+        requests. EAGLE: each request's drafter K/V must cover all positions before the
+        one preceding its last token."""
+        if not 1 <= num_drafts < self.num_positions:
+            raise ValueError(f"{num_drafts=} must be in [1, {self.num_positions - 1}]")
+        started = time.perf_counter()
+        bucket = self.buckets.pick(len(requests), len(requests), decode=True)
+        inputs = self._propose_inputs(requests, bucket, num_drafts)
+        tokens, probs = self._run_propose(self._compile(bucket), inputs)
+        drafts = np.asarray(tokens)[:len(requests)]
+        self.seconds += time.perf_counter() - started
+        return drafts, probs
+
+    def _run_propose(self, compiled: jax.stages.Compiled, inputs: draft_model.DraftInputs
+                     ) -> tuple[jax.Array, jax.Array]:
+        out = compiled(self.params, self._shared(), *self._cache_arg(), self._store(), inputs)
+        if self.has_cache:
+            self.kv_cache, *out = out
+        return tuple(out)
+
+    def time_propose(self, slots: int, num_steps: int, repeats: int = 5) -> float:
+        """Seconds of a proposal of `num_steps - 1` drafts (at least 1) over `slots` empty
+        slots, the median of `repeats`: the policy counts a proposal of k drafts as k + 1
+        steps, as a draft model's."""
+        bucket = self.buckets.pick(slots, slots, decode=True)
+        compiled = self._compile(bucket)
+        inputs = self._propose_inputs([], bucket, max(num_steps - 1, 1))
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            tokens, _ = self._run_propose(compiled, inputs)
+            np.asarray(tokens)
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
+    def _propose_inputs(self, requests: Sequence[Request], bucket: Bucket,
+                        num_drafts: int) -> draft_model.DraftInputs:
+        """Slot s: the request's last token, at the position before it (whose feature
+        starts the proposal), its page table and sampling settings."""
+        slots = bucket.num_slots
+        token_ids = np.zeros(bucket.num_tokens, np.int32)
+        positions = np.zeros(slots, np.int32)
+        page_indices = np.zeros((slots, self.pages_per_seq), np.int32)
+        for i, request in enumerate(requests):
+            token_ids[i] = request.all_token_ids[-1]
+            positions[i] = request.num_tokens - 2
+            page_indices[i, :len(request.page_ids)] = request.page_ids
+        rows = [SampleRow(r, r.all_token_ids) for r in requests]
+        sampling = sampling_inputs(rows, num_rows=slots, history_width=self.max_model_len,
+                                   eos_token_ids=self.eos_token_ids)
+        return draft_model.DraftInputs(
+            token_ids=token_ids, positions=positions, page_indices=page_indices,
+            num_seqs=np.array([len(requests)], np.int32), sampling=sampling,
+            num_steps=np.array(num_drafts, np.int32))
+
+
+def _specs(tree: object) -> object:
+    """ShapeDtypeStructs of arrays (keeping a device array's sharding) or host values."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype,
+        sharding=getattr(x, "sharding", None)), tree)
