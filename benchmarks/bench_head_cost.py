@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -87,8 +88,11 @@ def main(argv: list[str]) -> None:
     runner = _target(cfg, head_probe.feature_layers, buckets, num_pages)
     _, eagle3 = _heads("eagle3", cfg, runner, buckets, num_pages,
                        draft_vocab_size=FLAGS.draft_vocab_size)
-    medusa = FLAGS.medusa and _heads("medusa", cfg, runner, buckets, num_pages,
-                                     num_heads=FLAGS.k)[1]
+    # Medusa reads the final normed hidden state: a store of that width beside the target
+    store = jnp.zeros((num_pages * PAGE_SIZE, cfg.hidden_size), runner.kv_cache[-1].dtype)
+    medusa = FLAGS.medusa and _heads("medusa", cfg, types.SimpleNamespace(
+        params=runner.params, kv_cache=[store], mesh=runner.mesh), buckets, num_pages,
+        num_heads=FLAGS.k)[1]
     for s, row in rows.items():
         decode, verify = buckets.pick(s, s, decode=True), buckets.pick(
             s * (FLAGS.k + 1), s, verify=True)

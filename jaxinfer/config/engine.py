@@ -97,8 +97,6 @@ class SpeculativeConfig:
             value = value | {"method": infer_method(value["model"])}
             if value["method"] == "ngram":
                 value.pop("model")
-            if value["method"] == "ngram":
-                value.pop("model")
         missing = sorted(k for k in ("method", "num_speculative_tokens") if k not in value)
         if missing:
             raise ValueError(f"speculative_config lacks {missing}")
