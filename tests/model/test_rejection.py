@@ -4,7 +4,9 @@ acceptance rules, and greedy verification equal to the argmax.
 
 The "model" is a bigram language model over 12 tokens (next-token logits given the
 previous token): the target's table and a draft's, which differs from it, so drafts
-are rejected often. Each sample drafts two tokens from the draft model as
+are rejected often. Three proposers' kinds of q: a draft model's (EAGLE-1's is the same
+kind), EAGLE-3's (zero outside its reduced draft vocabulary, so the residual must supply
+those tokens) and Medusa's (the second draft's q does not depend on the first draft). Each sample drafts two tokens from the draft model as
 `model/draft.py` draws them (the draft's stream, the request's settings), verifies
 them with `rejection.verify` at three positions (two drafts and the bonus), keeps what
 the host keeps (`ScheduledChunk.accepted`: the accepted drafts and the target's token
@@ -54,14 +56,27 @@ def _inputs(rows, counters, *, temperature, top_p, seed_offset=0):
         stop_ids=np.full((rows, 1), -1, np.int32), logprobs=np.zeros(rows, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def _speculative_pairs(target, draft_table, *, temperature, top_p):
+def _draft_logits(draft_table, previous, proposer):
+    """The proposer's logits for the next draft after token(s) `previous`: a draft model's
+    (and EAGLE-1's) bigram row; EAGLE-3's over a reduced draft vocabulary (its d2t map
+    covers half the ids: the rest are -inf, q = 0 there); Medusa's head rows, which do
+    not see the draft before them (each head reads the same hidden state)."""
+    if proposer == "medusa":
+        return jnp.broadcast_to(draft_table[(CONTEXT + 1) % VOCAB], previous.shape + (VOCAB,))
+    logits = draft_table[previous]
+    if proposer == "eagle3":
+        logits = jnp.where(jnp.arange(VOCAB) % 2 == 0, logits, -jnp.inf)
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "proposer"))
+def _speculative_pairs(target, draft_table, *, temperature, top_p, proposer="draft_model"):
     """i32[N, 2]: (t0, t1) of N speculative steps, as the engine emits them."""
     n = SAMPLES
     settings = dict(temperature=temperature, top_p=top_p)
-    x0, q0 = draft._draw(jnp.broadcast_to(draft_table[CONTEXT], (n, VOCAB)),
-                         _inputs(n, 0, **settings))
-    x1, q1 = draft._draw(draft_table[x0], _inputs(n, 1, **settings))
+    first = _draft_logits(draft_table, jnp.full((n,), CONTEXT), proposer)
+    x0, q0 = draft._draw(first, _inputs(n, 0, **settings))
+    x1, q1 = draft._draw(_draft_logits(draft_table, x0, proposer), _inputs(n, 1, **settings))
     logits = jnp.stack([jnp.broadcast_to(target[CONTEXT], (n, VOCAB)), target[x0],
                         target[x1]], axis=1).reshape(3 * n, VOCAB)
     proposed = jnp.stack([x0, x1, jnp.full_like(x0, -1)], axis=1).reshape(-1)
@@ -111,14 +126,16 @@ def _pair_counts(pairs):
     return counts
 
 
+@pytest.mark.parametrize("proposer", ["draft_model", "eagle3", "medusa"])
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_speculative_tokens_follow_the_target_distribution(top_p):
+def test_speculative_tokens_follow_the_target_distribution(top_p, proposer):
     target, draft_table = _tables()
-    pairs = np.asarray(_speculative_pairs(target, draft_table, temperature=1.0, top_p=top_p))
+    pairs = np.asarray(_speculative_pairs(target, draft_table, temperature=1.0, top_p=top_p,
+                                          proposer=proposer))
     expected = _expected(target, temperature=1.0, top_p=top_p)
     statistic, critical = _chi_square(_pair_counts(pairs), expected)
     assert statistic < critical, (statistic, critical)
-    drafted = draft._draw(jnp.broadcast_to(draft_table[CONTEXT], (SAMPLES, VOCAB)),
+    drafted = draft._draw(_draft_logits(draft_table, jnp.full((SAMPLES,), CONTEXT), proposer),
                           _inputs(SAMPLES, 0, temperature=1.0, top_p=top_p))[0]
     assert np.mean(pairs[:, 0] != np.asarray(drafted)) > 0.1  # residual draws happened
     # The plain sampler's own draws pass the same kind of test (the statistic is sound).
@@ -147,13 +164,14 @@ def _accept_with_p(p, q, proposed_ids, plain, u_accept, u_residual):
     return jnp.where(proposed_ids < 0, plain, jnp.where(u_accept < px, x, resampled))
 
 
+@pytest.mark.parametrize("proposer", ["draft_model", "eagle3", "medusa"])
 @pytest.mark.parametrize("wrong", [_residual_is_p, _accept_with_p])
-def test_wrong_acceptance_rules_fail_the_same_test(monkeypatch, wrong):
+def test_wrong_acceptance_rules_fail_the_same_test(monkeypatch, wrong, proposer):
     monkeypatch.setattr(rejection, "rejection_tokens", wrong)
     target, draft_table = _tables()
     # Run op by op: a jitted call could reuse the trace made with the right rule.
     pairs = np.asarray(_speculative_pairs.__wrapped__(target, draft_table, temperature=1.0,
-                                                      top_p=1.0))
+                                                      top_p=1.0, proposer=proposer))
     statistic, critical = _chi_square(_pair_counts(pairs),
                                       _expected(target, temperature=1.0, top_p=1.0))
     assert statistic > 2 * critical, (statistic, critical)
