@@ -91,10 +91,15 @@ def _quantized_head() -> bool:
 
 
 def _draft_config(settings: EngineConfig) -> object | None:
-    """The draft model's ModelConfig when --speculative_config names one, else None."""
+    """What --speculative_config adds to the plan: a draft model's ModelConfig, heads'
+    (weight bytes, bytes per token) from their config.json, else None."""
     spec = settings.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method == "ngram":
         return None
+    if spec.method != "draft_model":
+        from jaxinfer.engine import spec_loading
+
+        return spec_loading.head_plan(spec.model, _model_config(), settings)
     from jaxinfer import checkpoint
 
     return checkpoint.load_config(spec.model)

@@ -18,11 +18,13 @@ import dataclasses
 import pathlib
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import checkpoint
 from jaxinfer.checkpoint import heads as heads_checkpoint
+from jaxinfer.checkpoint.head_layouts import published_layout
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.config.heads import HEAD_METHODS, HeadConfig
+from jaxinfer.config.heads import HEAD_METHODS, HeadConfig, head_config
 from jaxinfer.engine.buckets import BucketSet
 from jaxinfer.engine.proposer import DraftProposer, HeadProposer, NgramProposer
 from jaxinfer.engine.runner.device import tree_bytes
@@ -32,7 +34,7 @@ from jaxinfer.engine.speculation import Speculation
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import feature_dtype
 from jaxinfer.sizing import planner
-from jaxinfer.text.tokenizer import Tokenizer
+from jaxinfer.text.tokenizer import Tokenizer, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +63,30 @@ class SpecParts:
         (weight bytes, bytes per token: their K/V and the features kept)."""
         if self.head is None:
             return self.served_draft
-        per_token = target.feature_size * jnp.dtype(feature_dtype(config.kv_dtype)).itemsize
-        if self.head.layer is not None:
-            per_token += planner.kv_bytes_per_token(self.head.layer, config.kv_dtype)
-        return tree_bytes(self.head_params), per_token
+        return tree_bytes(self.head_params), head_bytes_per_token(self.head, config)
+
+
+def head_bytes_per_token(head: HeadConfig, config: EngineConfig) -> int:
+    """What heads add to each token's pages: the target's kept features, and an EAGLE
+    layer's K/V."""
+    per_token = head.feature_size * jnp.dtype(feature_dtype(config.kv_dtype)).itemsize
+    if head.layer is not None:
+        per_token += planner.kv_bytes_per_token(head.layer, config.kv_dtype)
+    return per_token
+
+
+def head_plan(model_dir: str, target: ModelConfig, config: EngineConfig) -> tuple[int, int]:
+    """(weight bytes, bytes per token) of the heads in `model_dir` from their config.json
+    and published layout alone (the `plan` command reads no weights)."""
+    root = pathlib.Path(model_dir)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"speculative_config model={model_dir!r}: no config.json")
+    head = head_config(read_json(root / "config.json"), target,
+                       config.speculative_config.method)
+    itemsize = jnp.dtype(config.dtype).itemsize
+    weights = sum(int(np.prod(spec.shapes[0])) * itemsize
+                  for spec in published_layout(head).values() if spec.required)
+    return weights, head_bytes_per_token(head, config)
 
 
 def prepare(root: pathlib.Path, target: ModelConfig, config: EngineConfig, max_len: int

@@ -19,6 +19,7 @@ import pytest
 from jaxinfer import checkpoint
 from jaxinfer.checkpoint import heads as heads_checkpoint
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine import spec_loading
 from jaxinfer.engine.engine import Engine
 from tests.engine.test_speculative_engine import (
     DEMO,
@@ -96,6 +97,9 @@ def test_the_planner_counts_the_heads_bytes(hf_model_dirs, head_dirs):
     assert heads.memory_plan.draft_kv_bytes_per_token == features + layer_kv
     assert heads.memory_plan.draft_weight_bytes > 0
     assert plain.memory_plan.draft_kv_bytes_per_token == 0
+    # the `plan` command's count from config.json and the published layout, no weights read
+    assert spec_loading.head_plan(str(head_dirs["eagle3"]), target, heads.config) == (
+        heads.memory_plan.draft_weight_bytes, features + layer_kv)
 
 
 def test_a_head_that_does_not_fit_the_target_is_refused(hf_model_dirs, tmp_path):

@@ -3,17 +3,18 @@
 acceptance rules, and greedy verification equal to the argmax.
 
 The "model" is a bigram language model over 12 tokens (next-token logits given the
-previous token): the target's table and a draft's, which differs from it, so drafts
-are rejected often. Three proposers' kinds of q: a draft model's (EAGLE-1's is the same
+previous token): the target's table and a draft's, which differs from it, so drafts are
+rejected often. Three proposers' kinds of q: a draft model's (EAGLE-1's is the same
 kind), EAGLE-3's (zero outside its reduced draft vocabulary, so the residual must supply
-those tokens) and Medusa's (the second draft's q does not depend on the first draft). Each sample drafts two tokens from the draft model as
-`model/draft.py` draws them (the draft's stream, the request's settings), verifies
-them with `rejection.verify` at three positions (two drafts and the bonus), keeps what
-the host keeps (`ScheduledChunk.accepted`: the accepted drafts and the target's token
-after them) and, where the first draft was rejected, draws the second token as the
-next plain step would. The pair (t0, t1) must follow p(t0) p(t1 | t0), p being the
-plain sampler's distribution under the same settings (temperature 1, and with top-p
-0.9). Seeds are fixed, so the test is deterministic.
+those tokens) and Medusa's (the second draft's q does not depend on the first draft).
+Each sample drafts two tokens from the draft model as `model/draft.py` draws them (the
+draft's stream, the request's settings), verifies them with `rejection.verify` at three
+positions (two drafts and the bonus), keeps what the host keeps
+(`ScheduledChunk.accepted`: the accepted drafts and the target's token after them) and,
+where the first draft was rejected, draws the second token as the next plain step would.
+The pair (t0, t1) must follow p(t0) p(t1 | t0), p being the plain sampler's distribution
+under the same settings (temperature 1, and with top-p 0.9). Seeds are fixed, so the
+test is deterministic.
 """
 
 from __future__ import annotations
