@@ -23,24 +23,23 @@ Params = dict
 def head_logits(params: Params, features: jax.Array, *, cfg: HeadConfig,
                 vocab_size: int) -> jax.Array:
     """f32[R, H, vocab_size]: every head's logits of features f[R, D] (the target's
-    final normed hidden states); ids outside a truncated vocabulary are -inf."""
+    final normed hidden states); ids outside a truncated vocabulary are -inf. A loop
+    over the heads of [R, D] matmuls: XLA:CPU has no bfloat16 dot with a batch axis
+    (DotThunk refuses BF16 x BF16 = F32), and a head's matmuls are its own anyway."""
     rows = features.shape[0]
-    w = params["blocks_w"]
-    min_rows = layers.min_matmul_rows(w.dtype)
+    min_rows = layers.min_matmul_rows(params["blocks_w"].dtype)
     x = features.astype(jnp.float32)
     if rows < min_rows:  # see layers.min_matmul_rows
         x = jnp.pad(x, ((0, min_rows - rows), (0, 0)))
-    x = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.num_heads, x.shape[1]))
-    for j in range(cfg.num_layers):
-        y = jnp.einsum("rhd,hde->rhe", x.astype(w.dtype), w[:, j],
-                       preferred_element_type=jnp.float32)
-        if "blocks_b" in params:
-            y = y + params["blocks_b"][:, j].astype(jnp.float32)
-        x = x + jax.nn.silu(y)
     lm = params["lm_heads"]
-    spec = "rhd,dv->rhv" if lm.shape[0] == 1 else "rhd,hdv->rhv"
-    out = jnp.einsum(spec, x.astype(lm.dtype), lm[0] if lm.shape[0] == 1 else lm,
-                     preferred_element_type=jnp.float32)[:rows]
+    out = []
+    for h in range(cfg.num_heads):
+        y = x
+        for j in range(cfg.num_layers):
+            bias = params["blocks_b"][h, j] if "blocks_b" in params else None
+            y = y + jax.nn.silu(layers.linear(y, params["blocks_w"][h, j], bias))
+        out.append(layers.linear(y, lm[0 if lm.shape[0] == 1 else h])[:rows])
+    out = jnp.stack(out, axis=1)  # [R, H, V']
     if "token_map" in params:
         full = jnp.full((rows, cfg.num_heads, cfg.vocab_size), -jnp.inf, jnp.float32)
         out = full.at[:, :, params["token_map"]].set(out)

@@ -131,7 +131,8 @@ def test_demo_heads_greedy_equal_plain_engine_and_agree(method):
     if not path.is_dir():
         pytest.skip(f"{path} not trained")
     prompts = [p for p in _demo_prompts() if len(p) > 4]
-    settings = dict(SMALL, max_model_len=96, max_num_batched_tokens=64)
+    # bfloat16, as the demo model and heads are stored and benchmarked
+    settings = dict(SMALL, max_model_len=96, max_num_batched_tokens=64, dtype="bfloat16")
     plain = _greedy(Engine(DEMO, EngineConfig(**settings)), prompts, [32] * len(prompts))
     spec = {"model": str(path), "num_speculative_tokens": 3, "adaptive": False}
     engine = Engine(DEMO, EngineConfig(**settings, speculative_config=spec))
