@@ -10,6 +10,7 @@ here so the trainer (tools/train_demo.py), the default calibration set of
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sysconfig
 import zlib
@@ -19,8 +20,11 @@ MAX_FILE_BYTES = 500_000
 
 
 def stdlib_root() -> pathlib.Path:
-    """Where this interpreter's standard library lives."""
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+    """Where this interpreter's standard library lives, or $JAXINFER_CORPUS_DIR: another
+    Python's library carried to a machine (a lent GPU's Python is not 3.11.7, and the
+    split and the demo models' training follow 3.11.7's files)."""
+    return pathlib.Path(os.environ.get("JAXINFER_CORPUS_DIR")
+                        or sysconfig.get_paths()["stdlib"])
 
 
 def corpus_files(root: pathlib.Path | str | None = None
