@@ -65,6 +65,10 @@ class HeadRunner:
         self.num_positions = num_positions  # K + 1
         self.eos_token_ids = eos_token_ids
         self.whole = sharding.replicated(mesh)
+        if jax.default_backend() == "cpu":  # XLA:CPU's DotThunk has no bf16 x bf16 -> f32
+            params = jax.tree.map(  # dot for some of the drafter loop's shapes
+                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                else x, params)
         self.params = jax.device_put(params, self.whole)
         self.kv_cache = None
         if self.has_cache:  # split by KV head over the model axis, as the target's pages
