@@ -22,7 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers, sharding
-from jaxinfer.pallas import kv_layout, kv_quant, ragged_paged_attention, reference
+from jaxinfer.pallas import (
+    kv_layout,
+    kv_quant,
+    ragged_paged_attention,
+    reference,
+    resolve_impl,
+)
 
 KV_PAGES_SPEC = P(None, None, sharding.MODEL_AXIS, None, None)  # split by KV head (words)
 KV_SCALES_SPEC = P(None, None, sharding.MODEL_AXIS)  # split by KV head, like the pages
@@ -193,7 +199,10 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
                                                        v, md.slot_mapping)
         query_dtype = jnp.float32
     else:
-        pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping)
+        compiled_tpu = (resolve_impl(cfg.attention_impl) == "tpu"
+                        and not cfg.attention_interpret)
+        pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping,
+                                         word_rows=compiled_tpu)
         stored_bits = pages.dtype == reference.BF16_STORAGE
         query_dtype = jnp.float32 if stored_bits else pages.dtype
     out = ragged_paged_attention(

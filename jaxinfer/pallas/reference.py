@@ -57,10 +57,13 @@ def write_kv_pages(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    word_rows: bool = False,
 ) -> jax.Array:
     """Scatter this step's K/V into their page slots, K/V interleaved on heads (padded
-    combined heads written as zeros)."""
-    page_size = kv_pages.shape[1]
+    combined heads written as zeros). `word_rows` (the compiled TPU kernel's path): the
+    same write as rows of the [P * K * W, packing, L] view, which libtpu keeps in the
+    kernel's layout where it picks the pages' own, in loops (docs/aot.md)."""
+    page_size, words = kv_pages.shape[1], kv_pages.shape[2]
     tokens, num_kv_heads, head_dim = new_k.shape
     new_k = _quantize(new_k, k_scale, kv_pages.dtype)
     new_v = _quantize(new_v, v_scale, kv_pages.dtype)
@@ -69,8 +72,12 @@ def write_kv_pages(
     kv = jnp.pad(kv, ((0, 0), (0, padding), (0, 0)))
     if kv_pages.dtype == BF16_STORAGE:
         kv = jax.lax.bitcast_convert_type(kv, BF16_STORAGE)
-    return kv_pages.at[slot_mapping // page_size, slot_mapping % page_size].set(
-        kv.reshape(tokens, *kv_pages.shape[2:]), mode="drop")
+    if not word_rows:
+        return kv_pages.at[slot_mapping // page_size, slot_mapping % page_size].set(
+            kv.reshape(tokens, *kv_pages.shape[2:]), mode="drop")
+    rows = (slot_mapping[:, None] * words + jnp.arange(words, dtype=jnp.int32)).reshape(-1)
+    return kv_pages.reshape(-1, *kv_pages.shape[3:]).at[rows].set(
+        kv.reshape(tokens * words, *kv_pages.shape[3:]), mode="drop").reshape(kv_pages.shape)
 
 
 def _quantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Array:

@@ -96,6 +96,22 @@ def test_write_kv_pages_quantizes_with_scale_and_zeroes_padded_heads():
     assert int((out == 7).sum()) == out.size - 32  # nothing else written
 
 
+@pytest.mark.parametrize("dtype, shape, num_kv_heads", [
+    (jnp.float32, (5, 4, 6, 1, 8), 3), (jnp.bfloat16, (5, 4, 2, 2, 8), 2),
+    (reference.BF16_STORAGE, (5, 4, 3, 2, 8), 3), (jnp.int8, (5, 4, 1, 4, 8), 1)])
+def test_write_kv_pages_word_rows_is_the_same_write(dtype, shape, num_kv_heads):
+    """The compiled TPU kernel's path (rows of the [P * K * W, packing, L] view) writes
+    exactly what the 5-D scatter writes, padded heads and dropped slots included."""
+    pages = jax.random.randint(jax.random.key(0), shape, 0, 100).astype(dtype)
+    k = jax.random.normal(jax.random.key(1), (4, num_kv_heads, 8))
+    slots = jnp.array([9, 2, 0, 5 * 4])  # the last past the pool: dropped
+    scales = {"k_scale": 0.02, "v_scale": 0.03} if dtype == jnp.int8 else {}
+    want = reference.write_kv_pages(pages, k, -k, slots, **scales)
+    got = reference.write_kv_pages(pages, k, -k, slots, **scales, word_rows=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("name", ["mixed", "decode_only", "page_boundary"])
 def test_reference_bf16_bits_in_uint16_pages_equal_bf16_pages(name):
     q, kv, *meta = make_case(SCENARIOS[name], kv_dtype=jnp.bfloat16)
