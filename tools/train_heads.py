@@ -56,7 +56,7 @@ flags.DEFINE_string("target", "checkpoints/demo", "the target model's directory"
 flags.DEFINE_string("out", "checkpoints", "where demo-<method>/ directories go")
 flags.DEFINE_string("prefix", "demo-", "output directory name: prefix + method")
 flags.DEFINE_list("methods", ["eagle3", "medusa", "eagle"], "heads to train")
-flags.DEFINE_integer("gen_prompts", 1280, "training prompts the target continues (half "
+flags.DEFINE_integer("gen_prompts", 1024, "training prompts the target continues (half "
                      "greedy, half sampled at --gen_temperature)")
 flags.DEFINE_float("gen_temperature", 0.8, "temperature of the sampled continuations")
 flags.DEFINE_integer("windows", 384, "plain training-file windows")
@@ -64,8 +64,8 @@ flags.DEFINE_integer("prompt_tokens", 192, "prompt length (bench_spec's)")
 flags.DEFINE_integer("output_tokens", 128, "continuation length (bench_spec's)")
 flags.DEFINE_integer("batch", 8, "sequences per eagle/eagle3 training step")
 flags.DEFINE_integer("medusa_rows", 4096, "positions per medusa training step")
-flags.DEFINE_integer("eagle3_steps", 600, "optimizer steps for eagle3")
-flags.DEFINE_integer("medusa_steps", 300, "optimizer steps for medusa")
+flags.DEFINE_integer("eagle3_steps", 450, "optimizer steps for eagle3")
+flags.DEFINE_integer("medusa_steps", 250, "optimizer steps for medusa")
 flags.DEFINE_integer("eagle_steps", 250, "optimizer steps for eagle")
 flags.DEFINE_float("lr", 2e-3, "peak learning rate (warm-up, cosine decay to a tenth)")
 flags.DEFINE_integer("ttt_steps", 3, "unrolled drafting steps in the eagle losses")
@@ -75,7 +75,7 @@ flags.DEFINE_integer("medusa_vocab", 2048, "medusa's truncated vocabulary (likew
 flags.DEFINE_list("eagle3_layers", ["2", "4", "6"], "target streams eagle3 reads "
                   "(entry i: the stream entering layer i; 6: after the last)")
 flags.DEFINE_integer("medusa_heads", 4, "Medusa heads")
-flags.DEFINE_enum("init", "random", ["identity", "random"], "eagle/eagle3's start "
+flags.DEFINE_enum("init", "identity", ["identity", "random"], "eagle/eagle3's start "
                   "(see init_head)")
 flags.DEFINE_integer("eval_prompts", 64, "held-out prompts for the acceptance figures")
 flags.DEFINE_integer("eval_k", 4, "drafts per verify step in the acceptance figures")
