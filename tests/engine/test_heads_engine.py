@@ -69,7 +69,8 @@ def _engine(target, spec, pages=20, **settings):
                                        kv_cache_memory_bytes=budget))
 
 
-@pytest.mark.parametrize("method", list(SAVERS))
+@pytest.mark.parametrize("method", ["eagle3", "medusa",
+                                    pytest.param("eagle", marks=pytest.mark.slow)])
 def test_heads_greedy_equals_plain_engine(hf_model_dirs, head_dirs, plain_tokens, method):
     spec = {"model": str(head_dirs[method]), "num_speculative_tokens": 3,
             "adaptive": False}  # no "method": inferred from config.json, as vLLM does
@@ -125,6 +126,7 @@ def test_a_head_that_does_not_fit_the_target_is_refused(hf_model_dirs, tmp_path)
             warm_up=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
 def test_demo_heads_greedy_equal_plain_engine_and_agree(method):
     path = ROOT / "checkpoints" / f"demo-{method}"
