@@ -24,7 +24,7 @@ chain of `--eval_k` drafts from the true prefix, stepping by accepted + 1; greed
 (drafts accepted until the first mismatch) and sampled at `--eval_temperature`
 (draft j accepted with probability sum_x min(p, q), drawn with a fixed seed).
 
-    python tools/train_heads.py                     # all three, ~30 min on 2 CPU cores
+    python tools/train_heads.py                     # all three: 30-50 min on 2 CPU cores
     python tools/train_heads.py --methods=eagle3 --gen_prompts=128 --windows=128 \\
         --eagle3_steps=150 --eval_prompts=16        # a quick run, a few minutes
 """
