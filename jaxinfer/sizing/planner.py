@@ -2,13 +2,13 @@
 
 `plan()` takes a model config, the weight and KV dtypes, the context length, a
 tensor-parallel degree and a per-device budget (bytes for the KV cache, or for
-weights plus KV) and returns a `MemoryPlan`: weight bytes and KV bytes per token on
-one device, the pages that fit (page 0 is the trash page), concurrent requests at full
-context, and the decode roofline (tokens/s bounded by each device reading its weights
-once plus its share of each request's KV per step at a given memory bandwidth, and by
-its FLOPs at a given peak; left out when no bandwidth is given). The engine sizes its
-page pool with it (through loading.py), so the plan and the allocation agree to the
-byte. `python -m jaxinfer plan` prints it.
+weights plus KV) and returns a `MemoryPlan` (memory_plan.py): weight bytes and KV
+bytes per token on one device, the pages that fit (page 0 is the trash page),
+concurrent requests at full context, and the decode roofline (tokens/s bounded by each
+device reading its weights once plus its share of each request's KV per step at a
+given memory bandwidth, and by its FLOPs at a given peak; left out when no bandwidth is
+given). The engine sizes its page pool with it (through loading.py), so the plan and
+the allocation agree to the byte. `python -m jaxinfer plan` prints it.
 
 Tensor parallelism over `tp` devices (Megatron style): q/k/v/o and gate/up/down are
 split 1/tp by heads and MLP columns, the embedding and LM head along the vocabulary
@@ -20,7 +20,6 @@ the roofline is a bound.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -32,157 +31,10 @@ from jaxinfer.model import sharding
 from jaxinfer.model.params_table import EXPERTS, LAYER, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
 from jaxinfer.pallas import kv_layout, kv_quant
-from jaxinfer.sizing.page_groups import hybrid_summary, one_request_bytes, page_groups
+from jaxinfer.sizing.memory_plan import GB, MemoryPlan
+from jaxinfer.sizing.page_groups import one_request_bytes, page_groups
 
-GB = 1e9
 EXPERT_WEIGHTS = EXPERTS
-ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryPlan:
-    """Bytes and counts of one engine configuration on one device (`summary()` adds GB,
-    rates and costs). Every `*_bytes` is per device; at tensor_parallel_size=1 per device
-    is the whole model."""
-
-    weight_bytes: int  # on one device
-    kv_bytes_per_token: int  # K and V of one token over all layers, on one device
-    page_size: int
-    page_bytes: int
-    num_pages: int  # in the pool, the trash page included
-    kv_cache_bytes: int  # num_pages * page_bytes: what the engine allocates
-    max_model_len: int
-    pages_per_request: int  # at max_model_len
-    max_concurrent_requests: int  # at full context, every one at max_model_len
-    max_num_seqs: int
-    bandwidth_gb_per_s: float | None  # None: unknown, no roofline
-    tensor_parallel_size: int = 1
-    replicas: int = 1  # copies of the tensor-parallel group on the devices planned for
-    unsharded_weight_bytes: int | None = None  # the whole model; None: weight_bytes
-    matmul_flops_per_token: int = 0  # on one device, decode
-    attention_flops_per_context_token: int = 0  # per new token and cached token, one device
-    peak_flops_per_s: float | None = None  # None: the roofline counts bytes only
-    # Speculative decoding with a draft model: its weights, and its K/V per token in its
-    # own cache of num_pages pages (page_bytes and kv_cache_bytes count both caches).
-    draft_weight_bytes: int = 0
-    draft_kv_bytes_per_token: int = 0
-    batch_state_bytes: int = 0  # the per-slot rows kept on the device (batch_state_bytes)
-    # Mixture of experts: the stacked experts' bytes on one device (within weight_bytes),
-    # and the routing that sets how many of them a decode step reads.
-    expert_weight_bytes: int = 0
-    num_experts: int = 0
-    experts_per_token: int = 0
-    total_params: int = 0
-    active_params: int = 0  # per token: the dense parameters and k of the E experts
-    # The hybrid KV cache (engine/kv_groups.py): the sliding-window layers' own pages.
-    # page_bytes and num_pages are then the full-attention layers' (and a draft's);
-    # 0 pages: one group, every layer keeps every page.
-    num_sliding_pages: int = 0  # the trash page included
-    sliding_page_bytes: int = 0
-    sliding_window_pages: int = 0  # ceil(window / page_size) + 1: a decode's sliding pages
-    unified_num_pages: int = 0  # pages of every layer the bytes hold: without the hybrid
-
-    def step_weight_bytes(self, batch: int) -> float:
-        """The weight bytes a decode step of `batch` requests reads on one device: every
-        dense weight, and of the experts those some token chose, expected under uniform
-        routing: a fraction 1 - (1 - k/E)^batch of them (`expected_distinct_experts`)."""
-        if not self.num_experts:
-            return self.weight_bytes
-        hit = expected_distinct_experts(self.num_experts, self.experts_per_token, batch)
-        return self.weight_bytes - self.expert_weight_bytes * (1 - hit / self.num_experts)
-
-    def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
-        """(memory, compute) seconds of a decode step of `batch` requests at `context`
-        tokens each on one device: its bytes over the bandwidth, its FLOPs over the peak
-        (0 when the peak is unknown). None when the bandwidth is unknown."""
-        if self.bandwidth_gb_per_s is None:
-            return None
-        step_bytes = self.step_weight_bytes(batch) + batch * context * self.kv_bytes_per_token
-        flops = batch * (self.matmul_flops_per_token
-                         + context * self.attention_flops_per_context_token)
-        compute = flops / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
-        return step_bytes / (self.bandwidth_gb_per_s * GB), compute
-
-    def decode_roofline(self, batch: int, context: int) -> float | None:
-        """Tokens/s bound of every replica decoding `batch` requests at `context` tokens
-        each: the slower of the memory and the compute bound (None when the bandwidth
-        is unknown)."""
-        seconds = self.decode_seconds(batch, context)
-        return None if seconds is None else self.replicas * batch / max(seconds)
-
-    def roofline_rows(self, price_per_hour: float | None = None
-                      ) -> list[dict[str, object]] | None:
-        """The roofline at max_model_len for a few batch sizes (requests per replica), with
-        the cost per million output tokens when `price_per_hour` (all devices) is given."""
-        if self.bandwidth_gb_per_s is None:
-            return None
-        if price_per_hour is not None and price_per_hour <= 0:
-            raise ValueError(f"{price_per_hour=} must be > 0")
-        largest = max(1, min(self.max_num_seqs, self.max_concurrent_requests))
-        rows = []
-        for batch in sorted({b for b in ROOFLINE_BATCHES if b < largest} | {largest}):
-            memory_s, compute_s = self.decode_seconds(batch, self.max_model_len)
-            tokens_per_s = round(self.replicas * batch / max(memory_s, compute_s), 1)
-            cost = (None if price_per_hour is None else
-                    round(cost_per_million_tokens(price_per_hour, tokens_per_s), 4))
-            rows.append({"batch": batch, "context": self.max_model_len,
-                         "step_ms": round(max(memory_s, compute_s) * 1e3, 3),
-                         "bound": "memory" if memory_s >= compute_s else "compute",
-                         "tokens_per_s": tokens_per_s,
-                         "cost_per_million_output_tokens": cost})
-        return rows
-
-    def summary(self, price_per_hour: float | None = None) -> dict[str, object]:
-        batch = max(1, min(self.max_num_seqs, self.max_concurrent_requests))
-
-        def rate(batch: int) -> float | None:
-            value = self.decode_roofline(batch, self.max_model_len)
-            return None if value is None else round(value, 1)
-
-        rows = self.roofline_rows(price_per_hour)
-        unsharded = self.unsharded_weight_bytes or self.weight_bytes
-        moe = {} if not self.num_experts else {
-            "total_params": self.total_params, "active_params": self.active_params,
-            "expert_weight_bytes": self.expert_weight_bytes,
-            "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
-            "expected_distinct_experts_per_layer": {
-                f"batch_{b}": round(expected_distinct_experts(
-                    self.num_experts, self.experts_per_token, b), 2) for b in (1, batch)},
-            "step_weight_bytes": {f"batch_{b}": round(self.step_weight_bytes(b))
-                                  for b in (1, batch)}}
-        return moe | {
-            "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
-            "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
-            "draft_weight_bytes": self.draft_weight_bytes,
-            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
-            "unsharded_weight_bytes": unsharded,
-            "kv_bytes_per_token": self.kv_bytes_per_token, "page_size": self.page_size,
-            "page_bytes": self.page_bytes, "num_pages": self.num_pages,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "kv_cache_gb": round(self.kv_cache_bytes / GB, 3),
-            "batch_state_bytes": self.batch_state_bytes,
-            "total_gb": round((self.weight_bytes + self.draft_weight_bytes
-                               + self.batch_state_bytes + self.kv_cache_bytes) / GB, 3),
-            "kv_tokens": (self.num_pages - 1) * self.page_size,
-            **hybrid_summary(self),
-            "max_model_len": self.max_model_len,
-            "max_concurrent_requests_at_full_context": self.max_concurrent_requests,
-            "bandwidth_gb_per_s": self.bandwidth_gb_per_s,
-            "peak_flops_per_s": self.peak_flops_per_s,
-            "decode_roofline_tokens_per_s_batch_1": rate(1),
-            "decode_roofline_batch": batch,
-            "decode_roofline_tokens_per_s": rate(batch),
-            "price_per_hour": price_per_hour,
-            "cost_per_million_output_tokens": None if rows is None
-            else rows[-1]["cost_per_million_output_tokens"],
-            "decode_roofline": rows,
-        }
-
-
-def expected_distinct_experts(num_experts: int, k: int, batch: int) -> float:
-    """Experts of one layer that `batch` tokens choose, expected when each token picks k
-    of E uniformly: E (1 - (1 - k/E)^batch)."""
-    return num_experts * (1 - (1 - k / num_experts) ** batch)
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -194,11 +46,6 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     experts = sum(math.prod(shape) for name, shape, _, _ in _device_shapes(cfg, 1)
                   if name in EXPERT_WEIGHTS)
     return total, total - experts + experts * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
-
-
-def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
-    """What a million output tokens cost at `tokens_per_s`, at `price_per_hour`."""
-    return price_per_hour / (tokens_per_s * 3600) * 1e6
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
@@ -326,6 +173,31 @@ def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model
         f"{(weights + state + need) / GB:.3f} GB{larger_tp} or lower max_model_len")
 
 
+def _draft_bytes(draft: ModelConfig | tuple[int, int] | None, dtype: str, kv_dtype: str,
+                 tp: int) -> tuple[int, int]:
+    """(weight bytes, bytes per token) of the speculative drafter on one device: a draft
+    model's weights in `dtype` (unquantized) and its K/V in `kv_dtype`; speculative heads'
+    as given (their K/V and the target's kept features); (0, 0) without a drafter."""
+    if draft is None:
+        return 0, 0
+    if isinstance(draft, tuple):
+        weights, per_token = draft
+        return weights, per_token
+    return weight_bytes(draft, dtype, tp), kv_bytes_per_token(draft, kv_dtype, tp)
+
+
+def _check_pages(groups: dict[str, int], pages_per_request: int, kv_cache_bytes: int,
+                 max_model_len: int, need: int) -> None:
+    """ValueError unless the pool's pages, the trash page aside, hold one request of
+    `max_model_len`, saying how many bytes would (`need`)."""
+    if groups["num_pages"] - 1 < pages_per_request:
+        raise ValueError(
+            f"a KV cache of {kv_cache_bytes} bytes holds {groups['num_pages']} pages of "
+            f"{groups['page_bytes']} bytes; one request of max_model_len={max_model_len} "
+            f"needs {pages_per_request} plus the trash page: give kv_cache_memory_bytes >= "
+            f"{need} or lower max_model_len")
+
+
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,
          max_model_len: int | None = None, max_num_seqs: int = 32, page_size: int = 16,
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
@@ -355,12 +227,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     max_model_len = max_model_len or cfg.max_position_embeddings
     weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
-    draft_weights = draft_per_token = 0
-    if isinstance(draft, tuple):  # heads: (weight bytes, K/V and feature bytes per token)
-        draft_weights, draft_per_token = draft
-    elif draft is not None:
-        draft_weights = weight_bytes(draft, dtype, tp)
-        draft_per_token = kv_bytes_per_token(draft, kv_dtype, tp)
+    draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)
     need = one_request_bytes(cfg, per_token, draft_per_token, page_size=page_size,
                              max_model_len=max_model_len, hybrid=hybrid_kv_cache,
@@ -372,12 +239,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
                          max_model_len=max_model_len, hybrid=hybrid_kv_cache,
                          max_num_batched_tokens=max_num_batched_tokens)
-    if groups["num_pages"] - 1 < pages_per_request:
-        raise ValueError(
-            f"a KV cache of {kv_cache_bytes} bytes holds {groups['num_pages']} pages of "
-            f"{groups['page_bytes']} bytes; one request of max_model_len={max_model_len} "
-            f"needs {pages_per_request} plus the trash page: give kv_cache_memory_bytes >= "
-            f"{need} or lower max_model_len")
+    _check_pages(groups, pages_per_request, kv_cache_bytes, max_model_len, need)
     matmul_flops, attention_flops = decode_flops(cfg, tp)
     return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
                       max_model_len=max_model_len, pages_per_request=pages_per_request,

@@ -15,7 +15,7 @@ from jaxinfer.cli import aot
 from jaxinfer.config import EngineConfig, ModelConfig, load_preset
 from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine
-from jaxinfer.sizing import accelerators, planner
+from jaxinfer.sizing import accelerators, memory_plan, planner
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -187,7 +187,7 @@ def test_roofline_is_the_slower_of_bytes_and_flops_over_every_replica():
     flops = 8 * (matmul + 1024 * attention)
     assert math.isclose(slow.decode_roofline(8, 1024), 8 / (flops / 1e11))
     assert {row["bound"] for row in slow.roofline_rows()} == {"compute"}
-    assert planner.cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
+    assert memory_plan.cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
 
 
 def test_decode_flops_count_active_experts_and_no_expert_biases():
@@ -280,10 +280,24 @@ def test_moe_presets_count_total_and_active_parameters(name, total, active):
     assert abs(got_total - total) < 0.01e9 and abs(got_active - active) < 0.01e9
 
 
+def test_plan_counts_a_draft_model_or_speculative_heads():
+    cfg, draft = load_preset("llama3.1-8b"), load_preset("qwen3-0.6b")
+    common = dict(dtype="bfloat16", memory_bytes=40 * 10**9, max_model_len=4096)
+    alone = planner.plan(cfg, **common)
+    model = planner.plan(cfg, draft=draft, quantization="int8", **common)  # draft: bf16
+    heads = planner.plan(cfg, draft=(10**9, 4096), **common)
+    assert (alone.draft_weight_bytes, alone.draft_kv_bytes_per_token) == (0, 0)
+    assert (model.draft_weight_bytes, model.draft_kv_bytes_per_token) == (
+        planner.weight_bytes(draft, "bfloat16"), planner.kv_bytes_per_token(draft, "bfloat16"))
+    assert (heads.draft_weight_bytes, heads.draft_kv_bytes_per_token) == (10**9, 4096)
+    assert heads.page_bytes == alone.page_bytes + 16 * 4096
+    assert heads.kv_cache_bytes < alone.kv_cache_bytes - 10**9 + alone.page_bytes
+
+
 def test_moe_decode_reads_the_experts_its_batch_chooses():
     cfg = load_preset("qwen3-30b-a3b")  # 128 experts, top 8
-    assert planner.expected_distinct_experts(128, 8, 1) == 8
-    assert planner.expected_distinct_experts(128, 8, 32) == pytest.approx(
+    assert memory_plan.expected_distinct_experts(128, 8, 1) == 8
+    assert memory_plan.expected_distinct_experts(128, 8, 32) == pytest.approx(
         128 * (1 - (120 / 128) ** 32))
     one = planner.plan(cfg, dtype="bfloat16", memory_bytes=40 * 10**9, max_model_len=4096,
                        tensor_parallel_size=2, bandwidth_gb_per_s=819)
