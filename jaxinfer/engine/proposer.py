@@ -28,6 +28,10 @@
   runs at that position, so after the call its K/V are valid up to it (the later steps'
   K/V, from its own features, are written over when the next catch-up reaches them).
   Medusa reads one feature and keeps nothing.
+
+Both model proposers keep, per request, how far their drafter's K/V are valid and the
+request's preemption count at the time: preemption frees a request's pages and
+recomputes it, so its count then reads 0 (`_DrafterProgress`).
 """
 
 from __future__ import annotations
@@ -99,21 +103,33 @@ def _copy_after(tokens: list[int], first: int, count: int) -> list[int]:
     return out
 
 
-class DraftProposer:
-    """A draft model's proposals; the device work is its runner's (`DraftRunner`)."""
+class _DrafterProgress:
+    """How far each request's drafter K/V are valid (tokens of a draft model, positions
+    of heads: the subclass says), forgotten when the request is preempted."""
 
-    method = "draft_model"
-
-    def __init__(self, runner: object) -> None:
-        self.runner = runner  # engine/runner/draft.DraftRunner
-        # Request -> (its preemption count then, tokens whose draft K/V are valid)
+    def __init__(self) -> None:
+        # Request -> (its preemption count then, the count)
         self._computed: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
             weakref.WeakKeyDictionary())
 
     def computed(self, request: Request) -> int:
-        """Tokens of `request` whose draft K/V are valid (0 after a preemption)."""
+        """The count recorded for `request`; 0 when it has none or was preempted since."""
         preemptions, count = self._computed.get(request, (-1, 0))
         return count if preemptions == request.num_preemptions else 0
+
+    def _record(self, request: Request, count: int) -> None:
+        self._computed[request] = (request.num_preemptions, count)
+
+
+class DraftProposer(_DrafterProgress):
+    """A draft model's proposals; the device work is its runner's (`DraftRunner`).
+    `computed(request)`: the tokens of `request` whose draft K/V are valid."""
+
+    method = "draft_model"
+
+    def __init__(self, runner: object) -> None:
+        super().__init__()
+        self.runner = runner  # engine/runner/draft.DraftRunner
 
     def propose(self, chunks: Sequence[ScheduledChunk], counts: Sequence[int]
                 ) -> tuple[list[list[int]], object]:
@@ -125,7 +141,7 @@ class DraftProposer:
         num_steps = max(counts) + 1
         tokens, probs = self.runner.propose(requests, num_steps)
         for request in requests:  # valid up to the last token + drafts until verified
-            self._computed[request] = (request.num_preemptions, request.num_tokens - 1)
+            self._record(request, request.num_tokens - 1)
         return [list(row[:count]) for row, count in zip(tokens, counts, strict=True)], probs
 
     def verified(self, chunks: Sequence[ScheduledChunk]) -> None:
@@ -133,24 +149,17 @@ class DraftProposer:
         for chunk in chunks:
             request = chunk.request
             if not request.finished:
-                self._computed[request] = (request.num_preemptions,
-                                           request.num_computed_tokens)
+                self._record(request, request.num_computed_tokens)
 
 
-class HeadProposer:
-    """EAGLE or Medusa proposals; the device work is its runner's (`HeadRunner`)."""
+class HeadProposer(_DrafterProgress):
+    """EAGLE or Medusa proposals; the device work is its runner's (`HeadRunner`).
+    `computed(request)`: the positions of `request` whose drafter K/V are valid."""
 
     def __init__(self, runner: object, method: str) -> None:
+        super().__init__()
         self.runner = runner  # engine/runner/heads.HeadRunner
         self.method = method
-        # Request -> (its preemption count then, positions whose drafter K/V are valid)
-        self._computed: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
-            weakref.WeakKeyDictionary())
-
-    def computed(self, request: Request) -> int:
-        """Positions of `request` whose drafter K/V are valid (0 after a preemption)."""
-        preemptions, count = self._computed.get(request, (-1, 0))
-        return count if preemptions == request.num_preemptions else 0
 
     def propose(self, chunks: Sequence[ScheduledChunk], counts: Sequence[int]
                 ) -> tuple[list[list[int]], object]:
@@ -163,7 +172,7 @@ class HeadProposer:
                                   if done < r.num_tokens - 2])
         tokens, probs = self.runner.propose(requests, max(counts))
         for request in requests:  # the first proposal step wrote the one before the last
-            self._computed[request] = (request.num_preemptions, request.num_tokens - 1)
+            self._record(request, request.num_tokens - 1)
         return [list(row[:count]) for row, count in zip(tokens, counts, strict=True)], probs
 
     def verified(self, chunks: Sequence[ScheduledChunk]) -> None:
