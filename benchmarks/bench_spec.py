@@ -28,7 +28,9 @@ setting, vLLM's `speculative_config`):
 Targets: the best method's batch-1 speed-up at least 2x; the adaptive
 policy at least 0.95x of no speculation at every batch size; the best head method's
 batch-1 speed-up at least 1.8x greedy (and not below n-gram lookup's) or 1.4x sampled
-(`--temperature=0.8`), and at least 1.3x the draft model's. Prints one JSON object.
+(`--temperature=0.8`), and at least 1.3x the draft model's. For each head mode it also
+prints what bounds it (`head_ceilings`): the target's step over a decode step, and the
+speed-up its acceptance would give with a free drafter. Prints one JSON object.
 
     python benchmarks/bench_spec.py [--batches=1,4,16,64] [--modes=...] [--repeats=2]
 """
@@ -202,7 +204,17 @@ def head_targets(rows: dict) -> dict:
     if drafts:
         out["head_over_draft_model"] = round(speedup / max(drafts), 3)
         out["target_head_over_draft_met"] = speedup >= TARGET_HEAD_OVER_DRAFT * max(drafts)
+    out["head_ceilings"] = {m: ceilings(rows[m]) for m in heads}
     return out
+
+
+def ceilings(row: dict) -> dict:
+    """What bounds a head mode at batch 1, from its own run: the target's step (verify
+    and host, all but the drafter's share of the time) over a plain decode step, and the
+    speed-up the same acceptance would give with a drafter that cost nothing."""
+    share, tokens = row["spec_draft_time_share"], row["spec_tokens_per_request_step"]
+    return {"target_step_over_decode": round((1 - share) * tokens / row["speedup"], 3),
+            "free_drafter_speedup": round(row["speedup"] / (1 - share), 3)}
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@
 - `HeadProposer` (vLLM's "eagle", "eagle3", "medusa"): heads on the target's own hidden
   features (engine/runner/heads.py). EAGLE's drafter at position t reads the target's
   feature of t and the token after it, so it follows a request as a draft model does,
-  one position behind: before it proposes, it catches up over every position before the
-  one preceding the last token (their features are in the target's feature store,
-  whichever step computed them, prompt chunks included); its first proposal step then
-  runs at that position, so after the call its K/V are valid up to it (the later steps'
-  K/V, from its own features, are written over when the next catch-up reaches them).
+  one position behind: the first step of its proposal call runs over every position it
+  has not seen up to the one preceding the last token (their features are in the
+  target's feature store, whichever step computed them, prompt chunks included; after
+  a verify step that is the accepted tokens, at most K + 1; a separate catch-up call
+  writes any further behind first), so after the call its K/V are valid up to that
+  position (the later steps' K/V, from its own features, are written over by the next
+  proposal's first step).
   Medusa reads one feature and keeps nothing.
 
 Both model proposers keep, per request, how far their drafter's K/V are valid and the
@@ -166,15 +168,12 @@ class HeadProposer(_DrafterProgress):
         """Up to `counts[i]` drafts after each decode chunk's token; returns (drafts, their
         probabilities f32[S, k_max + 1, V] on device, for the verify step)."""
         requests = [c.request for c in chunks]
-        if self.runner.has_cache:
-            behind = [(r, self.computed(r)) for r in requests]
-            self.runner.catch_up([(r, done) for r, done in behind
-                                  if done < r.num_tokens - 2])
-        tokens, probs = self.runner.propose(requests, max(counts))
+        tokens, probs = self.runner.propose(requests, max(counts),
+                                            [self.computed(r) for r in requests])
         for request in requests:  # the first proposal step wrote the one before the last
             self._record(request, request.num_tokens - 1)
         return [list(row[:count]) for row, count in zip(tokens, counts, strict=True)], probs
 
     def verified(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Nothing to do: the verified positions' features are in the target's store, and
-        the next catch-up reads them."""
+        the next proposal's first step reads them."""

@@ -107,14 +107,33 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
             for i in range(cfg.num_layers)]
     if cfg.feature_layers:  # the feature store (ModelConfig.feature_layers), by KV slot
         spec.append(jax.ShapeDtypeStruct((num_pages * page_size, cfg.feature_size),
-                                         feature_dtype(dtype)))
+                                         feature_dtype(dtype, backend)))
     return spec
 
 
-def feature_dtype(kv_dtype: jnp.dtype | str) -> jnp.dtype:
-    """The feature store's dtype: float32 beside a float32 KV cache, else bfloat16."""
-    return jnp.dtype(jnp.float32 if jnp.dtype(kv_quant.storage_dtype(kv_dtype)) == jnp.float32
-                     else jnp.bfloat16)
+def feature_dtype(kv_dtype: jnp.dtype | str, backend: str | None = None) -> jnp.dtype:
+    """The feature store's dtype: float32 beside a float32 KV cache, else bfloat16, kept
+    as its uint16 bits on CPU as bf16 pages are (`kv_storage_dtype`)."""
+    wide = jnp.dtype(kv_quant.storage_dtype(kv_dtype)) == jnp.float32
+    return kv_storage_dtype(jnp.float32 if wide else jnp.bfloat16, backend)
+
+
+def write_features(store: jax.Array, slot_mapping: jax.Array, features: jax.Array
+                   ) -> jax.Array:
+    """The store with rows `slot_mapping` set to `features` f32[T, F]."""
+    if store.dtype == reference.BF16_STORAGE:
+        values = jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), store.dtype)
+    else:
+        values = features.astype(store.dtype)
+    return store.at[slot_mapping].set(values)
+
+
+def read_features(store: jax.Array, slots: jax.Array) -> jax.Array:
+    """f32[..., F]: the store's rows `slots`, moved as stored and widened after."""
+    rows = store[slots]
+    if rows.dtype == reference.BF16_STORAGE:
+        rows = jax.lax.bitcast_convert_type(rows, jnp.bfloat16)
+    return rows.astype(jnp.float32)
 
 
 def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:

@@ -34,7 +34,12 @@ import jax.numpy as jnp
 
 from jaxinfer.config.heads import HeadConfig
 from jaxinfer.model import draft, layers
-from jaxinfer.model.attention import AttentionMetadata, attention_block, dense_causal_attention
+from jaxinfer.model.attention import (
+    AttentionMetadata,
+    attention_block,
+    dense_causal_attention,
+    read_features,
+)
 from jaxinfer.model.draft import DraftInputs
 
 Params = dict
@@ -122,27 +127,32 @@ def prefill(params: Params, shared: Params, kv_pages: jax.Array, store: jax.Arra
     """Catch-up: token t (the token after position md.positions[t]) with the target's
     feature at that position, store[md.slot_mapping[t]]; writes the head's K/V there
     and returns kv_pages. Padding tokens map to page 0 and write only there."""
-    features = store[md.slot_mapping]
+    features = read_features(store, md.slot_mapping)
     kv_pages, _ = forward(params, shared, kv_pages, token_ids, features, md, cfg=cfg,
                           from_target=True)
     return kv_pages
 
 
 def propose(params: Params, shared: Params, kv_pages: jax.Array, store: jax.Array,
-            inputs: DraftInputs, *, cfg: HeadConfig, page_size: int, num_positions: int,
-            vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+            first_ids: jax.Array, first_md: AttentionMetadata, inputs: DraftInputs, *,
+            cfg: HeadConfig, page_size: int, num_positions: int, vocab_size: int
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(kv_pages, i32[S, Q] drafts, f32[S, Q, vocab_size] their q), Q = num_positions
-    = K + 1. Iteration 0 feeds slot s its last token at positions[s] (the position
-    before it) with the target's feature there; iteration i > 0 the draft drawn at
-    i - 1 at positions[s] + i with the head's previous hidden. `inputs.num_steps` = k
-    <= K iterations; columns from k on are unused (zeros)."""
+    = K + 1. Iteration 0 is ragged (`first_ids`, `first_md`, as build_metadata lays out
+    a prefill, one logits row a slot): slot s's positions the head has not seen up to
+    positions[s] (the one before its last token), each with the target's feature there
+    and the token after it, so the catch-up over the last step's accepted tokens and
+    the first draft are one forward; iteration i > 0 feeds the draft drawn at i - 1 at
+    positions[s] + i with the head's previous hidden. `inputs.num_steps` = k <= K
+    iterations; columns from k on are unused (zeros)."""
     num_slots, num_tokens = inputs.positions.shape[0], inputs.token_ids.shape[0]
-    md = draft.step_metadata(inputs, 0, page_size=page_size, num_tokens=num_tokens)
-    kv_pages, hidden = forward(params, shared, kv_pages, inputs.token_ids,
-                               store[md.slot_mapping], md, cfg=cfg, from_target=True,
-                               max_q_len=1)
-    token, q = draft._draw(logits(params, shared, hidden[:num_slots], cfg=cfg,
-                                  vocab_size=vocab_size), inputs.sampling)
+    kv_pages, hidden = forward(params, shared, kv_pages, first_ids,
+                               read_features(store, first_md.slot_mapping), first_md,
+                               cfg=cfg, from_target=True, max_q_len=num_positions)
+    last = hidden[first_md.logits_indices]  # [S, D]: each slot's position before its token
+    token, q = draft._draw(logits(params, shared, last, cfg=cfg, vocab_size=vocab_size),
+                           inputs.sampling)
+    hidden = jnp.zeros((num_tokens, last.shape[-1]), last.dtype).at[:num_slots].set(last)
     drafting = inputs.num_steps > 0
     tokens = jnp.zeros((num_slots, num_positions), jnp.int32)
     probs = jnp.zeros((num_slots, num_positions, vocab_size), jnp.float32)

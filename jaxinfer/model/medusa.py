@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config.heads import HeadConfig
 from jaxinfer.model import draft, layers
+from jaxinfer.model.attention import read_features
 from jaxinfer.model.draft import DraftInputs
 
 Params = dict
@@ -64,7 +65,8 @@ def propose(params: Params, store: jax.Array, inputs: DraftInputs, *, cfg: HeadC
     columns from k on are unused (zeros)."""
     num_slots = inputs.positions.shape[0]
     md = draft.step_metadata(inputs, 0, page_size=page_size, num_tokens=num_slots)
-    all_logits = head_logits(params, store[md.slot_mapping], cfg=cfg, vocab_size=vocab_size)
+    all_logits = head_logits(params, read_features(store, md.slot_mapping), cfg=cfg,
+                             vocab_size=vocab_size)
     tokens = jnp.zeros((num_slots, num_positions), jnp.int32)
     probs = jnp.zeros((num_slots, num_positions, vocab_size), jnp.float32)
 

@@ -34,6 +34,7 @@ from jaxinfer.model.attention import (
     KVCache,
     attention_block,
     dense_causal_attention,
+    write_features,
 )
 from jaxinfer.model.params_table import param_shapes
 
@@ -101,7 +102,7 @@ def forward(
     if store is not None:
         captured[cfg.num_layers] = x
         features = gather_features(captured, params, cfg)
-        new_cache.append(store.at[md.slot_mapping].set(features.astype(store.dtype)))
+        new_cache.append(write_features(store, md.slot_mapping, features))
     logits = compute_logits(params, x[md.logits_indices], cfg)
     if not routing:
         return new_cache, logits

@@ -248,42 +248,53 @@ def _dense_chain(head, params, shared, tokens, feats, k, forced=None):
     return drafts, np.stack(all_logits)
 
 
-def _prefilled(head, params, shared, seqs, feats, lengths, pages, k, sampling=None):
-    """The head's KV after catching up over x_1 .. x_{n-1} of each slot (position p
-    holds x_{p+1} with the target's feature at p), the store and DraftInputs of x_n."""
+def _prefilled(head, params, shared, seqs, feats, lengths, pages, k, sampling=None, first=1):
+    """The head's KV after catching up over x_1 .. x_{n-first} of each slot (position p
+    holds x_{p+1} with the target's feature at p), the store, and the proposal's
+    arguments: its ragged first step over the last `first` positions (x_{n-first+1} ..
+    x_n), then DraftInputs of x_n."""
     kv = init_kv_cache(head.layer, num_pages=NUM_PAGES, page_size=PAGE_SIZE)[0]
     store, inputs = _store_and_inputs(feats, lengths, pages,
                                       [seqs[s, n] for s, n in enumerate(lengths)], k,
                                       sampling)
-    chunks = [Chunk(seqs[s, 1:n].tolist(), 0, list(pages[s])) for s, n in enumerate(lengths)]
+    chunks = [Chunk(seqs[s, 1:n + 1 - first].tolist(), 0, list(pages[s]))
+              for s, n in enumerate(lengths)]
     ids, md = build_metadata(chunks, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
                              num_tokens=20, num_slots=2, all_logits=True)
     kv = PREFILL(params, shared, kv, store, jnp.asarray(ids),
-                       jax.tree.map(jnp.asarray, md), cfg=head)
-    return kv, store, inputs
+                 jax.tree.map(jnp.asarray, md), cfg=head)
+    chunks = [Chunk(seqs[s, n + 1 - first:n + 1].tolist(), n - first, list(pages[s]), 1)
+              for s, n in enumerate(lengths)]
+    first_ids, first_md = build_metadata(chunks, page_size=PAGE_SIZE,
+                                         pages_per_seq=PAGES_PER_SEQ, num_tokens=10,
+                                         num_slots=2)
+    return kv, store, (jnp.asarray(first_ids), jax.tree.map(jnp.asarray, first_md), inputs)
 
 
-
-
-@pytest.mark.parametrize("method", ["eagle3", "eagle"])
-def test_prefill_then_propose_equals_chained_dense(method):
+@pytest.mark.parametrize(("method", "first"), [("eagle3", 1), ("eagle3", 4), ("eagle", 3)])
+def test_prefill_then_propose_equals_chained_dense(method, first):
+    """Drafts after a catch-up call and a ragged first step over `first` positions equal
+    the dense chain's over the whole sequence."""
     target, shared = _target()
     head, params = heads.random_head(method, target, jax.random.key(5), draft_vocab_size=40)
     rng = np.random.default_rng(2)
     lengths, pages, k = (10, 6), ((9, 3, 14), (4, 12, 1)), 3
     seqs = rng.integers(0, VOCAB, (2, 11))  # x_0 .. x_10 per slot
     feats = rng.standard_normal((2, 10, head.feature_size)).astype(np.float32)
-    kv, store, inputs = _prefilled(head, params, shared, seqs, feats, lengths, pages, k)
-    _, tokens, probs = PROPOSE(params, shared, kv, store, inputs, cfg=head,
-                               page_size=PAGE_SIZE, num_positions=5, vocab_size=VOCAB)
+    kv, store, (first_ids, first_md, inputs) = _prefilled(head, params, shared, seqs, feats,
+                                                          lengths, pages, k, first=first)
+    _, tokens, probs = PROPOSE(params, shared, kv, store, first_ids, first_md, inputs,
+                               cfg=head, page_size=PAGE_SIZE, num_positions=5,
+                               vocab_size=VOCAB)
     for s, n in enumerate(lengths):
         want, _ = _dense_chain(head, params, shared, seqs[s, 1:n + 1], feats[s, :n], k)
         assert tokens[s, :k].tolist() == want
         assert np.array_equal(probs[s, np.arange(k), want], np.ones(k))
     assert not np.asarray(tokens[:, k:]).any() and not np.asarray(probs[:, k:]).any()
     one = dataclasses.replace(inputs, num_steps=jnp.array(1, jnp.int32))
-    _, fewer, fewer_probs = PROPOSE(params, shared, kv, store, one, cfg=head,
-                                    page_size=PAGE_SIZE, num_positions=5, vocab_size=VOCAB)
+    _, fewer, fewer_probs = PROPOSE(params, shared, kv, store, first_ids, first_md, one,
+                                    cfg=head, page_size=PAGE_SIZE, num_positions=5,
+                                    vocab_size=VOCAB)
     assert np.array_equal(fewer[:, 0], tokens[:, 0]) and not np.asarray(fewer[:, 1:]).any()
     assert not np.asarray(fewer_probs[:, 1:]).any()
 
@@ -300,9 +311,9 @@ def test_random_rows_draw_from_the_heads_distribution():
     sampling = sampling_inputs([], num_rows=2, history_width=32, eos_token_ids=frozenset())
     sampling = dataclasses.replace(sampling, temperature=np.array([1.0, 0.0], np.float32))
     k = 3
-    kv, store, inputs = _prefilled(head, params, shared, seqs, feats, (5, 5), ((1, 2), (3, 4)),
-                                   k, sampling)
-    _, tokens, probs = PROPOSE(params, shared, kv, store, inputs, cfg=head,
+    kv, store, args = _prefilled(head, params, shared, seqs, feats, (5, 5), ((1, 2), (3, 4)),
+                                 k, sampling)
+    _, tokens, probs = PROPOSE(params, shared, kv, store, *args, cfg=head,
                                page_size=PAGE_SIZE, num_positions=4, vocab_size=VOCAB)
     drafted = np.asarray(tokens[0, :k])
     _, logits = _dense_chain(head, params, shared, seqs[0, 1:6], feats[0], k, drafted)

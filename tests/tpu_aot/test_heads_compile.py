@@ -2,7 +2,8 @@
 ahead-of-time compiler; no TPU): the target's steps that keep the features an EAGLE-3
 head reads (the decode step, and the verify step at Q = 5 with the draft's
 probabilities), and the EAGLE-3 drafter's k + 1 steps in one call (`eagle.propose`: a
-while loop around the decode kernel, the drafter's pages carried).
+ragged first step over up to Q positions a slot, then a while loop around the decode
+kernel, the drafter's pages carried).
 
 Target: Llama-3.1-8B's shapes cut to 4 layers, bf16, keeping the streams entering layers
 1, 2 and 3 (`feature_layers`); head: the published Llama-3.1-8B EAGLE-3 head's shapes
@@ -55,7 +56,7 @@ from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.config.heads import TOP_IDS, HeadConfig, head_config
 from jaxinfer.engine.buckets import BucketSet
-from jaxinfer.engine.runner.inputs import sampling_inputs
+from jaxinfer.engine.runner.inputs import build_metadata, sampling_inputs
 from jaxinfer.engine.runner.programs import (
     input_spec,
     mask_spec,
@@ -276,16 +277,18 @@ def test_eagle3_drafter_steps_compile_in_one_call():
                                  history_width=SETTINGS.max_model_len,
                                  eos_token_ids=frozenset()),
         num_steps=np.array(1, np.int32))
-    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                         sharding=whole), specs)
+    first = build_metadata([], page_size=SETTINGS.page_size, pages_per_seq=pages_per_seq,
+                           num_tokens=bucket.num_slots * Q, num_slots=bucket.num_slots)
+    first, inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), np.asarray(x).dtype, sharding=whole), (first, specs))
     propose = jax.jit(functools.partial(
         eagle.propose, cfg=head, page_size=SETTINGS.page_size, num_positions=Q,
         vocab_size=s["target"].vocab_size),
-        in_shardings=(whole, shared_sh, pages_sh, whole, whole),
+        in_shardings=(whole, shared_sh, pages_sh, whole, whole, whole, whole),
         out_shardings=(pages_sh, whole, whole), donate_argnums=(2,))
     with jax.set_mesh(mesh):
         compiled = propose.lower(on_shardings(s["head_params"], whole), shared, pages, store,
-                                 inputs).compile()
+                                 *first, inputs).compile()
     text = compiled.as_text()
     assert "while(" in text  # the k drafter steps after the first in one program
     assert text.count("tpu_custom_call") >= 2  # the first step's kernel and the loop's

@@ -33,7 +33,8 @@ from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
-from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
+from jaxinfer.engine.runner.drafter_inputs import catch_up_calls, propose_inputs
+from jaxinfer.engine.runner.inputs import Chunk, build_metadata
 from jaxinfer.engine.runner.programs import step_shardings
 from jaxinfer.model import draft as draft_model
 from jaxinfer.model import sharding
@@ -107,20 +108,10 @@ class DraftRunner:
         """Write the draft's K/V of each request's tokens from position `done` to its last
         one (exclusive), in calls of at most the token budget and slot count."""
         started = time.perf_counter()
-        budget, slots = self.buckets.tokens[-1], self.buckets.max_num_seqs
-        pending: list[Chunk] = []
-        used = 0
-        for request, done in segments:
-            tokens, end = request.all_token_ids, request.num_tokens - 1
-            while done < end:
-                if used == budget or len(pending) == slots:
-                    self._prefill_call(pending, used)
-                    pending, used = [], 0
-                count = min(end - done, budget - used)
-                pending.append(Chunk(tokens[done:done + count], done, request.page_ids, 0))
-                done, used = done + count, used + count
-        if pending:
-            self._prefill_call(pending, used)
+        spans = [(request, done, request.num_tokens - 1) for request, done in segments]
+        for chunks, used in catch_up_calls(spans, shift=0, budget=self.buckets.tokens[-1],
+                                           slots=self.buckets.max_num_seqs):
+            self._prefill_call(chunks, used)
         self.seconds += time.perf_counter() - started
 
     def _prefill_call(self, chunks: list[Chunk], num_tokens: int) -> None:
@@ -161,21 +152,10 @@ class DraftRunner:
 
     def _propose_inputs(self, requests: Sequence[Request], bucket: Bucket,
                         num_steps: int) -> draft_model.DraftInputs:
-        slots = bucket.num_slots
-        token_ids = np.zeros(bucket.num_tokens, np.int32)
-        positions = np.zeros(slots, np.int32)
-        page_indices = np.zeros((slots, self.pages_per_seq), np.int32)
-        for i, request in enumerate(requests):
-            token_ids[i] = request.all_token_ids[-1]
-            positions[i] = request.num_tokens - 1
-            page_indices[i, :len(request.page_ids)] = request.page_ids
-        rows = [SampleRow(r, r.all_token_ids) for r in requests]
-        sampling = sampling_inputs(rows, num_rows=slots, history_width=self.max_model_len,
-                                   eos_token_ids=self.eos_token_ids)
-        return draft_model.DraftInputs(
-            token_ids=token_ids, positions=positions, page_indices=page_indices,
-            num_seqs=np.array([len(requests)], np.int32), sampling=sampling,
-            num_steps=np.array(num_steps, np.int32))
+        return propose_inputs(requests, bucket, num_steps, shift=0,
+                              pages_per_seq=self.pages_per_seq,
+                              max_model_len=self.max_model_len,
+                              eos_token_ids=self.eos_token_ids)
 
     def _propose_spec(self, bucket: Bucket) -> draft_model.DraftInputs:
         return _specs(self._propose_inputs([], bucket, 1))

@@ -10,11 +10,14 @@ call; it never copies it.
   its own one-layer paged KV cache over the target's page ids, as a draft model does,
   so prefix caching and preemption move both caches' entries together (the planner
   counts its K/V and the features per token). Two programs, compiled at warm-up for
-  every bucket they can meet: `catch_up` per mixed bucket writes the drafter's K/V of
-  positions it has not seen, from the stored features and the tokens that followed
-  them; `propose` per decode slot rung runs k drafter steps in one call, the first
-  from the target's feature of the position before the request's last token, the
-  others from the drafter's own hidden state.
+  every bucket they can meet: `propose` per decode slot rung runs k drafter steps in
+  one call, the first a ragged step over up to K + 1 positions a request (those the
+  drafter has not seen, from the stored features and the tokens that followed them,
+  up to the position before the last token: after a verify step, the accepted
+  tokens), the others from the drafter's own hidden state; `catch_up` per mixed
+  bucket writes the K/V of positions further behind (a prompt, a prefix hit, a
+  step that did not speculate) in a call before it. One dispatch a step in the
+  steady state.
 - Medusa has no cache: `propose` reads the feature of the position before the last
   token and drafts with its k heads at once.
 
@@ -40,8 +43,8 @@ from jaxinfer.engine.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
-from jaxinfer.engine.runner.inputs import Chunk, SampleRow, build_metadata, sampling_inputs
-from jaxinfer.model import draft as draft_model
+from jaxinfer.engine.runner.drafter_inputs import catch_up_calls, propose_inputs
+from jaxinfer.engine.runner.inputs import Chunk, build_metadata
 from jaxinfer.model import eagle, medusa, sharding
 from jaxinfer.model.attention import init_kv_cache, kv_cache_shardings
 from jaxinfer.pallas import kv_quant
@@ -65,11 +68,11 @@ class HeadRunner:
         self.num_positions = num_positions  # K + 1
         self.eos_token_ids = eos_token_ids
         self.whole = sharding.replicated(mesh)
-        if jax.default_backend() == "cpu":  # XLA:CPU's DotThunk has no bf16 x bf16 -> f32
-            params = jax.tree.map(  # dot for some of the drafter loop's shapes
-                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
-                else x, params)
+        self._widen = jax.default_backend() == "cpu"
+        if self._widen:  # XLA:CPU's DotThunk has no bf16 x bf16 -> f32 dot for some of
+            params = _widened(params)  # the drafter loop's shapes
         self.params = jax.device_put(params, self.whole)
+        self._shared_cache: tuple[object, dict] | None = None
         self.kv_cache = None
         if self.has_cache:  # split by KV head over the model axis, as the target's pages
             shards = mesh.shape[sharding.MODEL_AXIS]
@@ -109,9 +112,17 @@ class HeadRunner:
         return tree_bytes(self.params)
 
     def _shared(self) -> dict:
-        """The target's embedding (and untied LM head) the head reads, as they are."""
+        """The target's embedding (and untied LM head) the head reads: as they are, or
+        on CPU a float32 copy made once per target params (XLA:CPU would otherwise
+        widen the whole bf16 table in every call, its convert hoisted out of the
+        drafter loop's gather)."""
         params = self.target.params
-        return {k: params[k] for k in ("embed", "lm_head") if k in params}
+        shared = {k: params[k] for k in ("embed", "lm_head") if k in params}
+        if not self._widen:
+            return shared
+        if self._shared_cache is None or self._shared_cache[0] is not params:
+            self._shared_cache = (params, _widened(shared))
+        return self._shared_cache[1]
 
     def _store(self) -> jax.Array:
         return self.target.kv_cache[-1]
@@ -131,9 +142,9 @@ class HeadRunner:
             shared, store = _specs(self._shared()), _specs(self._store())
             with jax.set_mesh(self.mesh):
                 if bucket.decode:
-                    spec = _specs(self._propose_inputs([], bucket, 1))
+                    spec = _specs(self._propose_args([], [], bucket, 1))
                     lowered = self._propose.lower(self.params, shared, *self._cache_arg(),
-                                                  store, spec)
+                                                  store, *spec)
                 else:
                     token_ids, md = build_metadata(
                         [], page_size=self.page_size, pages_per_seq=self.pages_per_seq,
@@ -146,55 +157,52 @@ class HeadRunner:
     def _cache_arg(self) -> tuple:
         return (self.kv_cache,) if self.has_cache else ()
 
-    def catch_up(self, segments: Sequence[tuple[Request, int]]) -> None:
-        """EAGLE: write the drafter's K/V of each request's positions from `done` up to,
-        not including, the one before its last token (the first proposal step's), each
-        fed the token that followed it, in calls of at most the token budget and slots."""
-        started = time.perf_counter()
-        budget, slots = self.buckets.tokens[-1], self.buckets.max_num_seqs
-        pending: list[Chunk] = []
-        used = 0
-        for request, done in segments:
-            tokens, end = request.all_token_ids, request.num_tokens - 2
-            while done < end:
-                if used == budget or len(pending) == slots:
-                    self._prefill_call(pending, used)
-                    pending, used = [], 0
-                count = min(end - done, budget - used)
-                pending.append(Chunk(tokens[done + 1:done + 1 + count], done,
-                                     request.page_ids, 0))
-                done, used = done + count, used + count
-        if pending:
-            self._prefill_call(pending, used)
-        self.seconds += time.perf_counter() - started
+    def catch_up(self, segments: Sequence[tuple[Request, int, int]]) -> None:
+        """EAGLE: write the drafter's K/V of each (request, done, end) segment's positions
+        [done, end), each fed the token that followed it, in calls of at most the token
+        budget and slots."""
+        for chunks, used in catch_up_calls(segments, shift=1, budget=self.buckets.tokens[-1],
+                                           slots=self.buckets.max_num_seqs):
+            bucket = self.buckets.pick(used, len(chunks))
+            token_ids, md = build_metadata(
+                chunks, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+            self.kv_cache = self._compile(bucket)(self.params, self._shared(), self.kv_cache,
+                                                  self._store(), token_ids, md)
 
-    def _prefill_call(self, chunks: list[Chunk], num_tokens: int) -> None:
-        bucket = self.buckets.pick(num_tokens, len(chunks))
-        token_ids, md = build_metadata(chunks, page_size=self.page_size,
-                                       pages_per_seq=self.pages_per_seq,
-                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
-        self.kv_cache = self._compile(bucket)(self.params, self._shared(), self.kv_cache,
-                                              self._store(), token_ids, md)
-
-    def propose(self, requests: Sequence[Request], num_drafts: int
-                ) -> tuple[np.ndarray, jax.Array]:
+    def propose(self, requests: Sequence[Request], num_drafts: int,
+                computed: Sequence[int] = ()) -> tuple[np.ndarray, jax.Array]:
         """`num_drafts` (k) drafts after each request's last token: returns (i32[n, K + 1]
         drafts, host; f32[S, K + 1, V] their q, device), S the decode slot rung of n
-        requests. EAGLE: each request's drafter K/V must cover all positions before the
-        one preceding its last token."""
+        requests. EAGLE: `computed[i]` positions of request i have the drafter's K/V;
+        the call's first step writes up to K + 1 more, ending at the position before
+        the last token, and a catch-up call writes those further behind first."""
         if not 1 <= num_drafts < self.num_positions:
             raise ValueError(f"{num_drafts=} must be in [1, {self.num_positions - 1}]")
         started = time.perf_counter()
+        starts = []
+        if self.has_cache:
+            starts = self._first_starts(requests, computed)
+            self.catch_up([(r, done, start) for r, done, start
+                           in zip(requests, computed, starts, strict=True) if done < start])
         bucket = self.buckets.pick(len(requests), len(requests), decode=True)
-        inputs = self._propose_inputs(requests, bucket, num_drafts)
-        tokens, probs = self._run_propose(self._compile(bucket), inputs)
+        args = self._propose_args(requests, starts, bucket, num_drafts)
+        tokens, probs = self._run_propose(self._compile(bucket), args)
         drafts = np.asarray(tokens)[:len(requests)]
         self.seconds += time.perf_counter() - started
         return drafts, probs
 
-    def _run_propose(self, compiled: jax.stages.Compiled, inputs: draft_model.DraftInputs
+    def _first_starts(self, requests: Sequence[Request], computed: Sequence[int]
+                      ) -> list[int]:
+        """Where each request's first proposal step starts: at the first position the
+        drafter has not seen, at most K + 1 before the last token's (and at that one
+        position if it has seen them all: writing the same K/V again is harmless)."""
+        return [max(min(done, r.num_tokens - 2), r.num_tokens - 1 - self.num_positions)
+                for r, done in zip(requests, computed, strict=True)]
+
+    def _run_propose(self, compiled: jax.stages.Compiled, args: tuple
                      ) -> tuple[jax.Array, jax.Array]:
-        out = compiled(self.params, self._shared(), *self._cache_arg(), self._store(), inputs)
+        out = compiled(self.params, self._shared(), *self._cache_arg(), self._store(), *args)
         if self.has_cache:
             self.kv_cache, *out = out
         return tuple(out)
@@ -205,34 +213,38 @@ class HeadRunner:
         steps, as a draft model's."""
         bucket = self.buckets.pick(slots, slots, decode=True)
         compiled = self._compile(bucket)
-        inputs = self._propose_inputs([], bucket, max(num_steps - 1, 1))
+        args = self._propose_args([], [], bucket, max(num_steps - 1, 1))
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            tokens, _ = self._run_propose(compiled, inputs)
+            tokens, _ = self._run_propose(compiled, args)
             np.asarray(tokens)
             times.append(time.perf_counter() - began)
         return sorted(times)[len(times) // 2]
 
-    def _propose_inputs(self, requests: Sequence[Request], bucket: Bucket,
-                        num_drafts: int) -> draft_model.DraftInputs:
-        """Slot s: the request's last token, at the position before it (whose feature
-        starts the proposal), its page table and sampling settings."""
-        slots = bucket.num_slots
-        token_ids = np.zeros(bucket.num_tokens, np.int32)
-        positions = np.zeros(slots, np.int32)
-        page_indices = np.zeros((slots, self.pages_per_seq), np.int32)
-        for i, request in enumerate(requests):
-            token_ids[i] = request.all_token_ids[-1]
-            positions[i] = request.num_tokens - 2
-            page_indices[i, :len(request.page_ids)] = request.page_ids
-        rows = [SampleRow(r, r.all_token_ids) for r in requests]
-        sampling = sampling_inputs(rows, num_rows=slots, history_width=self.max_model_len,
-                                   eos_token_ids=self.eos_token_ids)
-        return draft_model.DraftInputs(
-            token_ids=token_ids, positions=positions, page_indices=page_indices,
-            num_seqs=np.array([len(requests)], np.int32), sampling=sampling,
-            num_steps=np.array(num_drafts, np.int32))
+    def _propose_args(self, requests: Sequence[Request], starts: Sequence[int],
+                      bucket: Bucket, num_drafts: int) -> tuple:
+        """The proposal call's inputs: EAGLE's ragged first step (token ids and metadata
+        of K + 1 tokens a slot, each request's positions from its start) then the
+        per-slot `DraftInputs`; Medusa's `DraftInputs` alone."""
+        inputs = propose_inputs(requests, bucket, num_drafts, shift=1,
+                                pages_per_seq=self.pages_per_seq,
+                                max_model_len=self.max_model_len,
+                                eos_token_ids=self.eos_token_ids)
+        if not self.has_cache:
+            return (inputs,)
+        chunks = [Chunk(r.all_token_ids[start + 1:], start, r.page_ids, 1)
+                  for r, start in zip(requests, starts, strict=True)]
+        first_ids, first_md = build_metadata(
+            chunks, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+            num_tokens=bucket.num_slots * self.num_positions, num_slots=bucket.num_slots)
+        return first_ids, first_md, inputs
+
+
+def _widened(tree: object) -> object:
+    """The tree with its floating arrays in float32."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def _specs(tree: object) -> object:
