@@ -152,3 +152,33 @@ def test_tensor_parallel_heads_equal_plain_engine(hf_model_dirs, head_dirs, plai
     engine = _engine(hf_model_dirs["llama"], spec, tensor_parallel_size=2)
     assert _greedy(engine, *_workload()) == plain_tokens
 
+
+
+def _widened_tables(text: str, shape: tuple[int, ...]) -> list[str]:
+    """Lines of compiled HLO that convert into an f32 array of `shape`: a whole table
+    widened (XLA:CPU names such ops and fusions `convert`)."""
+    name = f"= f32[{','.join(map(str, shape))}]"
+    return [line for line in text.splitlines() if name in line and "convert" in line]
+
+
+def test_cpu_bf16_steps_widen_no_whole_store_or_table(hf_model_dirs, head_dirs):
+    """bf16 on XLA:CPU: the feature store is kept as its uint16 bits, so neither the
+    target's steps nor the drafter convert the whole store, and the drafter reads a
+    float32 copy of the target's embedding made once, not widened every call."""
+    spec = {"model": str(head_dirs["eagle3"]), "num_speculative_tokens": 2}
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(**SMALL, dtype="bfloat16",
+                                                         speculative_config=spec),
+                    warm_up=False)
+    runner, heads = engine.runner, engine.speculation.proposer.runner
+    store = runner.kv_cache[-1]
+    assert store.dtype == jax.numpy.uint16
+    embed = runner.params["embed"].shape
+    buckets = runner.buckets
+    for bucket in (buckets.decode()[0], buckets.verify()[0], buckets.pick(16, 2)):
+        text = runner._compile(bucket).as_text()
+        assert "scatter" in text and not _widened_tables(text, store.shape), bucket
+    for bucket in (buckets.decode()[0], heads.prefill_buckets()[0]):
+        text = heads._compile(bucket).as_text()
+        assert not _widened_tables(text, store.shape), bucket
+        assert not _widened_tables(text, embed), bucket
+    assert heads._shared() is heads._shared()  # the float32 copy is made once
