@@ -4,10 +4,11 @@ The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV po
 builds the runner; the engine owns the scheduler (with its page pools), the runner it
 was given, per-request text state and the metrics. One `step()` schedules, runs one
 device call, and returns a RequestOutput (with deltas) for every prompt that moved. With
-`async_scheduling` (the default without speculative decoding) `step()` dispatches the
-step it plans, then reads back the one the previous call dispatched: the device runs
-step t + 1 while the host turns step t's tokens into outputs (docs/architecture.md, "The
-host loop"). Bad requests are refused in `add_request` with a specific error; the engine
+`async_scheduling` (the default) `step()` dispatches the step it plans, then reads back
+the one the previous call dispatched: the device runs step t + 1 while the host turns
+step t's tokens into outputs (docs/architecture.md, "The host loop"). With speculative
+decoding a step that may verify drafts, and any step after one that verified drafts,
+is planned only after the one before it is read. Bad requests are refused in `add_request` with a specific error; the engine
 keeps serving the others. Never imports jax, numpy, the model or checkpoint
 (pyproject.toml's contract): it reaches the device through the runner package and
 `loading` only.
@@ -87,10 +88,11 @@ class Engine:
             self.model_dir if self.tokenizer else None,
             vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
         self.metrics.token_masks = self.runner.masks.counts
-        self.async_scheduling = config.async_scheduling and self.speculation is None
+        self.async_scheduling = config.async_scheduling
         self.metrics.async_scheduling = self.async_scheduling
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
         self._device_free_at: float | None = None  # since when the device has had no step
+        self._last_ready = 0.0  # when the last step read back was done
         if warm_up:
             self.warm_up()
 
@@ -240,9 +242,13 @@ class Engine:
         if self._in_flight is not None and self.runner.is_done(self._in_flight.step):
             self._device_free_at = self._device_free_at or started
         read = []
-        if self._in_flight is not None and self.scheduler.held_back_by_tokens():
-            # Most running requests are constrained and wait for the step in flight: read
-            # it first, so the next step takes them (docs/structured_outputs.md).
+        if self._in_flight is not None and (self.scheduler.held_back_by_tokens()
+                                            or self._in_flight.plan.has_drafts
+                                            or self._may_speculate()):
+            # Read the step in flight first when most running requests are constrained
+            # and wait for it (docs/structured_outputs.md), when it verifies drafts (how
+            # many tokens it keeps decides where the next step starts), or when this
+            # step may speculate (proposals need every last token).
             done, self._in_flight = self._in_flight, None
             read = self._complete(done, started)
         plan = self.scheduler.schedule()
@@ -267,7 +273,10 @@ class Engine:
         draft_probs, slots = None, 0
         if self.speculation is not None:
             slots = self.runner.buckets.decode_slots_for(len(plan.chunks))
-            plan, draft_probs = self.speculation.add_drafts(self.scheduler, plan, slots)
+            if self._in_flight is None:
+                plan, draft_probs = self.speculation.add_drafts(self.scheduler, plan, slots)
+            else:  # planned beside a step in flight: its last tokens are not read yet
+                self.speculation.skip(plan)
         now = time.perf_counter()
         if self._device_free_at is not None:
             self.metrics.device_idle_seconds += now - self._device_free_at
@@ -293,8 +302,10 @@ class Engine:
         self.scheduler.update(plan, sampled)
         for request in self.constraints.advance(plan.chunks):  # its grammar is complete
             self.scheduler.finish(request, "stop")
-        if self.speculation is not None:
-            self.speculation.record(plan, sampled, done.slots, ready - done.dispatched)
+        if self.speculation is not None:  # a step's time: from its start on the device
+            began = max(done.dispatched, self._last_ready)  # (after the one before it)
+            self.speculation.record(plan, sampled, done.slots, ready - began)
+        self._last_ready = ready
         changed = self._record_tokens(plan, samples, lengths)
         outputs = [self._sync(rid) for rid in changed]
         seconds = time.perf_counter() - started
@@ -306,6 +317,14 @@ class Engine:
             weight_bytes=self.memory_plan.weight_bytes,
             kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
         return outputs
+
+    def _may_speculate(self) -> bool:
+        """Whether the next step could verify drafts (speculative decoding's policy)."""
+        if self.speculation is None or not self.scheduler.running:
+            return False
+        running = self.scheduler.running
+        slots = self.runner.buckets.decode_slots_for(len(running))
+        return self.speculation.may_speculate(running, slots)
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)

@@ -107,6 +107,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def has_drafts(self) -> bool:
+        """Whether the step verifies drafts (speculative decoding)."""
+        return any(c.draft_token_ids for c in self.chunks)
+
 
 class Scheduler:
     """Decides which tokens of which requests each step computes."""

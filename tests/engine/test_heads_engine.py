@@ -21,6 +21,7 @@ from jaxinfer.checkpoint import heads as heads_checkpoint
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import spec_loading
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.request import SamplingParams
 from tests.engine.test_speculative_engine import (
     DEMO,
     SMALL,
@@ -182,3 +183,40 @@ def test_cpu_bf16_steps_widen_no_whole_store_or_table(hf_model_dirs, head_dirs):
         assert not _widened_tables(text, store.shape), bucket
         assert not _widened_tables(text, embed), bucket
     assert heads._shared() is heads._shared()  # the float32 copy is made once
+
+
+def _force(policy, runner, speculate):
+    """Fill the policy's step-time windows so that it speculates (verifying costs what
+    decoding does) or never does (verifying costs 1,000 decode steps)."""
+    verify = 1.0 if speculate else 1000.0
+    for bucket in runner.buckets.decode():
+        for _ in range(16):  # the whole window: the median is the forced time
+            policy.seed("decode", bucket.num_slots, 1.0)
+            policy.seed("verify", bucket.num_slots, verify)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_async_steps_between_speculating_ones_keep_greedy_exact(
+        hf_model_dirs, head_dirs, plain_tokens, method):
+    """The adaptive policy turned off and on in spells of steps: the steps it would not
+    speculate in are planned beside the step in flight (asynchronous), the others after
+    it is read; outputs equal the plain engine's either way, an EAGLE drafter catching
+    up over what the asynchronous spells skipped."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(head_dirs["eagle3"])
+    engine = _engine(hf_model_dirs["llama"], spec)
+    assert engine.async_scheduling
+    prompts, max_tokens = _workload()
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0,
+                                                            ignore_eos=True))
+    step = 0
+    while engine.has_unfinished():
+        _force(engine.speculation.policy, engine.runner, speculate=step // 3 % 2 == 1)
+        engine.step()
+        step += 1
+    assert [engine.release(f"g{i}").token_ids for i in range(len(prompts))] == plain_tokens
+    metrics = engine.metrics.summary()
+    assert metrics["spec_verify_steps"] > 0 and metrics["spec_skipped_in_flight"] > 0
+    assert metrics["compiles_after_warmup"] == 0 and engine.scheduler.pool.num_used == 0

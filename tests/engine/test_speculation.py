@@ -13,7 +13,8 @@ from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.proposer import NgramProposer
 from jaxinfer.engine.request import Request, SamplingParams, Status
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.speculation import EXPLORE_EVERY, Policy, Speculation, expected_tokens
+from jaxinfer.engine.spec_policy import EXPLORE_EVERY, Policy, expected_tokens
+from jaxinfer.engine.speculation import Speculation
 
 EOS = 99
 
