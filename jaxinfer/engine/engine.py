@@ -6,12 +6,12 @@ was given, per-request text state and the metrics. One `step()` schedules, runs 
 device call, and returns a RequestOutput (with deltas) for every prompt that moved. With
 `async_scheduling` (the default) `step()` dispatches the step it plans, then reads back
 the one the previous call dispatched: the device runs step t + 1 while the host turns
-step t's tokens into outputs (docs/architecture.md, "The host loop"). With speculative
-decoding a step that may verify drafts, and any step after one that verified drafts,
-is planned only after the one before it is read. Bad requests are refused in `add_request` with a specific error; the engine
-keeps serving the others. Never imports jax, numpy, the model or checkpoint
-(pyproject.toml's contract): it reaches the device through the runner package and
-`loading` only.
+step t's tokens into outputs (docs/architecture.md, "The host loop"); with speculative
+decoding, a step that may verify drafts and any step after one that did are planned
+after the one before is read. Bad requests are refused in `add_request` with a specific
+error; the engine keeps serving the others. Never imports jax, numpy, the model or
+checkpoint (pyproject.toml's contract): it reaches the device through the runner
+package and `loading` only.
 """
 
 from __future__ import annotations
@@ -320,11 +320,9 @@ class Engine:
 
     def _may_speculate(self) -> bool:
         """Whether the next step could verify drafts (speculative decoding's policy)."""
-        if self.speculation is None or not self.scheduler.running:
-            return False
         running = self.scheduler.running
-        slots = self.runner.buckets.decode_slots_for(len(running))
-        return self.speculation.may_speculate(running, slots)
+        return self.speculation is not None and bool(running) and self.speculation.may_speculate(
+            running, self.runner.buckets.decode_slots_for(len(running)))
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)
