@@ -119,12 +119,6 @@ class _DrafterProgress:
         preemptions, count = self._computed.get(request, (-1, 0))
         return count if preemptions == request.num_preemptions else 0
 
-    def behind(self, requests: Sequence[Request]) -> int:
-        """Tokens the drafter has not seen in `requests` but their last ones: what a
-        proposal now would catch up over (heads' proposal calls take up to K + 1 of them
-        in their first step; counted all the same)."""
-        return sum(max(0, r.num_tokens - 1 - self.computed(r)) for r in requests)
-
     def _record(self, request: Request, count: int) -> None:
         self._computed[request] = (request.num_preemptions, count)
 

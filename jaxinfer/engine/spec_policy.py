@@ -5,8 +5,8 @@ The policy (load-adaptive, `adaptive=True`): a request with per-draft acceptance
 that verifies k drafts emits E(a, k) = 1 + a + ... + a^k tokens a step (each draft
 counts only if the ones before it were accepted). A step over S slots costs t_decode(S)
 without speculation, t_verify(S) + t_draft(S, k) with it (the verify bucket is padded to
-K + 1 tokens a request whatever k is; t_draft is the proposer's call: a draft model's
-k + 1 steps, EAGLE's k, Medusa's heads; 0 for n-gram lookup). The policy takes the k (0 =
+K + 1 tokens a request whatever k is; t_draft is the proposer's call: a draft model's k
++ 1 steps, EAGLE's k, Medusa's heads; 0 for n-gram lookup). The policy takes the k (0 =
 no speculation) with the most expected tokens per second. The times are the runner's
 own, measured: seeded at warm-up by running each bucket, then the median of the last
 `WINDOW` steps of each kind (a median: one step slowed by the rest of the machine must
@@ -14,20 +14,18 @@ not switch the policy for long). An option not taken for `EXPLORE_EVERY` steps i
 measured again: while speculating, a plain decode step always (an estimate too slow from
 a noisy moment must not keep the engine speculating at a loss, and a decode step costs
 nothing more); while decoding, a verify step only if its estimate is within
-`EXPLORE_WITHIN` of decoding's rate, counting for a model drafter (a draft model or an
-EAGLE head) the catch-up over every token it skipped (its time per token measured at
-warm-up: after a long spell of decoding at a large batch, that catch-up can cost more
-than the verify step itself; a wrong guess here only forgoes a gain), or, for n-gram
-lookup (free proposals),
-whatever its estimate while fewer than `TRUSTED_DRAFTS` drafts have been verified (the
-prior rate is a guess). Acceptance is counted per request, with the engine's running
-rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth `PRIOR_WEIGHT` drafts. Where even
-a verify step with every draft accepted (K + 1 tokens a request) would not beat a decode
-step, nothing is proposed at all (`may_pay`), and n-gram lookups run only where k drafts
-for every request could pay (`worth_proposing`): a batch-bound engine pays a comparison
-a step. So when the batch is compute-bound (verifying K + 1 tokens a request costs
-nearly K + 1 decode steps) speculation is off, and with low acceptance the draft model
-runs fewer steps. `adaptive=False` always speculates with k = K.
+`EXPLORE_WITHIN` of decoding's rate (such a step can cost a model drafter's catch-up
+over every token it skipped, and a wrong guess here only forgoes a gain), or, for n-gram
+lookup (free proposals), whatever its estimate while fewer than `TRUSTED_DRAFTS` drafts
+have been verified (the prior rate is a guess). Acceptance is counted per request, with
+the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
+`PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1 tokens
+a request) would not beat a decode step, nothing is proposed at all (`may_pay`), and
+n-gram lookups run only where k drafts for every request could pay (`worth_proposing`):
+a batch-bound engine pays a comparison a step. So when the batch is compute-bound
+(verifying K + 1 tokens a request costs nearly K + 1 decode steps) speculation is off,
+and with low acceptance the draft model runs fewer steps. `adaptive=False` always
+speculates with k = K.
 """
 
 from __future__ import annotations
@@ -67,7 +65,6 @@ class Policy:
         self.last_taken: dict[tuple[str, int], int] = {}  # option -> step it was last run
         self.clock = 0
         self.accepted, self.reached = 0, 0  # engine-wide, for the prior
-        self.catch_up_per_token = 0.0  # seconds a model drafter takes per token it catches up
         self._per_request: weakref.WeakKeyDictionary[Request, list[int]] = (
             weakref.WeakKeyDictionary())
 
@@ -126,11 +123,9 @@ class Policy:
         return False
 
     def choose(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
-               draft_model: bool, behind: int = 0) -> int:
+               draft_model: bool) -> int:
         """k for this step: 0 (no speculation) .. K; `caps[i]`: the most drafts request i
-        can use (its proposal's length for n-gram, its room left); `behind`: tokens a
-        model drafter must catch up over before it can propose (after steps without
-        speculation), whose time a verify step tried while decoding pays."""
+        can use (its proposal's length for n-gram, its room left)."""
         self.clock += 1
         if not self.adaptive:
             return self.max_drafts
@@ -140,10 +135,10 @@ class Policy:
         best = max(rates, key=rates.get)
         if best:  # speculating: a plain decode step now and then, whatever its estimate
             return 0 if self._stale("decode", slots) else best
-        return self._exploring(rates, slots, draft_model, behind)
+        return self._exploring(rates, slots)
 
-    def might_speculate(self, requests: Sequence[Request], slots: int, draft_model: bool,
-                        behind: int = 0) -> bool:
+    def might_speculate(self, requests: Sequence[Request], slots: int, draft_model: bool
+                        ) -> bool:
         """Whether `choose` could speculate this step for `requests` (each with up to K
         drafts), without counting a step: with asynchronous scheduling the engine reads
         the step in flight first only then (a proposal needs every last token)."""
@@ -155,15 +150,12 @@ class Policy:
         if rates is None:
             return True
         return (max(rates, key=rates.get) != 0
-                or self._exploring(rates, slots, draft_model, behind) != 0)
+                or self._exploring(rates, slots) != 0)
 
-    def _exploring(self, rates: dict[int, float], slots: int, draft_model: bool,
-                   behind: int) -> int:
+    def _exploring(self, rates: dict[int, float], slots: int) -> int:
         """While decoding: the k of a verify step to measure again now, else 0."""
         alternative = max((k for k in rates if k), key=rates.get)
-        cost = self._cost(slots, alternative, draft_model)
-        trying = rates[alternative] * cost / (cost + behind * self.catch_up_per_token)
-        return alternative if self._explore_verify(slots, trying / rates[0]) else 0
+        return alternative if self._explore_verify(slots, rates[alternative] / rates[0]) else 0
 
     def worth_proposing(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
                         draft_model: bool) -> bool:
@@ -193,13 +185,9 @@ class Policy:
         for k in (range(1, self.max_drafts + 1) if draft_model else [self.max_drafts]):
             tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, caps,
                                                                            strict=True))
-            rates[k] = tokens / self._cost(slots, k, draft_model)
+            cost = verify_s + (self.draft_seconds(slots, k) if draft_model else 0)
+            rates[k] = tokens / cost
         return rates
-
-    def _cost(self, slots: int, drafts: int, draft_model: bool) -> float:
-        """Estimated seconds of a verify step of `drafts` drafts with their proposal."""
-        draft_s = self.draft_seconds(slots, drafts) if draft_model else 0.0
-        return self.estimate("verify", slots) + draft_s
 
     def _stale(self, kind: str, slots: int) -> bool:
         return self.clock - self.last_taken.get((kind, slots), 0) >= EXPLORE_EVERY

@@ -96,8 +96,6 @@ class Speculation:
                 self.policy.seed("verify", slots, runner.time_bucket(verify))
                 for steps in {1, self.max_drafts + 1} if draft is not None else ():
                     self.policy.seed_draft(slots, steps, draft.time_propose(slots, steps))
-            if draft is not None:
-                self.policy.catch_up_per_token = draft.time_catch_up()
         return result | {"buckets": result["buckets"] + programs,
                          "seconds": result["seconds"] + time.perf_counter() - started}
 
@@ -135,9 +133,7 @@ class Speculation:
             proposals = [self.proposer.propose(c.request, cap)
                          for c, cap in zip(chunks, caps, strict=True)]
             caps = [len(p) for p in proposals]
-        behind = self.proposer.behind(requests) if self.draft_model else 0
-        k = (self.policy.choose(requests, slots, caps, self.draft_model, behind)
-             if any(caps) else 0)
+        k = self.policy.choose(requests, slots, caps, self.draft_model) if any(caps) else 0
         if k == 0:
             self._count_skips(room, caps, None)
             return plan, None
@@ -160,8 +156,7 @@ class Speculation:
         """Whether the policy could speculate in a step of `requests` (decoding, `slots`
         their decode slot rung): the engine then reads the step in flight before it
         plans, for the proposals need every request's last token."""
-        behind = self.proposer.behind(requests) if self.draft_model else 0
-        return self.policy.might_speculate(requests, slots, self.draft_model, behind)
+        return self.policy.might_speculate(requests, slots, self.draft_model)
 
     def skip(self, plan: StepPlan) -> None:
         """A step planned while the one before was in flight (`may_speculate` said no):

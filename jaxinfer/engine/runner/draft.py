@@ -150,22 +150,6 @@ class DraftRunner:
             times.append(time.perf_counter() - began)
         return sorted(times)[len(times) // 2]
 
-    def time_catch_up(self, repeats: int = 3) -> float:
-        """Seconds a token of catch-up takes (the largest mixed bucket, all padding, the
-        median of `repeats`)."""
-        bucket = self.prefill_buckets()[-1]
-        compiled = self._compile(bucket)
-        token_ids, md = build_metadata([], page_size=self.page_size,
-                                       pages_per_seq=self.pages_per_seq,
-                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            self.kv_cache = compiled(self.params, self.kv_cache, token_ids, md)
-            jax.block_until_ready(self.kv_cache)
-            times.append(time.perf_counter() - began)
-        return sorted(times)[len(times) // 2] / bucket.num_tokens
-
     def _propose_inputs(self, requests: Sequence[Request], bucket: Bucket,
                         num_steps: int) -> draft_model.DraftInputs:
         return propose_inputs(requests, bucket, num_steps, shift=0,

@@ -222,25 +222,6 @@ class HeadRunner:
             times.append(time.perf_counter() - began)
         return sorted(times)[len(times) // 2]
 
-    def time_catch_up(self, repeats: int = 3) -> float:
-        """Seconds a token of catch-up takes (the largest mixed bucket, all padding, the
-        median of `repeats`); 0 for Medusa, which keeps no cache."""
-        if not self.has_cache:
-            return 0.0
-        bucket = self.prefill_buckets()[-1]
-        compiled = self._compile(bucket)
-        token_ids, md = build_metadata([], page_size=self.page_size,
-                                       pages_per_seq=self.pages_per_seq,
-                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            self.kv_cache = compiled(self.params, self._shared(), self.kv_cache, self._store(),
-                                     token_ids, md)
-            jax.block_until_ready(self.kv_cache)
-            times.append(time.perf_counter() - began)
-        return sorted(times)[len(times) // 2] / bucket.num_tokens
-
     def _propose_args(self, requests: Sequence[Request], starts: Sequence[int],
                       bucket: Bucket, num_drafts: int) -> tuple:
         """The proposal call's inputs: EAGLE's ragged first step (token ids and metadata
