@@ -92,7 +92,7 @@ class Engine:
         self.metrics.async_scheduling = self.async_scheduling
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
         self._device_free_at: float | None = None  # since when the device has had no step
-        self._last_ready = 0.0  # when the last step read back was done
+        self._last_ready = self._last_end = 0.0  # the last step read: done, recorded
         if warm_up:
             self.warm_up()
 
@@ -258,7 +258,7 @@ class Engine:
                                    "(KV cache smaller than one request?)")
             return read
         compiles = self.compiles.begin()
-        dispatched = self._dispatch(plan) if plan.chunks else None
+        dispatched = self._dispatch(plan, started) if plan.chunks else None
         previous = dispatched
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, dispatched
@@ -268,7 +268,7 @@ class Engine:
             self._device_free_at = None  # idle for want of work: not a gap between steps
         return outputs
 
-    def _dispatch(self, plan: StepPlan) -> _Dispatched:
+    def _dispatch(self, plan: StepPlan, started: float) -> _Dispatched:
         """Add drafts (speculative decoding) and start the step on the device."""
         draft_probs, slots = None, 0
         if self.speculation is not None:
@@ -282,7 +282,7 @@ class Engine:
             self.metrics.device_idle_seconds += now - self._device_free_at
             self._device_free_at = None
         step = self.runner.dispatch(plan, draft_probs, self.constraints.rows(plan.chunks))
-        return _Dispatched(plan, step, slots, now, self.runner.last_step_bytes)
+        return _Dispatched(plan, step, slots, started, now, self.runner.last_step_bytes)
 
     def _complete(self, done: _Dispatched, started: float) -> list[RequestOutput]:
         """Read a dispatched step back and move its requests on; `started`: when this
@@ -308,7 +308,10 @@ class Engine:
         self._last_ready = ready
         changed = self._record_tokens(plan, samples, lengths)
         outputs = [self._sync(rid) for rid in changed]
-        seconds = time.perf_counter() - started
+        # a verify step read in a later call: its time runs from the last step's end, its
+        # proposal included
+        since = max(done.began, self._last_end) if plan.has_drafts else started
+        seconds = time.perf_counter() - since
         self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes)
         self.metrics.preemptions = self.scheduler.num_preemptions
         self.metrics.record_plan(
@@ -316,6 +319,7 @@ class Engine:
             dropped=dropped, pages_in_use=self.scheduler.pool.num_used,
             weight_bytes=self.memory_plan.weight_bytes,
             kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
+        self._last_end = time.perf_counter()
         return outputs
 
     def _may_speculate(self) -> bool:
@@ -401,6 +405,7 @@ class _Dispatched:
     plan: StepPlan
     step: runner_lib.InFlight
     slots: int  # decode slots the speculation policy priced (0 without it)
+    began: float  # perf_counter() when the call of step() that planned it began
     dispatched: float  # perf_counter() when it was sent
     bytes: int  # host-to-device bytes it sent
 
