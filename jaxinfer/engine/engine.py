@@ -245,10 +245,9 @@ class Engine:
         if self._in_flight is not None and (self.scheduler.held_back_by_tokens()
                                             or self._in_flight.plan.has_drafts
                                             or self._may_speculate()):
-            # Read the step in flight first when most running requests are constrained
-            # and wait for it (docs/structured_outputs.md), when it verifies drafts (how
-            # many tokens it keeps decides where the next step starts), or when this
-            # step may speculate (proposals need every last token).
+            # Read the step in flight first when most running requests are constrained and
+            # wait for it (docs/structured_outputs.md), when it verifies drafts, or when
+            # this step may (docs/speculative_decoding.md).
             done, self._in_flight = self._in_flight, None
             read = self._complete(done, started)
         plan = self.scheduler.schedule()
@@ -302,14 +301,13 @@ class Engine:
         self.scheduler.update(plan, sampled)
         for request in self.constraints.advance(plan.chunks):  # its grammar is complete
             self.scheduler.finish(request, "stop")
-        if self.speculation is not None:  # a step's time: from its start on the device
-            began = max(done.dispatched, self._last_ready)  # (after the one before it)
-            self.speculation.record(plan, sampled, done.slots, ready - began)
+        if self.speculation is not None:  # its device time: from its start, after the last
+            self.speculation.record(plan, sampled, done.slots,
+                                    ready - max(done.dispatched, self._last_ready))
         self._last_ready = ready
         changed = self._record_tokens(plan, samples, lengths)
         outputs = [self._sync(rid) for rid in changed]
-        # a verify step read in a later call: its time runs from the last step's end, its
-        # proposal included
+        # a verify step read in a later call: timed from the last step's end (its proposal)
         since = max(done.began, self._last_end) if plan.has_drafts else started
         seconds = time.perf_counter() - since
         self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes)
@@ -324,9 +322,8 @@ class Engine:
 
     def _may_speculate(self) -> bool:
         """Whether the next step could verify drafts (speculative decoding's policy)."""
-        running = self.scheduler.running
-        return self.speculation is not None and bool(running) and self.speculation.may_speculate(
-            running, self.runner.buckets.decode_slots_for(len(running)))
+        return self.speculation is not None and self.speculation.may_speculate(
+            self.scheduler.running, self.runner.buckets)
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)

@@ -152,10 +152,13 @@ class Speculation:
         drafts = [p[:g] for p, g in zip(proposals, granted, strict=True)]
         return scheduler.with_drafts(plan, drafts), probs
 
-    def may_speculate(self, requests: Sequence[Request], slots: int) -> bool:
-        """Whether the policy could speculate in a step of `requests` (decoding, `slots`
-        their decode slot rung): the engine then reads the step in flight before it
-        plans, for the proposals need every request's last token."""
+    def may_speculate(self, requests: Sequence[Request], buckets: object) -> bool:
+        """Whether the policy could speculate in a step of `requests` (decoding; `buckets`
+        the runner's, for their decode slot rung): the engine then reads the step in
+        flight before it plans, for the proposals need every request's last token."""
+        if not requests:
+            return False
+        slots = buckets.decode_slots_for(len(requests))
         return self.policy.might_speculate(requests, slots, self.draft_model)
 
     def skip(self, plan: StepPlan) -> None:
