@@ -242,12 +242,11 @@ class Engine:
         if self._in_flight is not None and self.runner.is_done(self._in_flight.step):
             self._device_free_at = self._device_free_at or started
         read = []
-        if self._in_flight is not None and (self.scheduler.held_back_by_tokens()
-                                            or self._in_flight.plan.has_drafts
-                                            or self._may_speculate()):
-            # Read the step in flight first when most running requests are constrained and
-            # wait for it (docs/structured_outputs.md), when it verifies drafts, or when
-            # this step may (docs/speculative_decoding.md).
+        if self._in_flight is not None and (
+                self.scheduler.held_back_by_tokens() or self._in_flight.plan.has_drafts
+                or self.speculation and self.speculation.may_speculate(self.scheduler.running)):
+            # Read it first when most running requests are constrained ones waiting for it
+            # (docs/structured_outputs.md), or it verified drafts, or this step may.
             done, self._in_flight = self._in_flight, None
             read = self._complete(done, started)
         plan = self.scheduler.schedule()
@@ -284,8 +283,7 @@ class Engine:
         return _Dispatched(plan, step, slots, started, now, self.runner.last_step_bytes)
 
     def _complete(self, done: _Dispatched, started: float) -> list[RequestOutput]:
-        """Read a dispatched step back and move its requests on; `started`: when this
-        call of `step()` began."""
+        """Read a dispatched step back and move its requests on (`started`: this call's)."""
         plan = done.plan
         waited = time.perf_counter()
         bucket, samples, prompt_scores = self.runner.collect(done.step)
@@ -301,10 +299,9 @@ class Engine:
         self.scheduler.update(plan, sampled)
         for request in self.constraints.advance(plan.chunks):  # its grammar is complete
             self.scheduler.finish(request, "stop")
-        if self.speculation is not None:  # its device time: from its start, after the last
-            self.speculation.record(plan, sampled, done.slots,
-                                    ready - max(done.dispatched, self._last_ready))
-        self._last_ready = ready
+        if self.speculation is not None:  # device time: from its start, after the last one
+            began, self._last_ready = max(done.dispatched, self._last_ready), ready
+            self.speculation.record(plan, sampled, done.slots, ready - began)
         changed = self._record_tokens(plan, samples, lengths)
         outputs = [self._sync(rid) for rid in changed]
         # a verify step read in a later call: timed from the last step's end (its proposal)
@@ -319,11 +316,6 @@ class Engine:
             kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
         self._last_end = time.perf_counter()
         return outputs
-
-    def _may_speculate(self) -> bool:
-        """Whether the next step could verify drafts (speculative decoding's policy)."""
-        return self.speculation is not None and self.speculation.may_speculate(
-            self.scheduler.running, self.runner.buckets)
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)

@@ -131,7 +131,8 @@ def make_speculation(config: EngineConfig, parts: SpecParts, target: object, *,
         proposer = HeadProposer(HeadRunner(parts.head, parts.head_params, target, **common),
                                 parts.head.method)
     return Speculation(proposer, max_drafts=spec.num_speculative_tokens,
-                       adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size)
+                       adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size,
+                       buckets=buckets)
 
 
 def draft_config(root: pathlib.Path, target: ModelConfig, config: EngineConfig,

@@ -110,17 +110,20 @@ class Policy:
         """Whether speculation could beat decoding at S slots even if every draft were
         accepted (K + 1 tokens a request for a verify step's time), or is due to be
         measured again: when not, a step skips proposing at all."""
+        if self._could_pay(slots):
+            return True
+        self.clock += 1
+        return False
+
+    def _could_pay(self, slots: int) -> bool:
+        """`may_pay`'s answer, counting nothing."""
         if not self.adaptive:
             return True
         decode_s, verify_s = self.estimate("decode", slots), self.estimate("verify", slots)
         if decode_s is None or verify_s is None:
             return True
         best_case = (self.max_drafts + 1) * decode_s / verify_s  # over decoding's rate
-        stale = self.clock - self.last_taken.get(("verify", slots), 0) >= EXPLORE_EVERY
-        if best_case >= 1 or (stale and best_case >= EXPLORE_WITHIN):
-            return True
-        self.clock += 1
-        return False
+        return best_case >= 1 or (self._stale("verify", slots) and best_case >= EXPLORE_WITHIN)
 
     def choose(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
                draft_model: bool) -> int:
@@ -137,20 +140,20 @@ class Policy:
             return 0 if self._stale("decode", slots) else best
         return self._exploring(rates, slots)
 
-    def might_speculate(self, requests: Sequence[Request], slots: int, draft_model: bool
-                        ) -> bool:
-        """Whether `choose` could speculate this step for `requests` (each with up to K
-        drafts), without counting a step: with asynchronous scheduling the engine reads
-        the step in flight first only then (a proposal needs every last token)."""
+    def might_speculate(self, requests: Sequence[Request], slots: int, caps: Sequence[int],
+                        draft_model: bool) -> bool:
+        """Whether `may_pay` and `choose` could speculate this step if request i had
+        `caps[i]` drafts, counting nothing (`worth_proposing` counts a step when not; the
+        engine's asynchronous loop asks this before it plans)."""
         if not self.adaptive:
             return True
-        if not requests:
+        if not requests or not self._could_pay(slots):
             return False
-        rates = self._rates(requests, slots, [self.max_drafts] * len(requests), draft_model)
+        rates = self._rates(requests, slots, caps, draft_model)
         if rates is None:
             return True
-        return (max(rates, key=rates.get) != 0
-                or self._exploring(rates, slots) != 0)
+        speculating = max(rate for k, rate in rates.items() if k)
+        return speculating > rates[0] or self._explore_verify(slots, speculating / rates[0])
 
     def _exploring(self, rates: dict[int, float], slots: int) -> int:
         """While decoding: the k of a verify step to measure again now, else 0."""
@@ -162,13 +165,7 @@ class Policy:
         """Whether `choose` could speculate if every request had `caps[i]` drafts (the
         most n-gram lookup can find): when not, the step skips the lookups (it counts
         as a step for the policy's clock)."""
-        if not self.adaptive:
-            return True
-        rates = self._rates(requests, slots, caps, draft_model)
-        if rates is None:
-            return True
-        speculating = max(rate for k, rate in rates.items() if k)
-        if speculating > rates[0] or self._explore_verify(slots, speculating / rates[0]):
+        if self.might_speculate(requests, slots, caps, draft_model):
             return True
         self.clock += 1
         return False

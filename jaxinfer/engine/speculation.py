@@ -69,9 +69,10 @@ class Speculation:
     """The proposer, the policy and the counts of one engine."""
 
     def __init__(self, proposer: NgramProposer | DraftProposer | HeadProposer, *,
-                 max_drafts: int,
-                 adaptive: bool = True, disable_by_batch_size: int | None = None) -> None:
+                 max_drafts: int, adaptive: bool = True,
+                 disable_by_batch_size: int | None = None, buckets: object = None) -> None:
         self.proposer = proposer
+        self.buckets = buckets  # the runner's BucketSet: a batch's decode slot rung
         self.max_drafts = max_drafts
         self.disable_by_batch_size = disable_by_batch_size
         # a model proposes (a draft model or heads): proposals cost device time, come with
@@ -152,14 +153,15 @@ class Speculation:
         drafts = [p[:g] for p, g in zip(proposals, granted, strict=True)]
         return scheduler.with_drafts(plan, drafts), probs
 
-    def may_speculate(self, requests: Sequence[Request], buckets: object) -> bool:
-        """Whether the policy could speculate in a step of `requests` (decoding; `buckets`
-        the runner's, for their decode slot rung): the engine then reads the step in
-        flight before it plans, for the proposals need every request's last token."""
+    def may_speculate(self, requests: Sequence[Request]) -> bool:
+        """Whether the policy could speculate in a step of `requests` (decoding): the
+        engine then reads the step in flight before it plans, for the proposals need
+        every request's last token."""
         if not requests:
             return False
-        slots = buckets.decode_slots_for(len(requests))
-        return self.policy.might_speculate(requests, slots, self.draft_model)
+        slots = self.buckets.decode_slots_for(len(requests))
+        caps = [self.max_drafts] * len(requests)
+        return self.policy.might_speculate(requests, slots, caps, self.draft_model)
 
     def skip(self, plan: StepPlan) -> None:
         """A step planned while the one before was in flight (`may_speculate` said no):
