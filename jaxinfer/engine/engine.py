@@ -145,13 +145,14 @@ class Engine:
         return checks.check_prompt(ids, max_model_len=self.max_model_len,
                                    vocab_size=self.model_config.vocab_size)
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> object | None:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own), and a
-        structured-output constraint compiled (ValueError naming the field)."""
+        structured-output constraint compiled (ValueError naming the field): returns its
+        matcher (engine/grammar.py), None without one."""
         checks.check_params(params, config=self.config, has_tokenizer=self.tokenizer is not None,
                             vocab_size=self.model_config.vocab_size,
                             eos_token_ids=self.eos_token_ids, stop_width=STOP_WIDTH)
-        self.constraints.check(params.structured_outputs)
+        return self.constraints.check(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
@@ -172,9 +173,10 @@ class Engine:
         params = params if params is not None else self.default_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
-        self.check_params(params)
+        grammar = self.check_params(params)
         ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
-        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params)
+        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
+                               grammar=grammar)
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
@@ -194,7 +196,7 @@ class Engine:
             self.metrics.latency.added(request.request_id, time.perf_counter())
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
             self._texts[request.request_id] = TextState(detokenizer, params.stop)
-            self.constraints.add(request)
+            self.constraints.add(request, prepared.grammar)
             children.append(request)
         if params.prompt_logprobs is not None:
             children[0].prompt_logprobs = []  # the first completion scores the prompt
@@ -296,9 +298,11 @@ class Engine:
         for chunk in plan.chunks:
             self.metrics.latency.scheduled(chunk.request.request_id, started)
         sampled = [[s.token_id for s in chunk] for chunk in samples]
+        for request, why in self.constraints.failed(plan.chunks):  # a mask it could not fill
+            self.scheduler.finish(request, "error", why)
         self.scheduler.update(plan, sampled)
-        for request in self.constraints.advance(plan.chunks):  # its grammar is complete
-            self.scheduler.finish(request, "stop")
+        for request, reason, why in self.constraints.advance(plan.chunks):
+            self.scheduler.finish(request, reason, why)  # its grammar complete, or failed
         if self.speculation is not None:  # device time: from its start, after the last one
             began, self._last_ready = max(done.dispatched, self._last_ready), ready
             self.speculation.record(plan, sampled, done.slots, ready - began)

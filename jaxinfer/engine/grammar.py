@@ -3,82 +3,124 @@ into an llguidance grammar, and one matcher per constrained completion. No jax, 
 numpy: the step's bitmask is filled in the runner (runner/token_masks.py) from the
 matchers this module hands it.
 
-A grammar compiles once per distinct constraint (`StructuredOutputsParams.spec()`, an LRU
-of `CACHE_SIZE`), is validated against the tokenizer, and a constraint that cannot
-compile is a ValueError naming the field ("structured_outputs.json: ..."), raised when
-the request is checked, so it never reaches a step. Each completion (n > 1: each of
-them) gets its own matcher, which consumes the completion's tokens once each, when the
-host reads them (`Constraints.advance`: a preempted request keeps its tokens, so its
-recompute consumes nothing again); a matcher that has stopped (the grammar is complete)
-finishes its request with "stop".
+A constraint is checked when its request is prepared, off the engine thread: within the
+size limits here, then compiled in a child process (engine/grammar_process.py), then
+built into a matcher here on a thread with a large stack. That matcher is the
+constraint's prototype, cached by `StructuredOutputsParams.spec()`; each completion
+(n > 1: each of them) gets a copy of it, which shares its compiled grammar. A
+constraint that cannot be used is a ValueError naming the field
+("structured_outputs.json: ..."). A matcher consumes its completion's tokens once each,
+when the host reads them (`Constraints.advance`: a preempted request keeps its tokens,
+so its recompute consumes nothing again); a matcher that has stopped finishes its
+request with "stop", one in error with "error" (docs/structured_outputs.md).
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import concurrent.futures
 import logging
 import pathlib
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import llguidance
 
+from jaxinfer.engine import grammar_process
+from jaxinfer.engine.grammar_process import first_line
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
-CACHE_SIZE = 256  # compiled grammars kept (distinct constraints)
-JSON_DEFAULTS = {"whitespace_flexible": False}
+CACHE_SIZE = 64  # prototype matchers kept (distinct constraints)
+MAX_SPEC_CHARS = 1_000_000  # a constraint's text: schema, regex, grammar or choices
+MAX_CHOICES = 100_000
 
 
 class GrammarCompiler:
-    """Constraints -> llguidance grammars for one tokenizer, cached by spec."""
+    """Constraints -> prototype matchers for one tokenizer, cached by spec."""
 
-    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_id: int | None
-                 ) -> None:
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=eos_token_id)
-        self._cache: collections.OrderedDict[tuple[str, str], str] = (
+    def __init__(self, tokenizer_path: pathlib.Path, *, vocab_size: int,
+                 eos_token_id: int | None) -> None:
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_path.read_text(),
+                                                n_vocab=vocab_size, eos_token=eos_token_id)
+        self.processes = grammar_process.GrammarProcesses(str(tokenizer_path), vocab_size,
+                                                          eos_token_id)
+        self._native = _StackThread(grammar_process.NATIVE_STACK_BYTES)
+        self._cache: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = (
             collections.OrderedDict())
+        self._lock = threading.Lock()  # preparing threads share the cache
         self.hits = self.misses = 0
 
-    def grammar(self, params: StructuredOutputsParams) -> str:
-        """The checked llguidance grammar of `params`; ValueError naming the field."""
+    def prototype(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The constraint's matcher, never advanced (copy it); ValueError naming the field."""
         key = params.spec()
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            self.hits += 1
-            return self._cache[key]
-        self.misses += 1
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return self._cache[key]
+            self.misses += 1
         kind, text = key
         try:
-            grammar = _grammar(kind, text)
+            _check_size(params, text)
+            grammar = self.processes.compile(kind, text)
+            matcher = self._native.run(llguidance.LLMatcher, self.tokenizer, grammar,
+                                       log_level=0, limits=grammar_process.limits())
+            if matcher.is_error():
+                raise ValueError(first_line(matcher.get_error()))
         except ValueError as e:
             raise ValueError(f"structured_outputs.{kind}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
-        self._cache[key] = grammar
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return grammar
-
-    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar(params))
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+        with self._lock:
+            self._cache[key] = matcher
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return matcher
 
+    def close(self) -> None:
+        self.processes.close()
 
-def _grammar(kind: str, text: str) -> str:
-    """The llguidance grammar of a spec. JSON is compact (no whitespace between tokens
-    but the separators', vLLM's `disable_any_whitespace`): with free whitespace a small
-    model pads a document until max_tokens. `grammar` is EBNF (GBNF) or Lark, told
-    apart by llguidance; `choice` an alternation of the literal strings."""
-    if kind in ("json", "json_object"):
-        schema = json.loads(text) if kind == "json" else {"type": "object"}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-    return llguidance.grammar_from(kind, text)  # choice: spec() gives a JSON list
+
+def _check_size(params: StructuredOutputsParams, text: str) -> None:
+    if params.choice is not None and len(params.choice) > MAX_CHOICES:
+        raise ValueError(f"{len(params.choice)} choices, over the limit of {MAX_CHOICES}")
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"{len(text)} characters, over the limit of {MAX_SPEC_CHARS}")
+
+
+class _StackThread:
+    """One thread with a stack of `stack_bytes`, started on first use, that runs calls
+    in turn: the grammar compiler recurses over a grammar's nesting."""
+
+    def __init__(self, stack_bytes: int) -> None:
+        self._stack_bytes = stack_bytes
+        self._calls: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._thread is None:
+                previous = threading.stack_size(self._stack_bytes)
+                try:
+                    self._thread = threading.Thread(target=self._serve, daemon=True,
+                                                    name="grammar")
+                    self._thread.start()
+                finally:
+                    threading.stack_size(previous)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except Exception as e:  # the caller's to handle
+                future.set_exception(e)
 
 
 class Constraints:
@@ -91,30 +133,34 @@ class Constraints:
         self._vocab_size = vocab_size
         self._eos = min(eos_token_ids) if eos_token_ids else None
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # request id -> matcher
         self._consumed: dict[str, int] = {}  # request id -> output tokens consumed
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            path = (self._model_dir or pathlib.Path()) / "tokenizer.json"
-            if self._model_dir is None or not path.is_file():
-                raise ValueError("structured_outputs needs the model's tokenizer.json "
-                                 "(and an engine with a tokenizer)")
-            self._compiler = GrammarCompiler(path.read_text(), vocab_size=self._vocab_size,
-                                             eos_token_id=self._eos)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                path = (self._model_dir or pathlib.Path()) / "tokenizer.json"
+                if self._model_dir is None or not path.is_file():
+                    raise ValueError("structured_outputs needs the model's tokenizer.json "
+                                     "(and an engine with a tokenizer)")
+                self._compiler = GrammarCompiler(path, vocab_size=self._vocab_size,
+                                                 eos_token_id=self._eos)
+            return self._compiler
 
-    def check(self, params: StructuredOutputsParams | None) -> None:
-        """Compile (or find cached) the grammar now: ValueError naming the field."""
+    def check(self, params: StructuredOutputsParams | None) -> llguidance.LLMatcher | None:
+        """The constraint's prototype matcher, compiled now (or cached): ValueError
+        naming the field. None for an unconstrained request."""
+        return None if params is None else self.compiler.prototype(params)
+
+    def add(self, request: Request, prototype: llguidance.LLMatcher | None = None) -> None:
+        """A matcher for a constrained completion (others are ignored): a copy of the
+        prototype `check` gave (found or built again without it)."""
+        params = request.params.structured_outputs
         if params is not None:
-            self.compiler.grammar(params)
-
-    def add(self, request: Request) -> None:
-        """A matcher for a constrained completion (others are ignored)."""
-        if request.params.structured_outputs is not None:
-            self._matchers[request.request_id] = self.compiler.matcher(
-                request.params.structured_outputs)
+            prototype = prototype or self.compiler.prototype(params)
+            self._matchers[request.request_id] = prototype.deep_copy()
             self._consumed[request.request_id] = 0
 
     def drop(self, request: Request) -> None:
@@ -123,6 +169,10 @@ class Constraints:
 
     def __len__(self) -> int:
         return len(self._matchers)
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.close()
 
     def rows(self, chunks: Sequence) -> list[tuple[int, llguidance.LLMatcher]]:
         """(chunk index, matcher) of the constrained chunks that sample: the rows of the
@@ -133,10 +183,23 @@ class Constraints:
         return [(i, self._matchers[c.request.request_id]) for i, c in enumerate(chunks)
                 if c.num_samples and c.request.request_id in self._matchers]
 
-    def advance(self, chunks: Sequence) -> list[Request]:
+    def failed(self, chunks: Sequence) -> list[tuple[Request, str]]:
+        """(request, why) of the chunks' unfinished requests whose matcher is in error
+        (its mask for this step was not the grammar's): read before their tokens."""
+        if not self._matchers:
+            return []
+        out = []
+        for chunk in chunks:
+            matcher = self._matchers.get(chunk.request.request_id)
+            if matcher is not None and matcher.is_error() and not chunk.request.finished:
+                out.append((chunk.request, self._error(chunk.request, matcher)))
+        return out
+
+    def advance(self, chunks: Sequence) -> list[tuple[Request, str, str | None]]:
         """Consume the tokens `Scheduler.update` appended to the chunks' constrained
-        requests; returns the unfinished ones whose grammar is complete (to finish with
-        "stop"). Finished requests lose their matcher."""
+        requests; returns (request, finish reason, stop reason) of the unfinished ones to
+        end: "stop" where the grammar is complete, "error" (and why) where the matcher
+        failed. Finished requests lose their matcher."""
         done = []
         for chunk in chunks:
             request = chunk.request
@@ -148,12 +211,20 @@ class Constraints:
                 continue
             start = self._consumed[request.request_id]
             new = request.output_token_ids[start:]
-            if new and not matcher.consume_tokens(new):
-                log.warning("request %s: a sampled token broke its grammar: %s",
-                            request.request_id, matcher.get_error())
+            if new:
+                matcher.consume_tokens(new)
             self._consumed[request.request_id] = len(request.output_token_ids)
-            if matcher.is_stopped() or matcher.is_error():
-                done.append(request)
+            if matcher.is_error():
+                done.append((request, "error", self._error(request, matcher)))
+                self.drop(request)
+            elif matcher.is_stopped():
+                done.append((request, "stop", None))
                 self.drop(request)
         return done
 
+    def _error(self, request: Request, matcher: llguidance.LLMatcher) -> str:
+        """What a failed matcher says, in one bounded line, logged once."""
+        message = (f"the output constraint failed after {len(request.output_token_ids)} "
+                   f"tokens: {first_line(matcher.get_error())}")
+        log.warning("request %s: %s", request.request_id, message)
+        return message

@@ -137,6 +137,8 @@ class PreparedRequest:
     prompt: str | list[int] | None  # as given (text is echoed in outputs)
     prompt_token_ids: list[int]
     params: SamplingParams
+    # the constraint's compiled matcher (engine/grammar.py), copied for each completion
+    grammar: object | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +197,7 @@ class Request:
     group: str = ""  # the prompt's id when n > 1: siblings share its cached pages
     parent_id: str = ""  # the prompt's id (add_request's); request_id is parent_id#index
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     # Scored prompt tokens 1, 2, ... (entry i: token i + 1, scored at position i) when
@@ -244,7 +246,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: it and the top k (vLLM's)
     delta_text: str = ""  # text added by the last step (held back near a stop string)

@@ -131,8 +131,9 @@ class EngineLoop:
             for stream in streams:
                 self.abort(stream.request_id)
             raise
-        for stream, p in zip(streams, prepared, strict=True):
+        for stream, p, submission in zip(streams, prepared, submissions, strict=True):
             stream.prompt_token_ids = p.request.prompt_token_ids
+            stream.constraint_field = submission.constraint_field
         return streams
 
     def _check_capacity(self, submissions: list[Submission], total: int) -> None:
@@ -303,6 +304,12 @@ class EngineLoop:
         if entry is None:
             return
         stream, done = entry
+        failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+        if failed is not None:  # its output constraint failed: the client is told so
+            self._abort(output.request_id, APIError(
+                400, f"{stream.constraint_field or 'structured_outputs'}: {failed.stop_reason}",
+                param=stream.constraint_field, code="constraint_failed"))
+            return
         try:
             stream.num_cached_tokens = output.num_cached_tokens
             pieces = [p for p in map(piece_of, output.outputs) if moved(p, done)]

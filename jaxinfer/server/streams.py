@@ -56,6 +56,7 @@ class Stream:
         self.prompt_logprobs: PromptLogprobs | None = None  # from the first update with them
         self.num_cached_tokens = 0
         self.finished = False
+        self.constraint_field: str | None = None  # the field an output constraint came in
 
     def post(self, update: Update) -> None:
         """From the engine thread: hand an update to the handler's event loop."""
