@@ -214,6 +214,9 @@ def result_record(user_id: str, output: RequestOutput) -> dict:
         record["outputs"] = [_completion(o) for o in output.outputs]
     if output.prompt_logprobs is not None:
         record["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+    failed = next((o for o in output.outputs if o.finish_reason == "error"), None)
+    if failed is not None:  # its output constraint failed: an error record, retried
+        record["error"] = str(failed.stop_reason)
     return record
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import pathlib
@@ -112,3 +113,21 @@ def _wait_healthy(server: Server) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError("the server listens but /health never said ok")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+async def ticker(client: httpx.AsyncClient, arrivals: list[float],
+                 done: asyncio.Event) -> None:
+    """Back-to-back streamed completions until `done`: the arrival time of every event."""
+    body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    while not done.is_set():
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())

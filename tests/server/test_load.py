@@ -11,7 +11,7 @@ import time
 
 import httpx2 as httpx
 import openai
-from serving import greedy, metric_values
+from serving import greedy, metric_values, rss_bytes, ticker
 
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "for i in range(",
            "import sys\nimport re\n\n\ndef parse(text):", "# Copyright", "if __name__ ==",
@@ -104,24 +104,6 @@ def test_disconnected_clients_free_their_pages(server, client):
     assert response.usage.completion_tokens == 5  # still serving
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
-async def _ticker(client: httpx.AsyncClient, arrivals: list[float],
-                  done: asyncio.Event) -> None:
-    """Back-to-back streamed completions until `done`: the arrival time of every event."""
-    body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    while not done.is_set():
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    arrivals.append(time.monotonic())
-
-
 def test_huge_prompts_are_refused_without_stalling_other_streams(server):
     """Three bodies of 6-8 MB (a text prompt, chat messages, token ids) are 400s found
     from their length alone, while another client streams. Tokenizing such a prompt on
@@ -131,14 +113,14 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(server):
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
                                       "max_tokens": 4}),
             ("/v1/completions", {"prompt": [1] * 2_000_000, "max_tokens": 4})]
-    rss_before = _rss_bytes(server.process.pid)
+    rss_before = rss_bytes(server.process.pid)
     arrivals: list[float] = []
 
     async def run() -> tuple[list[httpx.Response], float, float]:
         done = asyncio.Event()
         async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
                                      timeout=120) as client:
-            ticker = asyncio.create_task(_ticker(client, arrivals, done))
+            ticker = asyncio.create_task(ticker(client, arrivals, done))
             while len(arrivals) < 20:
                 await asyncio.sleep(0.01)
             sent = time.monotonic()
@@ -159,4 +141,4 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(server):
     gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > sent and a < answered]
     assert gaps and arrivals[-1] > answered  # the stream ran throughout
     assert max(gaps) < 2.0, max(gaps)  # one such prompt once stalled it 7 s
-    assert _rss_bytes(server.process.pid) - rss_before < 300 * 2**20
+    assert rss_bytes(server.process.pid) - rss_before < 300 * 2**20
