@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import TextIO
 
 import llguidance
 
@@ -176,14 +177,14 @@ class _Child:
                 pipe.close()
 
 
-def _serve(tokenizer: llguidance.LLTokenizer, replies) -> None:
+def _serve(tokenizer: llguidance.LLTokenizer, replies: TextIO) -> None:
     """The child's loop: one JSON request a line in, one JSON reply a line out."""
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         reply: dict = {}
 
-        def run(request=request, reply=reply) -> None:
+        def run(request: dict = request, reply: dict = reply) -> None:
             try:
                 reply["grammar"] = check(request["kind"], request["text"], tokenizer)
             except Exception as e:  # any failure refuses the constraint

@@ -187,3 +187,19 @@ def test_structured_requests_never_speculate_in_verify_steps():
     assert metrics["spec_verify_steps"] > 0 and metrics["spec_draft_tokens"] > 0
     assert metrics["spec_skipped_structured_outputs"] > 0
     assert metrics["compiles_after_warmup"] == 0
+
+
+def test_structured_failing_matcher_ends_in_error_not_stop(llm):
+    """A rule of 2,500 alternatives passes the first mask and breaks llguidance's row
+    limit after one token: each completion ends with "error" and why, never "stop"
+    with a text the grammar does not accept; the others in the batch are unaffected."""
+    alternatives = " | ".join(f'"a{i}"' for i in range(2500))
+    broken = _params(8, n=2, grammar=f'start: "x" r\nr: {alternatives}\n')
+    fine = _params(8, choice=["yes", "no"])
+    outs = llm.generate(["x", "y"], [broken, fine])
+    for completion in outs[0].outputs:
+        assert completion.finish_reason == "error", completion
+        assert completion.stop_reason.startswith("the output constraint failed after 1 ")
+        assert len(completion.token_ids) == 1 and completion.text.startswith("x")
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].text in ("yes", "no")

@@ -120,7 +120,7 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(server):
         done = asyncio.Event()
         async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
                                      timeout=120) as client:
-            ticker = asyncio.create_task(ticker(client, arrivals, done))
+            streaming = asyncio.create_task(ticker(client, arrivals, done))
             while len(arrivals) < 20:
                 await asyncio.sleep(0.01)
             sent = time.monotonic()
@@ -129,7 +129,7 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(server):
             answered = time.monotonic()
             await asyncio.sleep(0.2)
             done.set()
-            await ticker
+            await streaming
         return responses, sent, answered
 
     responses, sent, answered = asyncio.run(run())
