@@ -146,9 +146,9 @@ class Engine:
                                    vocab_size=self.model_config.vocab_size)
 
     def check_params(self, params: SamplingParams) -> object | None:
-        """Engine-level limits of sampling parameters (beyond SamplingParams' own), and a
-        structured-output constraint compiled (ValueError naming the field): returns its
-        matcher (engine/grammar.py), None without one."""
+        """Engine-level limits of sampling parameters (beyond SamplingParams' own); returns
+        the constraint's compiled matcher (engine/grammar.py) or None. ValueError naming
+        the field."""
         checks.check_params(params, config=self.config, has_tokenizer=self.tokenizer is not None,
                             vocab_size=self.model_config.vocab_size,
                             eos_token_ids=self.eos_token_ids, stop_width=STOP_WIDTH)
@@ -175,8 +175,7 @@ class Engine:
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
         grammar = self.check_params(params)
         ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
-        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
-                               grammar=grammar)
+        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params, grammar=grammar)
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
