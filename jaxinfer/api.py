@@ -42,8 +42,7 @@ class LLM:
         if pathlib.Path(model) == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
             raise FileNotFoundError(
                 f"no model was given, and the default (the demo checkpoint, {DEFAULT_MODEL})"
-                " is not there: it comes with a git checkout of jaxinfer, not with the "
-                "wheel. Give a model directory: LLM(model=DIR), or --model=DIR")
+                " is not there. Give a model directory: LLM(model=DIR), or --model=DIR")
         runner.use_compilation_cache(config.compilation_cache_dir)
         self.engine = make_engine(model, config, warm_up=warm_up)  # DP > 1: replicas
         self.tokenizer = self.engine.tokenizer

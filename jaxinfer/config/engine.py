@@ -12,7 +12,8 @@ from typing import Any
 
 from jaxinfer.config.model import ATTENTION_IMPLS
 
-DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+# The demo checkpoint, package data (in a checkout, a link to checkpoints/demo).
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[1] / "demo"
 SCHEDULERS = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py

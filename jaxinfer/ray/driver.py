@@ -111,10 +111,7 @@ def _check(num_replicas: int, batch_size: int | None, accelerator: str | None,
         raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS}")
     # A local cluster's actors see this machine's files; a remote one's may not.
     if ray_address is None and not pathlib.Path(model).is_dir():
-        raise ValueError(f"model={str(model)!r} is not a directory"
-                         + (" (the demo model comes with a git checkout of jaxinfer, not "
-                            "with the wheel; give a model directory)"
-                            if pathlib.Path(model) == DEFAULT_MODEL else ""))
+        raise ValueError(f"model={str(model)!r} is not a directory")
 
 
 def _write_results(rows: object, out: object, counts: dict, engines: dict,
