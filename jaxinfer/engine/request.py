@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import math
 import operator
 
@@ -71,6 +72,17 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
 
+def fold_seed(seed: int, index: int) -> int:
+    """The device seed, in [0, 2**31), of completion `index` of a request seeded `seed` (a
+    64-bit seed, signed or not, as OpenAI and vLLM take). A seed in [0, 2**31) keeps the
+    draws it always had, `(seed + index) % 2**31`; any other is hashed with the index, so
+    seeds that differ by 2**31 draw apart (the modulo alone made them one)."""
+    if 0 <= seed < 2**31:
+        return (seed + index) % 2**31
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
 def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
     return [
         ("n", _is_int(p.n) and p.n >= 1, "an int >= 1"),
@@ -87,8 +99,8 @@ def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
          "in [-2, 2]"),
         ("frequency_penalty", _is_real(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
          "in [-2, 2]"),
-        ("seed", p.seed is None or (_is_int(p.seed) and 0 <= p.seed < 2**31),
-         "None or an int in [0, 2**31)"),
+        ("seed", p.seed is None or (_is_int(p.seed) and -2**63 <= p.seed < 2**64),
+         "None or an int in [-2**63, 2**64)"),
         ("logprobs", p.logprobs is None or (_is_int(p.logprobs)
                                             and 0 <= p.logprobs <= MAX_LOGPROBS),
          f"None or an int in [0, {MAX_LOGPROBS}]"),
@@ -179,7 +191,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # order of arrival; ties in priority go to the earlier
-    seed: int  # resolved: params.seed, or drawn when the request was added
+    seed: int  # in [0, 2**31): params.seed (or one drawn when added) and the index, folded
     priority: int = 0  # lower runs first, as in vLLM
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)

@@ -3,7 +3,7 @@ field names) and OpenAI's `response_format` mapped onto it. Plain Python, no jax
 
 Exactly one constraint per request:
 - `json`: a JSON schema (a dict, or its JSON text), the output one JSON value valid
-  under it;
+  under it; the schema `true` admits any value (kept as `{}`), `false` none (refused);
 - `regex`: the output matches the regular expression, whole;
 - `choice`: the output is one of the strings;
 - `grammar`: an EBNF (GBNF) or Lark grammar the output derives from its start rule;
@@ -27,28 +27,19 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """One output constraint (vLLM's `StructuredOutputsParams`)."""
 
-    json: str | dict | None = None
+    json: str | dict | bool | None = None  # kept as a dict
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if is_given(k, getattr(self, k))]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must give exactly one of {', '.join(KINDS)}"
                              f"; got {', '.join(given) or 'none'}")
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object), "
-                                 f"not {type(schema).__name__}")
-            object.__setattr__(self, "json", schema)
+            object.__setattr__(self, "json", _schema(self.json))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(
                     isinstance(c, str) and c for c in self.choice) or not self.choice:
@@ -64,7 +55,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if is_given(k, getattr(self, k)))
 
     def spec(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints give equal specs."""
@@ -91,6 +82,32 @@ class StructuredOutputsParams:
         raise ValueError(f"structured_outputs must be an object, not {type(value).__name__}")
 
 
+def is_given(kind: str, value: object) -> bool:
+    """Whether a constraint field was given: anything but None, and for `json_object`
+    anything but False (`json_object: false` asks for nothing; `json: false` is a schema)."""
+    return value is not None and not (kind == "json_object" and value is False)
+
+
+def _schema(value: object) -> dict:
+    """`structured_outputs.json` as a schema dict; ValueError naming the field."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+        except RecursionError:  # the C decoder's depth limit: text nested ~1,000 deep
+            raise ValueError("structured_outputs.json is nested too deeply") from None
+    if value is True:  # JSON Schema's `true`: any value, the same constraint as `{}`
+        return {}
+    if value is False:
+        raise ValueError("structured_outputs.json is the schema false: no value is valid "
+                         "under it")
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object), "
+                         f"not {type(value).__name__}")
+    return value
+
+
 def from_response_format(response_format: Mapping) -> StructuredOutputsParams | None:
     """OpenAI's `response_format` as a constraint: `text` (none), `json_object`, or
     `json_schema` with `{"json_schema": {"name", "schema", "strict"}}`. ValueError
@@ -105,6 +122,10 @@ def from_response_format(response_format: Mapping) -> StructuredOutputsParams | 
         if not isinstance(spec, Mapping) or "schema" not in spec:
             raise ValueError("response_format.json_schema must be an object with a "
                              "'schema' (and 'name', optional 'strict')")
-        return StructuredOutputsParams(json=spec["schema"])
+        try:
+            return StructuredOutputsParams(json=spec["schema"])
+        except ValueError as e:  # named as the client sent it
+            raise ValueError(str(e).replace("structured_outputs.json",
+                                            "response_format.json_schema", 1)) from None
     raise ValueError(f"response_format.type={kind!r} must be one of 'text', 'json_object', "
                      "'json_schema'")
