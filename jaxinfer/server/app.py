@@ -190,7 +190,7 @@ async def _chat(request: fastapi.Request) -> Response:
     submission = Submission(messages=[m.plain() for m in body.messages], params=params,
                             add_generation_prompt=body.add_generation_prompt,
                             limit=protocol.max_tokens(body), tools=calls.tools,
-                            constraint_field=structured.field(body) or "tools")
+                            constraint_field=structured.field(body) or calls.field)
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
                    reasoning=splitter(state.config, state.tokenizer, params, calls))
     return await _respond(request, state, shape, [submission], body)
@@ -256,7 +256,10 @@ class _Shape:
 
 async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
                    submissions: list[Submission], body: Any) -> Response:
-    streams = await state.loop.submit(submissions, asyncio.Queue())
+    try:
+        streams = await state.loop.submit(submissions, asyncio.Queue())
+    except APIError as e:
+        raise _constraint_error(e, submissions[0].constraint_field) from None
     if body.stream:
         events = _events(state.loop, shape, streams, body.stream_options)
         return _EventStream(events, on_close=lambda: _abort_unfinished(state.loop, streams))
@@ -268,6 +271,18 @@ async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
     finally:
         watcher.cancel()
         _abort_unfinished(state.loop, streams)
+
+
+def _constraint_error(error: APIError, field: str | None) -> APIError:
+    """An error about the request's constraint worded with the field it came in (the
+    engine names it by kind: `structured_outputs.json: ...`)."""
+    if field is None or error.param != field or error.code is not None:
+        return error
+    if field.startswith("tools"):
+        param, message = tools.error_field(field, error.message)
+    else:
+        param, message = field, structured.worded(error.message, field)
+    return APIError(error.status, message, param=param)
 
 
 class _EventStream(StreamingResponse):

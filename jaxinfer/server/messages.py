@@ -1,6 +1,8 @@
 """Chat messages and tool definitions as the chat endpoint reads them (pydantic, strict,
 unknown fields refused): text parts, an assistant's tool calls, function definitions and
-the named tool choice; `Message.plain()` is what the chat template sees."""
+the named tool choice; `Message.plain()` is what the chat template sees. A tool message
+names the call it answers (`tool_call_id`, as OpenAI requires), and a call's arguments
+nest at most MAX_NESTING levels: the template walks them recursively."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import json
 from typing import Annotated, Any, Literal
 
 import pydantic
+
+MAX_NESTING = 128  # levels of arrays and objects a body, or a call's arguments, may nest
 
 
 class Body(pydantic.BaseModel):
@@ -24,6 +28,19 @@ class TextPart(Body):
 class FunctionCall(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+
+    @pydantic.field_validator("arguments")
+    @classmethod
+    def _nested_within_the_limit(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except RecursionError:  # the decoder's own limit, ~1,000 levels
+            raise ValueError(f"nested more than {MAX_NESTING} levels deep") from None
+        except ValueError:  # not JSON: the template sees the text as sent
+            return arguments
+        if nests_deeper(value, MAX_NESTING):
+            raise ValueError(f"nested more than {MAX_NESTING} levels deep")
+        return arguments
 
 
 class ToolCall(Body):
@@ -74,6 +91,13 @@ class Message(Body):
             raise ValueError("only an assistant message has tool_calls")
         return calls
 
+    @pydantic.model_validator(mode="after")
+    def _tool_messages_name_their_call(self) -> Message:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it "
+                             "answers")
+        return self
+
     def plain(self) -> dict[str, str]:
         """The message as the chat template sees it: text parts joined."""
         content = self.content
@@ -92,8 +116,21 @@ def call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     Qwen3's and Llama 3's write `arguments | tojson`); text that is no JSON object stays."""
     try:
         arguments = json.loads(call["function"]["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return call
     if not isinstance(arguments, dict):
         return call
     return call | {"function": call["function"] | {"arguments": arguments}}
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests more than `limit` levels of arrays and objects (a loop,
+    not recursion: the value may nest deeper than the interpreter recurses)."""
+    todo = [(value, 1)] if isinstance(value, dict | list) else []
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        todo += [(child, depth + 1) for child in children if isinstance(child, dict | list)]
+    return False

@@ -23,6 +23,7 @@ import pydantic
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.server import structured
 from jaxinfer.server.messages import (  # noqa: F401  (the request bodies' parts)
+    MAX_NESTING,
     Body,
     FunctionCall,
     FunctionDefinition,
@@ -33,6 +34,7 @@ from jaxinfer.server.messages import (  # noqa: F401  (the request bodies' parts
     Tool,
     ToolCall,
     call_for_template,
+    nests_deeper,
 )
 
 MAX_N = 64  # completions per prompt
@@ -166,15 +168,33 @@ _FIELDS = frozenset().union(*(m.model_fields for m in (
 
 
 def parse_json(raw: bytes) -> Any:
-    """The body's JSON; invalid UTF-8, NaN/Infinity and malformed JSON are 400s."""
+    """The body's JSON; invalid UTF-8, NaN/Infinity, malformed JSON and JSON nested more
+    than MAX_NESTING levels are 400s."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # the decoder's own limit, ~1,000 levels
+        raise APIError(400, f"the request body nests more than {MAX_NESTING} levels "
+                       "deep") from None
+    except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    _check_nesting(data)
+    return data
+
+
+def _check_nesting(data: Any) -> None:
+    """400 for a field nested deeper than MAX_NESTING levels (counting the body's): what
+    reads the body after pydantic (the chat template, the constraint compiler) recurses."""
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        if nests_deeper(value, MAX_NESTING - 1):
+            field = shortened(key)
+            raise APIError(400, f"{field}: the request body nests more than {MAX_NESTING} "
+                           "levels deep here", param=field)
 
 
 def _refuse_constant(name: str) -> None:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxinfer.engine.structured import StructuredOutputsParams, from_response_format
+from jaxinfer.engine.structured import StructuredOutputsParams, from_response_format, is_given
 
 RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
@@ -50,9 +50,17 @@ def field(body: Any) -> str | None:
         kind = body.response_format.get("type")
         return "response_format.json_schema" if kind == "json_schema" else "response_format"
     if body.structured_outputs is not None:
-        given = [k for k, v in body.structured_outputs.items() if v not in (None, False)]
+        given = [k for k, v in body.structured_outputs.items() if is_given(k, v)]
         return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
     return None
+
+
+def worded(message: str, field: str) -> str:
+    """An engine error about a constraint, worded with the field the client sent: the
+    engine names a constraint by its kind (`structured_outputs.json: ...`) however it
+    came (`response_format`, a tool's `parameters`)."""
+    head = re.match(r"structured_outputs\.[a-z_]+", message)
+    return message if head is None else field + message[head.end():]
 
 
 def _response_format(value: dict[str, Any]) -> StructuredOutputsParams | None:

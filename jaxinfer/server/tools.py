@@ -9,7 +9,11 @@
 - `required`, or `{"type": "function", "function": {"name": ...}}`: a constraint makes the
   model write calls, as vLLM builds it: for `required`, a JSON list (one item unless
   `parallel_tool_calls`) of `{"name": one of the functions, "parameters": its schema}`;
-  for a named function, its arguments alone, valid under its `parameters`.
+  for a named function, its arguments alone, valid under its `parameters`. Each
+  function's local `$ref`s point into its own parameters (vLLM lifts every function's
+  `$defs` to the top, where two functions' `T` become one). A schema the engine cannot
+  compile is a 400 naming `tools[i].function.parameters` (`tools` when several
+  functions are constrained at once and the error does not say which).
 Calls come back as `tool_calls` (ids `chatcmpl-tool-...`) with `finish_reason`
 `tool_calls` (server/reasoning.py reads them out of the text).
 """
@@ -17,13 +21,25 @@ Calls come back as `tool_calls` (ids `chatcmpl-tool-...`) with `finish_reason`
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.structured import StructuredOutputsParams
 from jaxinfer.server.protocol import APIError, ChatRequest, NamedToolChoice
+from jaxinfer.server.structured import worded
 from jaxinfer.text.tokenizer import TooLong
+
+NO_PARAMETERS = {"type": "object", "properties": {}}  # a function given none: no arguments
+# Where function i's parameters sit in the `required` schema (a JSON pointer).
+PARAMETERS_AT = "/items/anyOf/{}/properties/parameters"
+_PARAMETERS_AT = re.compile(re.escape(PARAMETERS_AT).replace(r"\{\}", r"(\d+)"))
+# Schema keywords whose values are data, never schemas (no `$ref` in them is one), and
+# those whose values map names to schemas.
+_DATA = frozenset({"enum", "const", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependencies", "dependentSchemas"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +51,7 @@ class ToolPlan:
     parser: str | None = None
     required: bool = False
     named: str | None = None
+    field: str = "tools"  # what a constraint error names: the parameters constrained
 
     @property
     def reads_calls(self) -> bool:
@@ -73,38 +90,44 @@ def plan(body: ChatRequest, config: ServerConfig,
     if isinstance(choice, NamedToolChoice):
         return _named(body, tools, choice.function.name, params)
     schema = required_schema(tools, parallel=body.parallel_tool_calls is not False)
-    return _constrained(params, schema), ToolPlan(tools, required=True)
+    field = _parameters_field(0) if len(tools) == 1 else "tools"
+    return _constrained(params, schema, field), ToolPlan(tools, required=True, field=field)
 
 
 def _named(body: ChatRequest, tools: list[dict], name: str,
            params: SamplingParams) -> tuple[SamplingParams, ToolPlan]:
-    function = next((t["function"] for t in tools if t["function"]["name"] == name), None)
-    if function is None:
+    index = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+    if index is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
                        f"tools ({', '.join(t['function']['name'] for t in tools)})",
                        param="tool_choice")
-    schema = function.get("parameters") or {"type": "object", "properties": {}}
-    return _constrained(params, schema), ToolPlan(tools, named=name)
+    schema = tools[index]["function"].get("parameters") or NO_PARAMETERS
+    field = _parameters_field(index)
+    return _constrained(params, schema, field), ToolPlan(tools, named=name, field=field)
 
 
-def _constrained(params: SamplingParams, schema: dict) -> SamplingParams:
+def _constrained(params: SamplingParams, schema: dict, field: str) -> SamplingParams:
     try:
         constraint = StructuredOutputsParams(json=schema)
     except ValueError as e:
-        raise APIError(400, f"tools: {e}", param="tools") from None
+        raise APIError(400, worded(str(e), field), param=field) from None
     return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def _parameters_field(index: int) -> str:
+    return f"tools[{index}].function.parameters"
 
 
 def required_schema(tools: list[dict], *, parallel: bool) -> dict[str, Any]:
     """vLLM's schema for `tool_choice="required"`: a list of calls, each one function's
-    name and its parameters; every function's `$defs` lifted to the top, where their
-    `#/$defs/...` references point."""
-    defs: dict[str, Any] = {}
+    name and its parameters. A function's local references (`#/$defs/T`,
+    `#/definitions/T`, `#` for its parameters' root) are rewritten to point where its
+    parameters sit here, so each function's definitions stay its own."""
     items = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool["function"]
-        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
-        defs |= parameters.pop("$defs", {})
+        parameters = _rebased(function.get("parameters") or NO_PARAMETERS,
+                              "#" + PARAMETERS_AT.format(i))
         items.append({"type": "object", "additionalProperties": False,
                       "properties": {"name": {"type": "string", "enum": [function["name"]]},
                                      "parameters": parameters},
@@ -112,7 +135,44 @@ def required_schema(tools: list[dict], *, parallel: bool) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
-    return schema | ({"$defs": defs} if defs else {})
+    return schema
+
+
+def _rebased(schema: dict, base: str) -> dict:
+    """A copy of `schema` whose local references (`#` and `#/...`) point below `base`.
+    A loop, not recursion: a client's schema may nest as deep as a body does."""
+    root = {"schema": schema}
+    todo: list[tuple[Any, Any, bool]] = [(root, "schema", True)]  # (holder, key, a schema?)
+    while todo:
+        holder, key, is_schema = todo.pop()
+        value = holder[key] = _copied(holder[key])
+        if isinstance(value, list):
+            todo += [(value, i, is_schema) for i, v in enumerate(value)
+                     if isinstance(v, dict | list)]
+            continue
+        if not is_schema:  # a map of name -> schema
+            todo += [(value, k, True) for k, v in value.items() if isinstance(v, dict | list)]
+            continue
+        ref = value.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            value["$ref"] = base + ref[1:]
+        todo += [(value, k, k not in _SCHEMA_MAPS) for k, v in value.items()
+                 if k not in _DATA and isinstance(v, dict | list)]
+    return root["schema"]
+
+
+def _copied(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else list(value)
+
+
+def error_field(field: str, message: str) -> tuple[str, str]:
+    """An engine error about a tool constraint: the field it names, and its message for
+    the client, a pointer into the `required` schema made one into the parameters (with
+    several functions, the pointer tells which function's parameters)."""
+    found = _PARAMETERS_AT.search(message)
+    if found and field == "tools":
+        field = _parameters_field(int(found[1]))
+    return field, worded(_PARAMETERS_AT.sub("", message), field)
 
 
 def prompt_token_ids(engine: Any, messages: list[dict], tools: list[dict],

@@ -77,7 +77,7 @@ def call_of(value: object) -> ToolCall | None:
 def _loads(text: str) -> object:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model may nest past the decoder's limit
         return None
 
 

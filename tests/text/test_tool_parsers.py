@@ -97,6 +97,13 @@ def test_constrained_list_streams_each_call_once_whole():
     assert seen == [WEATHER, TIME]
 
 
+@pytest.mark.parametrize("name, text", [("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>"),
+                                        ("mistral", "[TOOL_CALLS]" + "[" * 5000)])
+def test_text_nested_past_the_json_decoders_limit_is_no_call(name, text):
+    """Once a RecursionError out of the parser: the request failed mid-stream."""
+    assert tool_parsers.split(name, text).calls == []
+
+
 def test_registry_names_are_the_flag_choices():
     assert tuple(tool_parsers.PARSERS) == TOOL_CALL_PARSERS
     with pytest.raises(ValueError, match="known ones are hermes"):
