@@ -36,6 +36,7 @@ from jaxinfer.engine.request import (
     Request,
     RequestOutput,
     SamplingParams,
+    fold_seed,
 )
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.scheduler import Scheduler, StepPlan
@@ -188,7 +189,7 @@ class Engine:
         for index in range(params.n):
             request = Request(request_id=f"{request_id}#{index}", prompt_token_ids=list(ids),
                               params=params, arrival=self._arrivals,
-                              seed=(seed + index) % 2**31, priority=priority,
+                              seed=fold_seed(seed, index), priority=priority,
                               group=request_id if params.n > 1 else "",
                               parent_id=request_id)
             self._arrivals += 1
