@@ -131,3 +131,27 @@ async def ticker(client: httpx.AsyncClient, arrivals: list[float],
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     arrivals.append(time.monotonic())
+
+
+def during_streams(server: Server, streamer, ready, posts: list[tuple[str, dict]],
+                   timeout: float = 300) -> tuple[list[httpx.Response], float, float]:
+    """Start `streamer(client, done)`, wait until `ready()`, send `posts` ((path, body)
+    pairs) at once, and stop the streamer 0.2 s after the last answer: (the responses,
+    when they were sent, when the last was answered)."""
+    async def run() -> tuple[list[httpx.Response], float, float]:
+        done = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
+                                     timeout=timeout) as client:
+            streaming = asyncio.create_task(streamer(client, done))
+            while not ready():
+                await asyncio.sleep(0.01)
+            sent = time.monotonic()
+            responses = await asyncio.gather(*(client.post(path, json=body)
+                                               for path, body in posts))
+            answered = time.monotonic()
+            await asyncio.sleep(0.2)
+            done.set()
+            await streaming
+        return responses, sent, answered
+
+    return asyncio.run(run())

@@ -16,7 +16,7 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from serving import rss_bytes
+from serving import during_streams, rss_bytes
 
 GREEDY = {"prompt": "def main():", "max_tokens": 24, "temperature": 0}
 
@@ -136,23 +136,9 @@ def test_many_constrained_completions_do_not_stall_other_streams(server, greedy_
     rss_before = rss_bytes(server.process.pid)
     streams: list[list[float]] = []
 
-    async def run() -> tuple[list[httpx.Response], float, float]:
-        done = asyncio.Event()
-        async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
-                                     timeout=300) as client:
-            streaming = asyncio.create_task(_long_streams(client, streams, done))
-            while sum(map(len, streams)) < 20:
-                await asyncio.sleep(0.01)
-            sent = time.monotonic()
-            responses = await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                               for _ in range(4)))
-            answered = time.monotonic()
-            await asyncio.sleep(0.2)
-            done.set()
-            await streaming
-        return responses, sent, answered
-
-    responses, sent, answered = asyncio.run(run())
+    responses, sent, answered = during_streams(
+        server, lambda client, done: _long_streams(client, streams, done),
+        lambda: sum(map(len, streams)) >= 20, [("/v1/completions", body)] * 4)
     for response in responses:
         assert response.status_code == 200, response.text[:300]
         for choice in response.json()["choices"]:

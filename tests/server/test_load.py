@@ -9,9 +9,8 @@ import asyncio
 import itertools
 import time
 
-import httpx2 as httpx
 import openai
-from serving import greedy, metric_values, rss_bytes, ticker
+from serving import during_streams, greedy, metric_values, rss_bytes, ticker
 
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "for i in range(",
            "import sys\nimport re\n\n\ndef parse(text):", "# Copyright", "if __name__ ==",
@@ -116,23 +115,9 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(server):
     rss_before = rss_bytes(server.process.pid)
     arrivals: list[float] = []
 
-    async def run() -> tuple[list[httpx.Response], float, float]:
-        done = asyncio.Event()
-        async with httpx.AsyncClient(base_url=server.url.removesuffix("/v1"),
-                                     timeout=120) as client:
-            streaming = asyncio.create_task(ticker(client, arrivals, done))
-            while len(arrivals) < 20:
-                await asyncio.sleep(0.01)
-            sent = time.monotonic()
-            responses = await asyncio.gather(*(client.post(path, json=body)
-                                               for path, body in huge))
-            answered = time.monotonic()
-            await asyncio.sleep(0.2)
-            done.set()
-            await streaming
-        return responses, sent, answered
-
-    responses, sent, answered = asyncio.run(run())
+    responses, sent, answered = during_streams(
+        server, lambda client, done: ticker(client, arrivals, done),
+        lambda: len(arrivals) >= 20, huge, timeout=120)
     for (path, _), response in zip(huge, responses, strict=True):
         assert response.status_code == 400, (path, response.text[:300])
         error = response.json()["error"]
