@@ -44,10 +44,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxinfer.engine.buckets import Bucket, BucketSet
-from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
 from jaxinfer.engine.request import Request, SamplingParams
-from jaxinfer.engine.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)

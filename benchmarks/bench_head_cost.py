@@ -32,7 +32,7 @@ from absl import app, flags
 
 from jaxinfer.checkpoint import heads as heads_checkpoint
 from jaxinfer.config import load_preset
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner import Runner, memory_bandwidth, tree_bytes
 from jaxinfer.engine.runner.heads import HeadRunner
 from jaxinfer.model import transformer

@@ -32,7 +32,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _message(prompt_tokens: int) -> bytes:
-    from jaxinfer.engine import lockstep
+    from jaxinfer.engine.parallel import lockstep
     from jaxinfer.engine.request import PreparedRequest, SamplingParams
 
     ids = list(range(1000, 1000 + prompt_tokens))

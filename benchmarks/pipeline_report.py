@@ -91,7 +91,7 @@ def prefill_vs_audit(rows: dict[str, dict], audit: dict, arm: str) -> dict:
         out["why"] = (
             "audit replays prompts one at a time, each seeing every earlier prompt's pages; "
             "the engine registers a step's pages after admitting its requests "
-            "(jaxinfer/engine/scheduler.py, Scheduler.schedule: _admit before "
+            "(jaxinfer/engine/core/scheduler.py, Scheduler.schedule: _admit before "
             "_register_pages), so requests admitted in the same step as the first one that "
             "carries the preamble compute it again")
     return out

@@ -1,6 +1,6 @@
 """jaxinfer: LLM inference on JAX. Public names only.
 
-They load lazily, so host-side modules (`jaxinfer.engine.scheduler`, ...) can be
+They load lazily, so host-side modules (`jaxinfer.engine.core.scheduler`, ...) can be
 imported, and unit-tested, without importing jax.
 """
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
-from jaxinfer.engine.data_parallel import make_engine
+from jaxinfer.engine.parallel.data_parallel import make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 from jaxinfer.text.tokenizer import TooLong
 

@@ -21,7 +21,7 @@ mismatch would desynchronize the processes' collectives into a hang or garbage; 
 and page pool (loading.py), the batch input file (batch.py), the prompt and sampling
 (the CLI's generate). The server, whose requests reach process 0 only, runs the same
 engine on every process too: process 0 publishes what it added and aborted before each
-step, the others apply it before theirs (jaxinfer/engine/lockstep.py, over the
+step, the others apply it before theirs (jaxinfer/engine/parallel/lockstep.py, over the
 coordination service's key-value store: jaxinfer/lockstep_channel.py; docs/serving.md,
 "Multi-host serving").
 
@@ -49,7 +49,7 @@ stops the job with an error within about the heartbeat timeout, never a silent h
 process hung while alive keeps heartbeating, and its peers wait in the step's collective
 as long as XLA's collective timeouts allow. The server fails a step that runs past
 `heartbeat_timeout_s` itself and exits non-zero, as it does when a step raises
-(server/__init__.py, engine/lockstep.py's Watchdog).
+(server/__init__.py, engine/parallel/lockstep.py's Watchdog).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The channel of a multi-host server: process 0 publishes, before each engine step, what
 it applied to its engine since the previous step; every other process reads it
-(jaxinfer/engine/lockstep.py writes and applies the messages).
+(jaxinfer/engine/parallel/lockstep.py writes and applies the messages).
 
 The channel is the key-value store of jax.distributed's coordination service, which
 runs in process 0 and which every process of the job is already connected to: message t

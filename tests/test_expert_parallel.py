@@ -17,7 +17,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import shard_source
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
 

@@ -20,7 +20,7 @@ from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import shard_source
 from jaxinfer.checkpoint.names import leaf_name
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
 from jaxinfer.model.params_table import param_partition_specs

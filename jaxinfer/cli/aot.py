@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import runner
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes

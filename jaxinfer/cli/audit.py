@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from jaxinfer.engine.page_pool import ROOT, PagePool
+from jaxinfer.engine.core.page_pool import ROOT, PagePool
 from jaxinfer.text.tokenizer import Tokenizer
 
 

@@ -127,9 +127,9 @@ def eval_ppl() -> None:
 
 def serve() -> None:
     """Serve over HTTP. Multi-host (the distributed flags): process 0 serves, the other
-    processes follow its engine step by step (jaxinfer/engine/lockstep.py)."""
+    processes follow its engine step by step (jaxinfer/engine/parallel/lockstep.py)."""
     from jaxinfer import distributed, server
-    from jaxinfer.engine import lockstep
+    from jaxinfer.engine.parallel import lockstep
 
     config = from_flags(ServerConfig, **{name: FLAGS[name].value for name in SERVER_FLAGS})
     multihost = distributed.process_count() > 1
@@ -163,7 +163,7 @@ def _follow() -> None:
     once, and process 0 drains first): it returns when process 0 says shutdown. A step
     that fails or hangs past --heartbeat_timeout_s exits non-zero at once (JAX's
     shutdown barrier would wait for the peer that is gone)."""
-    from jaxinfer.engine import lockstep
+    from jaxinfer.engine.parallel import lockstep
     from jaxinfer.lockstep_channel import KeyValueChannel
 
     signal.signal(signal.SIGTERM, lambda sig, frame: logging.info(

@@ -97,7 +97,7 @@ def _draft_config(settings: EngineConfig) -> object | None:
     if spec is None or spec.method == "ngram":
         return None
     if spec.method != "draft_model":
-        from jaxinfer.engine import spec_loading
+        from jaxinfer.engine.spec_decode import loading as spec_loading
 
         return spec_loading.head_plan(spec.model, _model_config(), settings)
     from jaxinfer import checkpoint

@@ -22,7 +22,7 @@ QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantizat
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")  # those that read `model`
-# data-parallel request routing (SGLang's names): jaxinfer/engine/routing.py
+# data-parallel request routing (SGLang's names): jaxinfer/engine/parallel/routing.py
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -30,7 +30,7 @@ MAX_SPECULATIVE_TOKENS = 8
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): who proposes draft tokens and
-    how many a step may verify per request (jaxinfer/engine/speculation.py)."""
+    how many a step may verify per request (jaxinfer/engine/spec_decode/speculation.py)."""
 
     # "draft_model" (a small model with the target's tokenizer), "ngram", or heads on the
     # target's hidden states: "eagle" (EAGLE-1/2), "eagle3", "medusa" (config/heads.py)

@@ -24,12 +24,13 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import checks, kv_groups, loading
+from jaxinfer.engine import checks, loading
 from jaxinfer.engine import runner as runner_lib
-from jaxinfer.engine.grammar import Constraints
-from jaxinfer.engine.metrics import Metrics
+from jaxinfer.engine.core import kv_groups
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
+from jaxinfer.engine.metrics.summary import Metrics
 from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
-from jaxinfer.engine.page_pool import PagePool
 from jaxinfer.engine.request import (
     CompletionOutput,
     PreparedRequest,
@@ -39,7 +40,7 @@ from jaxinfer.engine.request import (
     fold_seed,
 )
 from jaxinfer.engine.runner import STOP_WIDTH
-from jaxinfer.engine.scheduler import Scheduler, StepPlan
+from jaxinfer.engine.structured.grammar import Constraints
 from jaxinfer.text.tokenizer import TooLong
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Engine:
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
                  *, warm_up: bool = True, replica: int = 0,
                  params_from: dict | None = None) -> None:
-        """`replica`, `params_from`: a data-parallel replica (engine/data_parallel.py)."""
+        """`replica`, `params_from`: a data-parallel replica (engine/parallel/data_parallel.py)."""
         config = config or EngineConfig()
         self.config = config
         loaded = loading.load(model, config, replica=replica, params_from=params_from)
@@ -85,7 +86,7 @@ class Engine:
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
         self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
-        self.constraints = Constraints(  # structured outputs' matchers (engine/grammar.py)
+        self.constraints = Constraints(  # structured outputs (engine/structured/grammar.py)
             self.model_dir if self.tokenizer else None,
             vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
         self.metrics.token_masks = self.runner.masks.counts
@@ -148,7 +149,7 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> object | None:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own); returns
-        the constraint's compiled matcher (engine/grammar.py) or None. ValueError naming
+        the constraint's compiled matcher (engine/structured/grammar.py) or None. ValueError naming
         the field."""
         checks.check_params(params, config=self.config, has_tokenizer=self.tokenizer is not None,
                             vocab_size=self.model_config.vocab_size,

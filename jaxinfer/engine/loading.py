@@ -8,7 +8,7 @@ memory, weights included; else, on CPU, every slot at full length within a fract
 of RAM), reads the weights and builds the `Runner` that holds params and KV cache.
 `Engine` calls it and keeps only the request lifecycle.
 
-With `speculative_config` it also builds the speculation (engine/spec_loading.py): the
+With `speculative_config` it also builds the speculation (engine/spec_decode/loading.py): the
 n-gram proposer, a draft model or speculative heads, checked against the target,
 planned with it (weights, K/V and kept features per token) and served by their own
 runner over the same page ids.
@@ -31,11 +31,11 @@ from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import runner as runner_lib
-from jaxinfer.engine import spec_loading
-from jaxinfer.engine.buckets import BucketSet
-from jaxinfer.engine.metrics import FlopCount
+from jaxinfer.engine.core.buckets import BucketSet
+from jaxinfer.engine.metrics.summary import FlopCount
 from jaxinfer.engine.request import SamplingParams
-from jaxinfer.engine.speculation import Speculation
+from jaxinfer.engine.spec_decode import loading as spec_loading
+from jaxinfer.engine.spec_decode.speculation import Speculation
 from jaxinfer.model import quantization, sharding
 from jaxinfer.sizing import planner
 from jaxinfer.text.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json

@@ -44,7 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # one output constraint (engine/structured.py); None: unconstrained
+    # one output constraint (engine/structured/params.py); None: unconstrained
     structured_outputs: StructuredOutputsParams | None = None
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's)
     logit_bias: dict[int, float] | None = None
@@ -149,7 +149,7 @@ class PreparedRequest:
     prompt: str | list[int] | None  # as given (text is echoed in outputs)
     prompt_token_ids: list[int]
     params: SamplingParams
-    # the constraint's compiled matcher (engine/grammar.py), copied for each completion
+    # the constraint's compiled matcher (engine/structured/grammar.py), copied for each completion
     grammar: object | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -201,7 +201,7 @@ class Request:
     num_output_placeholders: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
     page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
-    # A hybrid model's sliding-window layers' pages (engine/kv_groups.py), by logical page
+    # A hybrid model's sliding-window layers' pages (engine/core/kv_groups.py), by logical page
     # like page_ids; 0 where a page slid out of every window (given back) or was never held.
     sliding_page_ids: list[int] = dataclasses.field(default_factory=list)
     sliding_first: int = 0  # sliding_page_ids[:sliding_first] are all 0

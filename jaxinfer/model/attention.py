@@ -58,7 +58,7 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]: prefix sums of tokens per request
     num_seqs: jax.Array  # i32[1]: requests in use; the rest of S is padding
     logits_indices: jax.Array  # i32[R]: token rows whose logits are returned
-    # A second page group (engine/kv_groups.py): the sliding-window layers' own pages.
+    # A second page group (engine/core/kv_groups.py): the sliding-window layers' own pages.
     # None without one (the structure is fixed per config, as the KV cache's).
     sliding_slot_mapping: jax.Array | None = None  # i32[T], into the sliding layers' pages
     sliding_page_indices: jax.Array | None = None  # i32[S, pages_per_seq]
@@ -90,7 +90,7 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
     with `shards` devices on the model axis, W is each device's words (its G / shards
     heads, padded to whole words) times `shards`, so a split of W gives whole heads.
     `num_sliding_pages` > 0: the sliding-window layers hold that many pages (their own
-    page group, engine/kv_groups.py), the others `num_pages`."""
+    page group, engine/core/kv_groups.py), the others `num_pages`."""
     stored = kv_storage_dtype(kv_quant.storage_dtype(dtype), backend)
 
     def layer(count: int) -> jax.ShapeDtypeStruct | QuantizedPages:

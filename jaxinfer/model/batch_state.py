@@ -15,7 +15,7 @@ model step's `StepInputs`; `record_samples` keeps each slot's sampled token for
 the next step. `admit` writes the rows of newly placed requests (their sampling
 settings, their pages so far, and the history a penalized request already has),
 a separate program run only in steps that place a request. A model whose sliding-window
-layers have their own page group (engine/kv_groups.py) has a second page table, written
+layers have their own page group (engine/core/kv_groups.py) has a second page table, written
 the same way, from which `expand` builds the sliding layers' slot mapping and page table.
 """
 
@@ -69,7 +69,7 @@ class BatchState:
     bias_ids: jax.Array  # i32[N + 1, B]
     bias_values: jax.Array  # f32[N + 1, B]
     # i32[N + 1, pages_per_seq]: the sliding-window layers' own page ids (a second page
-    # group, engine/kv_groups.py); None without one: the structure is fixed per engine.
+    # group, engine/core/kv_groups.py); None without one: the structure is fixed per engine.
     sliding_page_table: jax.Array | None = None
 
 

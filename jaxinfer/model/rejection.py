@@ -10,7 +10,7 @@ probability min(1, p(x) / q(x)); on rejection the row's token is drawn from the
 normalised max(0, p - q), which never yields x; a row without a proposal (the bonus
 position after all drafts, or a request without drafts) draws from p as the plain
 sampler does. The host keeps the leading accepted drafts and the token after them
-(engine/scheduler.py), so every token emitted is distributed as without speculation.
+(engine/core/scheduler.py), so every token emitted is distributed as without speculation.
 For greedy rows all of this reduces to "accept while the draft equals the target's
 argmax", and the token of a greedy row is that argmax whatever was proposed.
 

@@ -9,7 +9,7 @@ shuts down gracefully: new requests and uploads still arriving get 503, requests
 flight have `shutdown_timeout` seconds to finish, then are aborted with an error,
 and `serve` returns (the CLI exits 0). A second signal aborts them at once (their
 streams still end with the error event and `[DONE]`). Multi-host, process 0 serves
-an engine wrapped by engine/lockstep.py's `Leader` (the other processes follow it);
+an engine wrapped by engine/parallel/lockstep.py's `Leader` (the other processes follow it);
 then an engine failure, or a step running past heartbeat_timeout_s, fails the requests
 and exits the process non-zero (docs/serving.md, "Multi-host serving"). The package
 sits between cli and api.
@@ -33,7 +33,7 @@ import uvicorn
 
 from jaxinfer.api import LLM
 from jaxinfer.config import ServerConfig
-from jaxinfer.engine.lockstep import Leader, Watchdog
+from jaxinfer.engine.parallel.lockstep import Leader, Watchdog
 from jaxinfer.server import http
 from jaxinfer.server.app import ServerState, create_app
 from jaxinfer.server.engine_loop import EngineLoop
@@ -51,7 +51,7 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
           lockstep: Leader | None = None, step_timeout_s: float | None = None) -> None:
     """Serve `llm` until a signal, on `sock` (from `bind`) or a socket bound to the
     config's host and port; `ready(url)` is called once it listens. Multi-host, process
-    0: `lockstep` wraps `llm.engine` (engine/lockstep.py), a step running longer than
+    0: `lockstep` wraps `llm.engine` (engine/parallel/lockstep.py), a step running longer than
     `step_timeout_s` fails the engine, and so does a step that raises; either exits the
     process non-zero FAILURE_GRACE_S later."""
     loop = EngineLoop(lockstep or llm.engine,

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.latency import Histogram
+from jaxinfer.engine.metrics.latency import Histogram
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "jaxinfer:"

@@ -1,7 +1,7 @@
 """Structured outputs over HTTP: OpenAI's `response_format` (`text`, `json_object`,
 `json_schema`) and vLLM's `structured_outputs` object (`json`, `regex`, `choice`,
 `grammar`, `json_object`), in both endpoints, as the request's one output constraint
-(`SamplingParams.structured_outputs`, jaxinfer/engine/structured.py).
+(`SamplingParams.structured_outputs`, jaxinfer/engine/structured/params.py).
 
 Here only the request's shape is checked; the engine compiles the constraint when it
 prepares the request, and a schema or grammar it cannot compile is a ValueError there,

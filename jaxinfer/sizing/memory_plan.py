@@ -53,7 +53,7 @@ class MemoryPlan:
     experts_per_token: int = 0
     total_params: int = 0
     active_params: int = 0  # per token: the dense parameters and k of the E experts
-    # The hybrid KV cache (engine/kv_groups.py): the sliding-window layers' own pages.
+    # The hybrid KV cache (engine/core/kv_groups.py): the sliding-window layers' own pages.
     # page_bytes and num_pages are then the full-attention layers' (and a draft's);
     # 0 pages: one group, every layer keeps every page.
     num_sliding_pages: int = 0  # the trash page included

@@ -1,4 +1,4 @@
-"""How the memory plan splits KV bytes between page groups (engine/kv_groups.py).
+"""How the memory plan splits KV bytes between page groups (engine/core/kv_groups.py).
 
 A model with both sliding-window and full-attention layers (Gemma 3, gpt-oss) gives its
 sliding layers their own pages: a request holds a full-group page for every page of its

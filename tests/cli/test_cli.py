@@ -130,7 +130,8 @@ def test_plan_does_not_import_the_runner():
     assert ["decode_roofline_tokens_per_s", "-"] in [  # no bandwidth given
         line.split() for line in result.stdout.splitlines()]
     assert result.stdout.splitlines()[-1] == (
-        "['jaxinfer.engine', 'jaxinfer.engine.request', 'jaxinfer.engine.structured']")
+        "['jaxinfer.engine', 'jaxinfer.engine.request', 'jaxinfer.engine.structured', "
+        "'jaxinfer.engine.structured.params']")
 
 
 def test_serve_refuses_a_taken_port_before_loading():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
 
 
 def test_decode_buckets_have_one_token_per_slot():

@@ -13,7 +13,7 @@ import pytest
 
 from jaxinfer.cli import aot
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.runner import compile_steps_for
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams, testing
-from jaxinfer.engine.data_parallel import DataParallelEngine
+from jaxinfer.engine.parallel.data_parallel import DataParallelEngine
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96, page_size=8,
                 compilation_cache_dir="")

@@ -14,9 +14,9 @@ from jaxinfer import checkpoint, testing
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import loading
 from jaxinfer.engine import runner as runner_lib
-from jaxinfer.engine.metrics import Metrics, attended_positions
+from jaxinfer.engine.core.scheduler import ScheduledChunk
+from jaxinfer.engine.metrics.summary import Metrics, attended_positions
 from jaxinfer.engine.request import Request, SamplingParams
-from jaxinfer.engine.scheduler import ScheduledChunk
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 

@@ -1,4 +1,4 @@
-"""The host side of structured outputs (engine/grammar.py), on the demo model's
+"""The host side of structured outputs (engine/structured/grammar.py), on the demo model's
 tokenizer: grammars cached by spec, errors naming the field, and each completion's
 matcher fed every token once (preemption recomputes tokens, never re-feeds them)."""
 
@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 
 from jaxinfer.config import DEFAULT_MODEL
-from jaxinfer.engine import grammar
+from jaxinfer.engine.core.scheduler import ScheduledChunk
 from jaxinfer.engine.request import Request, SamplingParams, Status
-from jaxinfer.engine.scheduler import ScheduledChunk
-from jaxinfer.engine.structured import StructuredOutputsParams
+from jaxinfer.engine.structured import StructuredOutputsParams, grammar
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import pytest
 from jaxinfer import checkpoint
 from jaxinfer.checkpoint import heads as heads_checkpoint
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import spec_loading
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.spec_decode import loading as spec_loading
 from tests.engine.test_speculative_engine import (
     DEMO,
     SMALL,

@@ -1,12 +1,12 @@
-"""Two page groups (engine/kv_groups.py): exact pages per group as requests grow, finish,
+"""Two page groups (engine/core/kv_groups.py): exact pages per group as requests grow, finish,
 are preempted and hit the prefix cache."""
 
 from __future__ import annotations
 
-from jaxinfer.engine.kv_groups import SLIDING_KEY, PageGroups
-from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.core.kv_groups import SLIDING_KEY, PageGroups
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
 from jaxinfer.engine.request import Request, SamplingParams
-from jaxinfer.engine.scheduler import Scheduler
 
 PAGE, WINDOW = 8, 32
 

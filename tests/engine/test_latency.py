@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.latency import Histogram, Latency
+from jaxinfer.engine.metrics.latency import Histogram, Latency
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():

@@ -1,4 +1,4 @@
-"""The lockstep protocol of multi-host serving (jaxinfer/engine/lockstep.py) in one
+"""The lockstep protocol of multi-host serving (jaxinfer/engine/parallel/lockstep.py) in one
 process: a Leader records what is added and aborted between its steps; an engine that
 applies the published messages before each of its own steps (`follow`) produces exactly
 the leader's tokens (greedy, seeded, unseeded and n=2 requests, an abort mid-run,
@@ -15,8 +15,8 @@ import pytest
 
 from jaxinfer import SamplingParams, testing
 from jaxinfer.config import EngineConfig, SpeculativeConfig
-from jaxinfer.engine import lockstep
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.parallel import lockstep
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
 

@@ -13,10 +13,10 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine.core.page_pool import ROOT, PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.page_pool import ROOT, PagePool
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import Scheduler
 
 A, B, C = (1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)
 
@@ -65,7 +65,7 @@ def test_match_stops_at_the_first_miss_and_respects_max_pages():
 
 
 _DIGESTS = """
-from jaxinfer.engine.page_pool import page_hash
+from jaxinfer.engine.core.page_pool import page_hash
 cases = [(0, (1, 2, 3, 4), None), (7, (2**31 - 1, 0, 5, 9), None), (3, (4, 4), "adapter-a"),
          (2**40, (), ("lora", 2))]
 print([page_hash(*case) for case in cases])

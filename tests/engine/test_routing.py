@@ -1,4 +1,4 @@
-"""Data-parallel routing (engine/routing.py): which replica a request goes to, and the
+"""Data-parallel routing (engine/parallel/routing.py): which replica a request goes to, and the
 prefix-cache hit rate the rule buys over round-robin on real schedulers and page pools
 (host only: sampled tokens are made up)."""
 
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
+from jaxinfer.engine.parallel.routing import Router, page_chain
 from jaxinfer.engine.request import Request, SamplingParams
-from jaxinfer.engine.routing import Router, page_chain
-from jaxinfer.engine.scheduler import Scheduler
 
 PAGE = 16
 

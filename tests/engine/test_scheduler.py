@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.engine.buckets import Bucket, BucketSet, slot_ladder, token_ladder
-from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.core.buckets import Bucket, BucketSet, slot_ladder, token_ladder
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
 from jaxinfer.engine.request import Request, SamplingParams, Status
-from jaxinfer.engine.scheduler import Scheduler
 
 EOS = 99
 
@@ -234,8 +234,9 @@ def test_host_modules_import_without_jax():
     import subprocess
     import sys
 
-    code = ("import sys, jaxinfer.engine.scheduler, jaxinfer.engine.page_pool, "
-            "jaxinfer.engine.buckets, jaxinfer.engine.request, jaxinfer.engine.metrics; "
+    code = ("import sys, jaxinfer.engine.core.scheduler, jaxinfer.engine.core.page_pool, "
+            "jaxinfer.engine.core.buckets, jaxinfer.engine.request, "
+            "jaxinfer.engine.metrics.summary; "
             "from jaxinfer import SamplingParams; "
             "assert 'jax' not in sys.modules and 'numpy' not in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith(('jax', 'numpy')))")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
+from jaxinfer.engine.core.scheduler import ScheduledChunk
 from jaxinfer.engine.request import Request, SamplingParams, Status
 from jaxinfer.engine.runner import slots as slots_lib
 from jaxinfer.engine.runner.slots import SlotTable
-from jaxinfer.engine.scheduler import ScheduledChunk
 
 N, PAGE = 4, 4
 

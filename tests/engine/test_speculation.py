@@ -8,13 +8,13 @@ import json
 import pytest
 
 from jaxinfer.config import EngineConfig, SpeculativeConfig
-from jaxinfer.engine.buckets import Bucket, BucketSet
-from jaxinfer.engine.page_pool import PagePool
-from jaxinfer.engine.proposer import NgramProposer
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.page_pool import PagePool
+from jaxinfer.engine.core.scheduler import Scheduler
 from jaxinfer.engine.request import Request, SamplingParams, Status
-from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.spec_policy import EXPLORE_EVERY, Policy, expected_tokens
-from jaxinfer.engine.speculation import Speculation
+from jaxinfer.engine.spec_decode.policy import EXPLORE_EVERY, Policy, expected_tokens
+from jaxinfer.engine.spec_decode.proposer import NgramProposer
+from jaxinfer.engine.spec_decode.speculation import Speculation
 
 EOS = 99
 

@@ -1,4 +1,4 @@
-"""StructuredOutputsParams and response_format (engine/structured.py): one constraint per
+"""StructuredOutputsParams and response_format (engine/structured/params.py): one constraint per
 request, errors naming the field, and a spec that keeps what changes the output."""
 
 from __future__ import annotations

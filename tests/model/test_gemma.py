@@ -16,7 +16,7 @@ import torch
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import awq
 from jaxinfer.config import ModelConfig, load_preset
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding, transformer
 

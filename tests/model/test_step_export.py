@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.runner.programs import (
     input_spec,
     mask_spec,

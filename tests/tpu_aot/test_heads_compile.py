@@ -55,7 +55,7 @@ from jaxinfer.checkpoint.heads import random_head
 from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.config.heads import TOP_IDS, HeadConfig, head_config
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import build_metadata, sampling_inputs
 from jaxinfer.engine.runner.programs import (
     input_spec,

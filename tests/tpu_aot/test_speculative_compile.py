@@ -19,7 +19,7 @@ import pytest
 
 from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import sampling_inputs
 from jaxinfer.engine.runner.programs import (
     input_spec,

@@ -15,7 +15,7 @@ import pytest
 
 from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.sizing import accelerators, planner
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=64,

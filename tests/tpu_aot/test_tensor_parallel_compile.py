@@ -27,7 +27,7 @@ import pytest
 
 from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
-from jaxinfer.engine.buckets import BucketSet
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS
 
 TP = 8

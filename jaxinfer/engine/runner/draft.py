@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes

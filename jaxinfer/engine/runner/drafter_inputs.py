@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.inputs import Chunk, SampleRow, sampling_inputs
 from jaxinfer.model.draft import DraftInputs

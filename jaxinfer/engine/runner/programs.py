@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import ScoreSpan
 from jaxinfer.model import sampler, scoring

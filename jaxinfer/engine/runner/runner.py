@@ -45,7 +45,8 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.buckets import Bucket, BucketSet
+from jaxinfer.engine.core.scheduler import StepPlan
 from jaxinfer.engine.runner import results
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
@@ -71,7 +72,6 @@ from jaxinfer.engine.runner.programs import (
 from jaxinfer.engine.runner.results import PromptScores, Sample, StepResult
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import TokenMasks
-from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.model import batch_state, moe, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
@@ -125,7 +125,7 @@ class Runner:
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
         # num_sliding_pages > 0: a second page group, the sliding-window layers' own pages
-        # (engine/kv_groups.py), with its own page table in the batch state.
+        # (engine/core/kv_groups.py), with its own page table in the batch state.
         self.sliding = num_sliding_pages > 0
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.buckets import Bucket
+from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import Request, Status
 from jaxinfer.engine.runner.inputs import (
     PADDING_PARAMS,
@@ -39,7 +39,7 @@ class _Slot:
     request: Request
     preemptions: int  # the request's count when placed: a new count means a new placement
     pages: list[int]  # page ids written to the device row
-    sliding_pages: list[int]  # the same for the sliding group's row (engine/kv_groups.py)
+    sliding_pages: list[int]  # the same for the sliding group's row (engine/core/kv_groups.py)
 
 
 class SlotTable:
@@ -140,7 +140,7 @@ class SlotTable:
         """(slot, index, page id) of the request's pages `ids` up to position `end` that
         the device row (mirrored by `mirror`) lacks; pages past the mirror's common tail
         are rewritten. A 0 in `ids` over a written id is a sliding page given back: the
-        row keeps the old id, which no query reads (engine/kv_groups.py)."""
+        row keeps the old id, which no query reads (engine/core/kv_groups.py)."""
         common = min(len(mirror), len(ids))
         low = max(0, common - TAIL)
         changed = [k for k in range(low, common) if mirror[k] != ids[k] and ids[k]]

@@ -5,7 +5,7 @@ of its bucket (llguidance's layout: bit v % 32 of word v // 32 set where token v
 allowed; model/sampler.py: `constrain`). A step with no constrained request sends
 nothing: it passes an all-ones array kept on the device per bucket width, and the
 device skips the masking under `lax.cond`. A step with some fills their rows from their
-matchers (engine/grammar.py), on llguidance's thread pool when there are many, the
+matchers (engine/structured/grammar.py), on llguidance's thread pool when there are many, the
 others all ones.
 """
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from jaxinfer.engine.core.scheduler import ScheduledChunk
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import ScheduledChunk
 
 
 class NgramProposer:

@@ -25,12 +25,12 @@ from jaxinfer.checkpoint import heads as heads_checkpoint
 from jaxinfer.checkpoint.head_layouts import published_layout
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.config.heads import HEAD_METHODS, HeadConfig, head_config
-from jaxinfer.engine.buckets import BucketSet
-from jaxinfer.engine.proposer import DraftProposer, HeadProposer, NgramProposer
+from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.draft import DraftRunner
 from jaxinfer.engine.runner.heads import HeadRunner
-from jaxinfer.engine.speculation import Speculation
+from jaxinfer.engine.spec_decode.proposer import DraftProposer, HeadProposer, NgramProposer
+from jaxinfer.engine.spec_decode.speculation import Speculation
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import feature_dtype
 from jaxinfer.sizing import planner

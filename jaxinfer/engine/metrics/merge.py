@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
-from jaxinfer.engine.latency import Histogram, Latency
-from jaxinfer.engine.metrics import Metrics
+from jaxinfer.engine.metrics.latency import Histogram, Latency
+from jaxinfer.engine.metrics.summary import Metrics
 
 # kept from replica 0: flags, per-device figures, labels
 KEPT = ("async_scheduling", "memory_bandwidth_gb_per_s", "peak_flops_source", "bound",

@@ -4,14 +4,14 @@ Plain Python, no jax.
 `Speculation.add_drafts(scheduler, plan)` runs between scheduling and the device step.
 Only a step whose every chunk is a decode (one token, the request's last; no prompt
 chunk, no prompt scoring) speculates: such steps run in verify buckets (Q = K + 1
-positions a request, engine/buckets.py); a step with prompt chunks runs as it would
+positions a request, engine/core/buckets.py); a step with prompt chunks runs as it would
 without speculation. For the others the policy (`Policy`) picks k, drafts are asked of
-the proposer (engine/proposer.py), pages reserved for them (`Scheduler.reserve_drafts`,
+the proposer (engine/spec_decode/proposer.py), pages reserved for them (`Scheduler.reserve_drafts`,
 never preempting) and put in the chunks; the verify step's samples then decide
 (`Scheduler.update` keeps the accepted drafts and the target's token after them).
 `record()` feeds back what a step took and accepted.
 
-The policy (engine/spec_policy.py) picks k from measured step times and acceptance.
+The policy (engine/spec_decode/policy.py) picks k from measured step times and acceptance.
 `disable_by_batch_size` (vLLM's) is a fixed cut-off checked first: no speculation in a
 step of that many requests or more.
 """
@@ -23,10 +23,10 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from jaxinfer.engine.proposer import DraftProposer, HeadProposer, NgramProposer
+from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import Scheduler, StepPlan
-from jaxinfer.engine.spec_policy import Policy
+from jaxinfer.engine.spec_decode.policy import Policy
+from jaxinfer.engine.spec_decode.proposer import DraftProposer, HeadProposer, NgramProposer
 
 SKIP_REASONS = ("prompt_chunks", "batch_size", "cost", "no_match", "limit", "pages",
                 "structured_outputs", "in_flight")
@@ -120,7 +120,7 @@ class Speculation:
                            scheduler.max_model_len - c.request.num_tokens) - 1)
                 for c in chunks]
         # A constrained request never speculates: its drafts would need a mask per
-        # position, each after the drafts before it (engine/grammar.py).
+        # position, each after the drafts before it (engine/structured/grammar.py).
         constrained = [c.request.params.structured_outputs is not None for c in chunks]
         self.stats.skipped["structured_outputs"] += sum(constrained)
         room = [-1 if c else r for c, r in zip(constrained, room, strict=True)]

@@ -40,7 +40,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from jaxinfer.engine.latency import Latency
+from jaxinfer.engine.metrics.latency import Latency
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,11 +113,11 @@ class Metrics:
     flop_count: FlopCount | None = None  # None: no MFU
     model_flops: int = 0  # what the steps' real tokens needed (FlopCount)
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
-    # speculative decoding's counts given the step seconds (engine/speculation.py)
+    # speculative decoding's counts given the step seconds (engine/spec_decode/speculation.py)
     speculation: Callable[[float], dict[str, object]] | None = None
     # a mixture of experts' tokens routed per expert, by MoE decoder layer, read live
     expert_tokens: Callable[[], dict[int, list[int]]] | None = None
-    # pages in use and free per page group, read live (engine/kv_groups.py)
+    # pages in use and free per page group, read live (engine/core/kv_groups.py)
     page_groups: Callable[[], dict[str, dict[str, int]]] | None = None
     # structured outputs: (seconds, steps) the host spent filling token masks, read live
     # (runner/token_masks.py)

@@ -17,7 +17,7 @@ mode up to `max_num_seqs` requests form a batch (admitted as the token budget
 allows) and no other request starts until the whole batch has finished: the
 baseline the benchmarks compare against.
 
-Speculative decoding (engine/speculation.py) adds draft tokens to a decode step that
+Speculative decoding (engine/spec_decode/speculation.py) adds draft tokens to a decode step that
 has been scheduled: `reserve_drafts` takes pages for them (never preempting),
 `with_drafts` puts them in the chunks, and `update` keeps the drafts the target's
 samples agree with plus the target's own next token, rolls the request's computed
@@ -25,7 +25,7 @@ length back to the accepted tokens (so only they are registered in the prefix ca
 and frees the pages that held only rejected ones.
 
 Pages are reserved, freed, registered and matched through `PageGroups`
-(engine/kv_groups.py): one group, or with a model of sliding-window and full-attention
+(engine/core/kv_groups.py): one group, or with a model of sliding-window and full-attention
 layers a second one whose pages are given back as they slide out of every window;
 admission and preemption then go by both groups' free pages.
 
@@ -47,8 +47,8 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxinfer.config import SCHEDULERS
-from jaxinfer.engine.kv_groups import PageGroups
-from jaxinfer.engine.page_pool import ROOT, PagePool
+from jaxinfer.engine.core.kv_groups import PageGroups
+from jaxinfer.engine.core.page_pool import ROOT, PagePool
 from jaxinfer.engine.request import Request, Status
 
 CACHE_STATS = ("prompt_tokens", "hit_tokens", "miss_tokens_no_shared_prefix",
@@ -124,7 +124,7 @@ class Scheduler:
             raise ValueError(f"scheduler={policy!r} must be one of {SCHEDULERS}")
         self.pool = pool  # the full group's (every layer's, without a sliding group)
         self.pages = PageGroups(pool, page_size=page_size, sliding_pool=sliding_pool,
-                                window=window)  # engine/kv_groups.py
+                                window=window)  # engine/core/kv_groups.py
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -182,7 +182,7 @@ class Scheduler:
     def _awaits_token(request: Request) -> bool:
         """Whether a constrained request (structured outputs) has a token in flight: its
         next token's mask needs that one on the host, so it sits out this step (the
-        others do not wait; engine/grammar.py)."""
+        others do not wait; engine/structured/grammar.py)."""
         return (request.num_output_placeholders > 0
                 and request.params.structured_outputs is not None)
 

@@ -4,12 +4,12 @@ llguidance's grammar compiler is native code that recurses over a grammar's nest
 a grammar nested deeply enough overflows its stack and kills the process it runs in,
 and turning a large GBNF grammar into Lark is pure Python that can run for minutes.
 So no constraint reaches the compiler in the engine's process before a child process
-(`python -m jaxinfer.engine.grammar_process`) has compiled it, built a matcher and
+(`python -m jaxinfer.engine.structured.compile_process`) has compiled it, built a matcher and
 computed its first mask, with `COMPILE_STACK_BYTES` of stack, within
 `COMPILE_TIMEOUT_S`. A child that crashes or runs out of time is a ValueError naming
 the field (the request's 400), and a fresh child serves the next constraint. The
 engine's process then builds its own matcher from the checked grammar on a thread with
-`NATIVE_STACK_BYTES` (engine/grammar.py), eight times the child's stack: the same
+`NATIVE_STACK_BYTES` (engine/structured/grammar.py), eight times the child's stack: the same
 compile, with room to spare. Limits and where each step runs:
 docs/structured_outputs.md, "Limits".
 """
@@ -145,7 +145,7 @@ class _Child:
     def _start(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "jaxinfer.engine.grammar_process", *self._args],
+                [sys.executable, "-m", "jaxinfer.engine.structured.compile_process", *self._args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 start_new_session=True)  # a terminal's Ctrl-C goes to the server alone
             ready, _, _ = select.select([self._process.stdout], [], [], START_TIMEOUT_S)

@@ -31,7 +31,7 @@ request then holds those sliding pages and 0 before them.
 from __future__ import annotations
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.page_pool import ROOT, TRASH_PAGE, PagePool
+from jaxinfer.engine.core.page_pool import ROOT, TRASH_PAGE, PagePool
 from jaxinfer.engine.request import Request
 
 SLIDING_KEY = "sliding"  # the extra key of a sliding page's cache entry

@@ -1,10 +1,10 @@
-"""Structured outputs on the host: a request's constraint (engine/structured.py) compiled
+"""Structured outputs on the host: a request's constraint (engine/structured/params.py) compiled
 into an llguidance grammar, and one matcher per constrained completion. No jax, no
 numpy: the step's bitmask is filled in the runner (runner/token_masks.py) from the
 matchers this module hands it.
 
 A constraint is checked when its request is prepared, off the engine thread: within the
-size limits here, then compiled in a child process (engine/grammar_process.py), then
+size limits here, then compiled in a child process (engine/structured/compile_process.py), then
 built into a matcher here on a thread with a large stack. That matcher is the
 constraint's prototype, cached by `StructuredOutputsParams.spec()`; each completion
 (n > 1: each of them) gets a copy of it, which shares its compiled grammar. A
@@ -28,10 +28,9 @@ from typing import Any
 
 import llguidance
 
-from jaxinfer.engine import grammar_process
-from jaxinfer.engine.grammar_process import first_line
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.structured import StructuredOutputsParams
+from jaxinfer.engine.structured import StructuredOutputsParams, compile_process
+from jaxinfer.engine.structured.compile_process import first_line
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 64  # prototype matchers kept (distinct constraints)
@@ -46,9 +45,9 @@ class GrammarCompiler:
                  eos_token_id: int | None) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_path.read_text(),
                                                 n_vocab=vocab_size, eos_token=eos_token_id)
-        self.processes = grammar_process.GrammarProcesses(str(tokenizer_path), vocab_size,
+        self.processes = compile_process.GrammarProcesses(str(tokenizer_path), vocab_size,
                                                           eos_token_id)
-        self._native = _StackThread(grammar_process.NATIVE_STACK_BYTES)
+        self._native = _StackThread(compile_process.NATIVE_STACK_BYTES)
         self._cache: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = (
             collections.OrderedDict())
         self._lock = threading.Lock()  # preparing threads share the cache
@@ -68,7 +67,7 @@ class GrammarCompiler:
             _check_size(params, text)
             grammar = self.processes.compile(kind, text)
             matcher = self._native.run(llguidance.LLMatcher, self.tokenizer, grammar,
-                                       log_level=0, limits=grammar_process.limits())
+                                       log_level=0, limits=compile_process.limits())
             if matcher.is_error():
                 raise ValueError(first_line(matcher.get_error()))
         except ValueError as e:

@@ -4,7 +4,7 @@ Replica r is a whole `Engine` on row r of the ("data", "model") device mesh
 (model/sharding.py): its own params copy (read from the checkpoint once, then copied
 device to device), KV pool, scheduler, batch state and compiled steps. A request lives
 on one replica from `add_prepared` to `release`; the `Router` picks it
-(engine/routing.py). `step()` steps every replica with work, in turn: each step
+(engine/parallel/routing.py). `step()` steps every replica with work, in turn: each step
 dispatches its next device step before reading back its last, so every replica's
 devices stay busy while the host serves the others. docs/architecture.md ("Data
 parallelism") says why one engine per replica and not one program over the whole mesh.
@@ -12,7 +12,7 @@ parallelism") says why one engine per replica and not one program over the whole
 Seeds: requests that give none get one drawn here from `EngineConfig.seed`, in the
 order they are added, as a single engine draws them, so a request samples the same
 tokens whichever replica runs it. Metrics: `metrics.summary()` gives totals over the
-replicas and each replica's own summary under "replicas" (metrics_merge.py).
+replicas and each replica's own summary under "replicas" (metrics/merge.py).
 
 Multi-host jobs run one replica (data_parallel_size=1) over all their processes'
 devices: several replicas each spanning hosts are not built.
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import loading
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.metrics_merge import ReplicaMetrics
+from jaxinfer.engine.metrics.merge import ReplicaMetrics
+from jaxinfer.engine.parallel.routing import Router
 from jaxinfer.engine.request import PreparedRequest, RequestOutput, SamplingParams
-from jaxinfer.engine.routing import Router
 
 log = logging.getLogger(__name__)
 
