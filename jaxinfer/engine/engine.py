@@ -30,7 +30,12 @@ from jaxinfer.engine.core import kv_groups
 from jaxinfer.engine.core.page_pool import PagePool
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.metrics.summary import Metrics
-from jaxinfer.engine.output import TextState, output_logprobs, record_prompt_scores
+from jaxinfer.engine.output import (
+    TextState,
+    copy_into,
+    output_logprobs,
+    record_prompt_scores,
+)
 from jaxinfer.engine.request import (
     CompletionOutput,
     PreparedRequest,
@@ -368,28 +373,11 @@ class Engine:
 
     def _sync(self, request_id: str) -> RequestOutput:
         """Copy the completions' state into the prompt's RequestOutput, with deltas."""
-        out = self._outputs[request_id]
-        first = self._requests[request_id][0]
-        if out.prompt_logprobs is None and first.prompt_logprobs is not None and not (
-                first.scoring_prompt):
-            out.prompt_logprobs = [None, *first.prompt_logprobs]
-        for request, completion in zip(self._requests[request_id], out.outputs, strict=True):
-            text = self._texts[request.request_id]
-            if request.finished and completion.finish_reason is None:
-                text.finish()
-                self.metrics.latency.finish(request.request_id, request.finish_reason,
-                                            time.perf_counter())
-            done = len(completion.token_ids)  # only what this step added is copied
-            completion.delta_token_ids = request.output_token_ids[done:]
-            completion.token_ids.extend(completion.delta_token_ids)
-            completion.delta_text = text.delta(request.finished)
-            completion.text += completion.delta_text
-            completion.finish_reason = request.finish_reason
-            out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens or 0)
-            completion.stop_reason = request.stop_reason
-            if completion.logprobs is not None:
-                completion.logprobs.extend(request.output_logprobs[done:])
-        return out
+        def finished(request: Request) -> None:
+            self.metrics.latency.finish(request.request_id, request.finish_reason,
+                                        time.perf_counter())
+        return copy_into(self._outputs[request_id], self._requests[request_id],
+                         self._texts, finished)
 
 
 @dataclasses.dataclass(frozen=True)

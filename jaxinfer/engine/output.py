@@ -1,4 +1,5 @@
-"""Generated text of one request: incremental detokenization and stop strings.
+"""Generated text of one request: incremental detokenization and stop strings; and a
+prompt's RequestOutput brought up to date from its completions (`copy_into`).
 
 A stop string ends the request and is not part of its text. While streaming,
 the last `len(longest stop) - 1` characters are held back, since they may be
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxinfer.engine.request import Logprob
+from jaxinfer.engine.request import Logprob, Request, RequestOutput
 from jaxinfer.text.tokenizer import IncrementalDetokenizer
 
 
@@ -94,3 +95,29 @@ def record_prompt_scores(chunks: Sequence, prompt_scores: Sequence,
                     strict=True), start=1):
                 entry.setdefault(top, Logprob(logprob, rank, token_text(top)))
             request.prompt_logprobs.append(entry)
+
+
+def copy_into(out: RequestOutput, requests: Sequence[Request], texts: dict[str, TextState],
+              finished: Callable[[Request], None]) -> RequestOutput:
+    """Copy a prompt's completions (`requests`) into its RequestOutput, with this step's
+    deltas; `finished` is called once for each completion that ended since."""
+    first = requests[0]
+    if out.prompt_logprobs is None and first.prompt_logprobs is not None and not (
+            first.scoring_prompt):
+        out.prompt_logprobs = [None, *first.prompt_logprobs]
+    for request, completion in zip(requests, out.outputs, strict=True):
+        text = texts[request.request_id]
+        if request.finished and completion.finish_reason is None:
+            text.finish()
+            finished(request)
+        done = len(completion.token_ids)  # only what this step added is copied
+        completion.delta_token_ids = request.output_token_ids[done:]
+        completion.token_ids.extend(completion.delta_token_ids)
+        completion.delta_text = text.delta(request.finished)
+        completion.text += completion.delta_text
+        completion.finish_reason = request.finish_reason
+        out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens or 0)
+        completion.stop_reason = request.stop_reason
+        if completion.logprobs is not None:
+            completion.logprobs.extend(request.output_logprobs[done:])
+    return out
