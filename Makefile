@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # libtpu's ahead-of-time compiler lives in its own venv, so the CPU suite never probes
-# for a TPU (see tests/tpu_aot/conftest.py and jaxinfer/cli/aot.py).
+# for a TPU (see tests/tpu_aot/conftest.py and jaxinfer/aot.py).
 TPU_VENV := .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
 TPU_AOT := $(TPU_PY) -m pytest tests/tpu_aot --confcutdir=tests/tpu_aot -p no:cacheprovider

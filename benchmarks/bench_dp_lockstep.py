@@ -8,7 +8,7 @@ DP replicas of a model (each with its own scheduler and KV pool) can run as
     program on its own chips.
 
 No TPU is used. Device time per bucket comes from libtpu's ahead-of-time compiler
-(`jaxinfer/cli/aot.py`): every bucket of the BucketSet is compiled for one chip (TP 1)
+(`jaxinfer/aot.py`): every bucket of the BucketSet is compiled for one chip (TP 1)
 and its `cost_analysis()` gives FLOPs and bytes accessed; a bucket's time is the
 roofline max(bytes / HBM bandwidth, FLOPs / peak bf16) at the chip's published figures
 (`jaxinfer/sizing/accelerators.py`): an estimate, not a measurement. The step is
@@ -204,7 +204,7 @@ def compile_rows(cfg: Any, device: str, settings: Any, chosen: list[Bucket]
                  ) -> list[dict[str, Any]]:
     """aot.bucket_row (per-chip memory, FLOPs, bytes accessed) of each bucket's step
     compiled for one chip of `device`."""
-    from jaxinfer.cli import aot
+    from jaxinfer import aot
     from jaxinfer.model import sharding
     from jaxinfer.sizing import accelerators
 
@@ -268,7 +268,7 @@ def compiled_figures(cfg: Any, settings: Any, device: str, chosen: list[Bucket],
     """Per-bucket figures at `target` layers from compiles at layers // 2 and `layers`,
     each with the KV pool of the `target`-layer model's plan scaled to its layers (the
     same number of pages), and the largest bucket's compiled memory at both."""
-    from jaxinfer.cli import aot
+    from jaxinfer import aot
     from jaxinfer.sizing import accelerators
 
     full = aot.plan_for(dataclasses.replace(cfg, num_layers=target),
@@ -365,7 +365,7 @@ def bucket_figures(cfg: Any, buckets: BucketSet) -> dict[str, Any]:
     if FLAGS.costs_in:
         with open(FLAGS.costs_in) as f:
             return json.load(f)
-    from jaxinfer.cli import aot
+    from jaxinfer import aot
 
     aot.tpu_compile_environment()
     settings = aot.Settings(max_num_seqs=FLAGS.max_num_seqs,

@@ -15,7 +15,7 @@ import json
 
 from absl import app, flags
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 
 aot.tpu_compile_environment()
 

@@ -217,7 +217,8 @@ def audit() -> None:
 
 
 def aot() -> None:
-    from jaxinfer.cli import aot as aot_lib
+    from jaxinfer import aot as aot_lib
+    from jaxinfer.cli import aot_table
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
     cfg = _model_config()
@@ -239,5 +240,5 @@ def aot() -> None:
     if FLAGS.format == "json":
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:
-        sys.stdout.write(aot_lib.format_table(report) + "\n")
+        sys.stdout.write(aot_table.format_table(report) + "\n")
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.runner import compile_steps_for

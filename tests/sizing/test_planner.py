@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from jaxinfer import checkpoint, testing
-from jaxinfer.cli import aot
+from jaxinfer import aot, checkpoint, testing
 from jaxinfer.config import EngineConfig, ModelConfig, load_preset
 from jaxinfer.engine import runner
 from jaxinfer.engine.engine import Engine

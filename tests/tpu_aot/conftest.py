@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 
 aot.tpu_compile_environment()
 

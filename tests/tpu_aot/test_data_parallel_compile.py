@@ -21,7 +21,7 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS
 from jaxinfer.sizing import accelerators, layout

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import load_preset
 
 DEVICE = "v6e-1"

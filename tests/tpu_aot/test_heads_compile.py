@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import aot
 from jaxinfer.checkpoint.heads import random_head
-from jaxinfer.cli import aot
 from jaxinfer.config import load_preset
 from jaxinfer.config.heads import TOP_IDS, HeadConfig, head_config
 from jaxinfer.engine.core.buckets import BucketSet

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import sampling_inputs

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.sizing import accelerators, planner

@@ -25,7 +25,7 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.cli import aot
+from jaxinfer import aot
 from jaxinfer.config import load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import NUM_SAMPLE_POSITIONS

@@ -7,7 +7,7 @@ model/batch_state.py), `input_spec` gives a bucket's delta shapes, `state_spec`
 the state's,
 `step_shardings` the shardings of params, KV cache and inputs on a mesh, and
 `compile_steps_for` compiles the step ahead of time from specs alone (for a TPU
-topology from any host: jaxinfer/cli/aot.py).
+topology from any host: jaxinfer/aot.py).
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Ahead-of-time compilation of the engine's step for a TPU slice, from any machine.
 
-`compile_report(cfg, device="v5e-8", ...)` answers "will this model and these engine
-settings fit and compile on that TPU slice?" without a TPU: libtpu's compiler runs on
-the host (`pip install "jax[tpu]"`; JAX started with `jax_platforms=cpu` and
-`TPU_SKIP_MDS_QUERY=1`, see `tpu_compile_environment`). TPU code is compiled here, never
-run. The step is split over `tensor_parallel_size` chips of the slice (default: all of
-them when the model splits over that many, `sharding.check_split`, else one, and the
-report says why), on a 1-D mesh over the topology's abstract devices, with the
-engine's shardings (`runner.compile_steps_for`: params by the spec table, KV pages by
-head). With `data_parallel_size` the slice holds replicas of `tensor_parallel_size`
-chips each (replica r on chips [r * TP, (r + 1) * TP)); every replica runs the same
-program on its own chips, so replica 0 and the last are compiled, each on a mesh of
-its own chips, and the report says where each executable's inputs live. It sizes each
-chip's KV page pool with the memory planner as the engine would, builds every parameter,
-the KV cache and each bucket's inputs as `ShapeDtypeStruct`s (nothing is allocated),
-compiles the step for every bucket with the Mosaic attention
-kernel and the chip's KV storage dtype (bf16 pages stay bf16; the CPU's uint16 storage
-is never used), and reports per bucket and per chip (an SPMD executable's
-`memory_analysis()` and `cost_analysis()` describe one device's program) the compiled
-memory, FLOPs and bytes accessed, the roofline time they imply at the chip's published
-peak FLOP/s and HBM bandwidth (an estimate, not a measurement), and the collectives in
-the TPU-compiled HLO (all-reduce, all-gather, ...; the all-reduces between chips are
-not in the roofline).
-
-XLA cannot see inside a Mosaic kernel; the attention kernel gives it a `pl.CostEstimate`
-(every request of the bucket at max_model_len: a bound), which `cost_analysis()` sums
-with the rest of the step. A configuration that does not fit is reported with the
-planner's or the compiler's own message.
+`compile_report(cfg, device="v5e-8", ...)` says whether a model and engine settings fit
+and compile on a TPU slice, with libtpu's compiler on the host: compiled, never run.
+How it plans, shards and reports: docs/aot.md.
 """
 
 from __future__ import annotations
@@ -48,7 +24,6 @@ from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
 from jaxinfer.sizing import accelerators, planner
-from jaxinfer.sizing.accelerators import GIB
 
 # The entry's 5-D parameters: the KV pages (named kv_cache_* on one chip, param.* under
 # SPMD), as one chip holds them.
@@ -314,47 +289,6 @@ def placed_on(compiled: jax.stages.Compiled) -> list[int]:
     """The ids of the devices the executable's inputs live on, as it was compiled."""
     shardings = jax.tree.leaves(compiled.input_shardings)
     return sorted({device.id for s in shardings for device in s.device_set})
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The per-bucket table `python -m jaxinfer aot` prints: one block per replica
-    compiled."""
-    head = (f"{report['device']} ({report['topology']}, {report['layout']}: compiled for "
-            f"{report['tensor_parallel_size']} chips a replica, {report['chips_used']} of "
-            f"{report['chips_in_slice']} used; figures per chip; usable HBM "
-            f"{report['chip_usable_hbm_bytes'] / GIB:.2f} GiB a chip)")
-    if report.get("tensor_parallel_note"):
-        head += f"\n{report['tensor_parallel_note']}"
-    if "plan" not in report:
-        return f"{head}\ndoes not fit: {report['error']}"
-    plan = report["plan"]
-    rows = [r for rep in report["replicas"] for r in rep["buckets"] if r["compiled"]]
-    worst = max((r["args_vs_plan"] for r in rows), default=0)
-    lines = [head, f"plan per chip: weights {plan['weight_gb']} GB + KV pool "
-             f"{plan['kv_cache_gb']} GB ({plan['num_pages']} pages, {plan['kv_tokens']} "
-             f"tokens); compiled arguments within {100 * worst:.2f}% of it",
-             "roofline = max(FLOPs / peak, bytes / HBM bandwidth): an ESTIMATE, attention "
-             "counted at max_model_len, collectives not counted; AR / AG: all-reduces / "
-             "all-gathers in the compiled HLO"]
-    for replica in report["replicas"]:
-        lines.append(f"replica {replica['replica']}: chips {replica['chips']}")
-        lines += _bucket_lines(replica["buckets"])
-    return "\n".join(lines)
-
-
-def _bucket_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
-             f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} {'AR':>4} {'AG':>3} bound"]
-    for r in rows:
-        if not r["compiled"]:
-            lines.append(f"{r['tokens']:>6} {r['slots']:>5} does not compile: {r['error']}")
-            continue
-        lines.append(f"{r['tokens']:>6} {r['slots']:>5} {r['argument_bytes'] / 1e9:8.3f} "
-                     f"{r['temp_bytes'] / 1e9:8.3f} {100 * r['usable_hbm_fraction']:6.1f} "
-                     f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:9.2f} "
-                     f"{r['roofline_estimate_ms']:11.3f} {r['collectives']['all-reduce']:>4} "
-                     f"{r['collectives']['all-gather']:>3} {r['bound']}")
-    return lines
 
 
 def _first_lines(message: str, lines: int = 3) -> str:
