@@ -1,5 +1,5 @@
-"""Per-step latency of the multi-host server's lockstep channel (jaxinfer/lockstep_channel.py)
-on 127.0.0.1, beside the device-collective alternative.
+"""Per-step latency of the multi-host server's lockstep channel
+(jaxinfer/engine/parallel/channel.py) on 127.0.0.1, beside the device-collective alternative.
 
 Starts two processes joined by jax.distributed on 127.0.0.1 (one CPU device each). For
 `--steps` steps process 0 publishes a message the size of a step that adds one request
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
                                process_id=args.process, cluster_detection_method="deactivate")
     from jax._src.distributed import global_state
 
-    from jaxinfer.lockstep_channel import KeyValueChannel
+    from jaxinfer.engine.parallel.channel import KeyValueChannel
 
     channel, message = KeyValueChannel(), _message(args.prompt_tokens)
     publish_seconds = []

@@ -22,7 +22,7 @@ and page pool (loading.py), the batch input file (batch.py), the prompt and samp
 (the CLI's generate). The server, whose requests reach process 0 only, runs the same
 engine on every process too: process 0 publishes what it added and aborted before each
 step, the others apply it before theirs (jaxinfer/engine/parallel/lockstep.py, over the
-coordination service's key-value store: jaxinfer/lockstep_channel.py; docs/serving.md,
+coordination service's key-value store: jaxinfer/engine/parallel/channel.py; docs/serving.md,
 "Multi-host serving").
 
 Outputs: only process 0 (`is_primary`) writes result files and prints results; the

@@ -150,7 +150,7 @@ def serve() -> None:
 
     leader = None
     if multihost:
-        from jaxinfer.lockstep_channel import KeyValueChannel
+        from jaxinfer.engine.parallel.channel import KeyValueChannel
 
         leader = lockstep.Leader(llm.engine, KeyValueChannel())
     server.serve(llm, config, sock, model_name=name, ready=ready, lockstep=leader,
@@ -164,7 +164,7 @@ def _follow() -> None:
     that fails or hangs past --heartbeat_timeout_s exits non-zero at once (JAX's
     shutdown barrier would wait for the peer that is gone)."""
     from jaxinfer.engine.parallel import lockstep
-    from jaxinfer.lockstep_channel import KeyValueChannel
+    from jaxinfer.engine.parallel.channel import KeyValueChannel
 
     signal.signal(signal.SIGTERM, lambda sig, frame: logging.info(
         "follower: SIGTERM ignored; process 0 drains and then stops every process"))

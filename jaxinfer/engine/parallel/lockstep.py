@@ -7,7 +7,7 @@ devices, and each process computes the step's plan and host inputs itself
 (jaxinfer/distributed.py). So process 0's engine is wrapped in a `Leader`, which
 records each change made to the engine between steps (a request added with its
 PreparedRequest, priority and id; an abort) and, right before its t-th `step()`,
-publishes them as message t on the channel (jaxinfer/lockstep_channel.py). The other
+publishes them as message t on the channel (jaxinfer/engine/parallel/channel.py). The other
 processes run `follow`: read message t, apply its operations in the same order, call
 `step()`, discard the outputs (releasing finished requests so nothing accumulates),
 read message t + 1. `close()` publishes a last message marked shutdown, after which
