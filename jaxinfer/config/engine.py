@@ -157,7 +157,8 @@ class EngineConfig:
     strict_compile: bool = setting(False, "raise on any compilation after warm-up")
     compilation_cache_dir: str | None = setting(
         None, "directory of JAX's persistent compilation cache, one per process (set by "
-        "LLM and the CLI, not by Engine); default: ~/.cache/jaxinfer/xla; empty: off")
+        "LLM and the CLI, not by Engine); default: $JAX_COMPILATION_CACHE_DIR, else "
+        "~/.cache/jaxinfer/xla; empty: off")
     seed: int = setting(0, "draws the seeds of requests that give none")
     enable_prefix_caching: bool = setting(True, "reuse KV pages of shared prompt prefixes")
     disable_hybrid_kv_cache_manager: bool = setting(

@@ -33,10 +33,18 @@ print(json.dumps({"hits": count("cache_hits"), "misses": count("cache_misses"),
 """
 
 
+def _env_without_cache() -> dict[str, str]:
+    """The run's environment less its compilation cache (tests/conftest.py): each start
+    here names its own."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def _start(model_dir, cache_dir):
     result = subprocess.run([sys.executable, "-c", START, str(model_dir), str(cache_dir)],
                             capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                            env=_env_without_cache())
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 

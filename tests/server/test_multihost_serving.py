@@ -50,9 +50,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """One compilation cache for the module's servers: later starts load, not compile."""
-    return tmp_path_factory.mktemp("xla-cache")
+def cache_dir() -> pathlib.Path:
+    """The run's compilation cache (tests/conftest.py), passed as a flag: later starts
+    load, not compile."""
+    return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def _free_port() -> int:

@@ -2,8 +2,9 @@
 
 - `use_compilation_cache(path)`: JAX's persistent compilation cache is one setting
   per process (`jax.config`), so it is set by one explicit call from the faces
-  (`LLM`, the CLI), never by an `Engine`; asking again for the same directory is a
-  no-op, asking for another one is an error (JAX would silently keep the first).
+  (`LLM`, the CLI), never by an `Engine`; asking again for the same directory (or for
+  none) is a no-op, asking for another one is an error (JAX would silently keep the
+  first).
 - `memory_bandwidth()`: the read bandwidth of a device, probed once per process and
   device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
 - `device_chip()`: the chip (sizing/accelerators.py) JAX's `device_kind` names, if any.
@@ -32,14 +33,15 @@ DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "jaxinfer" / "xla"
 
 
 def use_compilation_cache(path: str | None) -> str | None:
-    """Point JAX's persistent compilation cache at `path` (None: ~/.cache/jaxinfer/xla;
-    "": leave JAX's setting alone) and cache every entry, however fast to compile.
-    Returns the directory in use. Raises ValueError if this process already caches in
-    another directory, as JAX keeps the first one it used."""
+    """Point JAX's persistent compilation cache at `path` and cache every entry, however
+    fast to compile. None: the directory this process already uses (JAX's own setting,
+    JAX_COMPILATION_CACHE_DIR included), else ~/.cache/jaxinfer/xla; "": leave JAX's
+    setting alone. Returns the directory in use. Raises ValueError if this process
+    already caches in another directory, as JAX keeps the first one it used."""
     if path == "":
         return jax.config.jax_compilation_cache_dir
-    wanted = str(pathlib.Path(path or DEFAULT_CACHE_DIR).expanduser().resolve())
     current = jax.config.jax_compilation_cache_dir
+    wanted = str(pathlib.Path(path or current or DEFAULT_CACHE_DIR).expanduser().resolve())
     if current is not None and str(pathlib.Path(current).expanduser().resolve()) != wanted:
         raise ValueError(f"compilation_cache_dir={wanted!r}: this process already caches "
                          f"compilations in {current!r} (JAX's cache is one per process)")
