@@ -55,7 +55,7 @@ def _target(cfg, feature_layers, buckets, num_pages):
                                        dtype=jnp.dtype(FLAGS.dtype)))(jax.random.key(0))
     return Runner(served, params, num_pages=num_pages, page_size=PAGE_SIZE,
                   max_model_len=FLAGS.max_model_len, buckets=buckets, kv_dtype=FLAGS.dtype,
-                  draft_probs=True)
+                  uses_draft_probs=True)
 
 
 def _heads(method, cfg, runner, buckets, num_pages, **shape):

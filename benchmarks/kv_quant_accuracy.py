@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from jaxinfer import testing
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import Chunk
@@ -62,7 +63,7 @@ def engine_for(kv_dtype: str, length: int) -> Engine:
 def window_nll(engine: Engine, window: list[int]) -> np.ndarray:
     """f64[len - 1]: -log p(token i + 1 | tokens <= i) over one window."""
     pages = list(range(1, -(-len(window) // PAGE_SIZE) + 1))
-    logits = engine.runner.logits([Chunk(window, 0, pages)]).astype(np.float64)
+    logits = testing.logits(engine.runner, [Chunk(window, 0, pages)]).astype(np.float64)
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -logp[np.arange(len(window) - 1), window[1:]]

@@ -1,16 +1,32 @@
-"""Test doubles shared by tests/ and benchmarks/: tiny random HF checkpoints.
+"""Test doubles shared by tests/ and benchmarks/: tiny random HF checkpoints, and the
+reference paths and state views the tests check the serving code with.
 
 `make_hf_model` builds a tiny model of a family with `transformers` (random
 init, fixed seed, every weight perturbed so norms and biases matter) and saves
 it with `save_pretrained`: the ground truth our forward pass is checked
 against. Needs the `test` extra (torch, transformers); imported lazily.
+`logits` runs a runner's forward pass alone (the parity tests' side of the
+comparison), `dense_reference` a MoE layer the slow way; serving never calls them
+(docs/testing.md).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.core.page_pool import PagePool
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.runner import Chunk, Runner
+    from jaxinfer.engine.runner.inputs import SampleRow
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 256, 257, 258 after the bytes
 TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -142,3 +158,97 @@ def make_random_model(path: str | os.PathLike, preset: Any, *, seed: int = 0,
     Tokenizer(models.WordLevel(vocab, unk_token="<0>")).save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<0>"}))
     return root
+
+
+# ---- references and state views the tests compare the serving code with -----------
+
+
+def logits(runner: Runner, chunks: Sequence[Chunk]) -> np.ndarray:
+    """Write the chunks' K/V into a Runner's cache and return f32[tokens, V] logits for
+    every real token: the forward pass alone, compiled per shape outside the bucket set
+    (the parity tests' side of the comparison; a runner with one page group)."""
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine.runner.inputs import build_metadata, next_power_of_two
+
+    if runner.sliding:  # build_metadata writes one page group's metadata
+        raise NotImplementedError("logits() of a runner with a sliding page group")
+    total = sum(len(c.token_ids) for c in chunks)
+    token_ids, md = build_metadata(chunks, page_size=runner.page_size,
+                                   pages_per_seq=runner.pages_per_seq, all_logits=True,
+                                   num_tokens=next_power_of_two(total, 8),
+                                   num_slots=next_power_of_two(len(chunks)))
+    with jax.set_mesh(runner.mesh):
+        runner.kv_cache, out = _forward(runner)(runner.params, runner.kv_cache, token_ids, md)
+    return np.asarray(out)[:total]
+
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitted
+
+
+def _forward(runner: Runner) -> jax.stages.Wrapped:
+    """The model's forward pass jitted once per runner, on the shardings its params and
+    KV cache have (the cache donated, as the runner's own steps donate it)."""
+    if runner not in _FORWARDS:
+        import functools
+
+        import jax
+
+        from jaxinfer.model import sharding, transformer
+
+        def placed(tree: object) -> object:
+            return jax.tree.map(lambda x: x.sharding, tree)
+
+        whole, kv = sharding.replicated(runner.mesh), placed(runner.kv_cache)
+        _FORWARDS[runner] = jax.jit(
+            functools.partial(transformer.forward, cfg=runner.cfg),
+            in_shardings=(placed(runner.params), kv, whole, whole),
+            out_shardings=(kv, whole), donate_argnums=(1,))
+    return _FORWARDS[runner]
+
+
+def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A MoE layer (model/moe.py) the slow way: every expert for every token in float32,
+    weighted by the routing (zero where not chosen), plus the shared expert: what the
+    tests compare `moe.moe_block`'s gathered and grouped paths with."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import expert_glu, layers, moe
+
+    weights, experts = moe.route(x, layer["w_router"], cfg, layer.get("b_router"))
+    full = jnp.zeros((x.shape[0], cfg.moe.num_experts), jnp.float32)
+    full = full.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
+    h = jnp.einsum("td,efd->tef", x, layer["we_gate_up"].astype(jnp.float32))
+    h = h + layer["be_gate_up"].astype(jnp.float32) if "be_gate_up" in layer else h
+    out = jnp.einsum("tef,edf->ted", expert_glu.gated(h, expert_glu.glu_of(cfg)),
+                     layer["we_down"].astype(jnp.float32))
+    out = out + layer["be_down"].astype(jnp.float32) if "be_down" in layer else out
+    y = jnp.einsum("ted,te->td", out, full)
+    if "ws_gate_up" in layer:
+        gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
+        y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
+    return y
+
+
+def sample_rows(requests: Sequence[Request], chunks: Sequence[Chunk], *, num_positions: int
+                ) -> list[SampleRow | None]:
+    """A step's sampling rows (runner/inputs.py `SampleRow`), `num_positions` per chunk:
+    one per sampled token, in order, then None: what `sampling_inputs` takes."""
+    from jaxinfer.engine.runner.inputs import SampleRow
+
+    rows: list[SampleRow | None] = []
+    for request, chunk in zip(requests, chunks, strict=True):
+        if chunk.num_samples:
+            fed = request.all_token_ids[:chunk.start] + list(chunk.token_ids)
+            first = len(fed) - chunk.num_samples
+            rows += [SampleRow(request, fed[:first + q + 1]) for q in range(chunk.num_samples)]
+        rows += [None] * (num_positions - chunk.num_samples)
+    return rows
+
+
+def evictable(pool: PagePool) -> list[int]:
+    """A PagePool's cached pages with no owner, least recently used first: its LRU, in
+    the order it evicts them."""
+    return list(pool._evictable)

@@ -46,9 +46,9 @@ def _runner(model_dir, tp: int, ep: bool = False, **kw: object) -> Runner:
 
 
 def test_logits_match_one_device(moe_dir):
-    want = _runner(moe_dir, 1).logits(CHUNKS)
+    want = testing.logits(_runner(moe_dir, 1), CHUNKS)
     for tp, ep in SPLITS:
-        got = _runner(moe_dir, tp, ep).logits(CHUNKS)
+        got = testing.logits(_runner(moe_dir, tp, ep), CHUNKS)
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"TP={tp} EP={ep}")
 
 

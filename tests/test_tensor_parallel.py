@@ -52,9 +52,9 @@ def _runner(model_dir, tp: int, **kw: object) -> Runner:
 
 @pytest.mark.parametrize("family", list(TP_FAMILIES))
 def test_logits_match_one_device(tp_dirs, family):
-    want = _runner(tp_dirs[family], 1).logits(CHUNKS)
+    want = testing.logits(_runner(tp_dirs[family], 1), CHUNKS)
     for tp in SIZES:
-        got = _runner(tp_dirs[family], tp).logits(CHUNKS)
+        got = testing.logits(_runner(tp_dirs[family], tp), CHUNKS)
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{family} TP={tp}")
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
@@ -163,21 +163,21 @@ def test_kv_heads_neither_dividing_nor_divided_are_refused():
 def test_orbax_restores_onto_the_mesh(tp_dirs, tmp_path):
     out = tmp_path / "orbax"
     checkpoint.convert_hf_to_orbax(tp_dirs["llama"], out)
-    want = _runner(tp_dirs["llama"], 4).logits(CHUNKS)
+    want = testing.logits(_runner(tp_dirs["llama"], 4), CHUNKS)
     restored = _runner(out, 4)  # 2 KV heads stored, copied to 4 on the mesh
     wqkv = restored.params["layers"][0]["wqkv"]
     assert wqkv.addressable_shards[0].data.nbytes == wqkv.nbytes // 4
-    np.testing.assert_allclose(restored.logits(CHUNKS), want, atol=1e-6)
+    np.testing.assert_allclose(testing.logits(restored, CHUNKS), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 def test_pallas_kernels_run_per_device_in_shard_map(tp_dirs, impl):
     """The Pallas kernels (interpret mode on CPU) inside shard_map at TP=2 give the
     logits of the reference on one device."""
-    want = _runner(tp_dirs["llama"], 1).logits(CHUNKS)
+    want = testing.logits(_runner(tp_dirs["llama"], 1), CHUNKS)
     runner = _runner(tp_dirs["llama"], 2)
     runner = Runner(dataclasses.replace(runner.cfg, attention_impl=impl,
                                         attention_interpret=True),
                     runner.params, num_pages=16, page_size=8, max_model_len=64,
                     mesh=runner.mesh)
-    np.testing.assert_allclose(runner.logits(CHUNKS), want, atol=1e-5)
+    np.testing.assert_allclose(testing.logits(runner, CHUNKS), want, atol=1e-5)

@@ -110,7 +110,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention_impl=config.attention_impl,
         enable_prompt_logprobs=config.enable_prompt_logprobs,
-        draft_probs=parts.proposes_with_model, num_sliding_pages=memory_plan.num_sliding_pages)
+        uses_draft_probs=parts.proposes_with_model, num_sliding_pages=memory_plan.num_sliding_pages)
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,

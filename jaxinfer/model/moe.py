@@ -291,20 +291,3 @@ def _expert_major_dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array
                    preferred_element_type=jnp.float32)
     return y * w.scale[:, None, :]
 
-
-def dense_reference(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Every expert for every token, weighted by the routing (zero where not chosen):
-    the reference the tests compare the fast paths with."""
-    weights, experts = route(x, layer["w_router"], cfg, layer.get("b_router"))
-    full = jnp.zeros((x.shape[0], cfg.moe.num_experts), jnp.float32)
-    full = full.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
-    h = jnp.einsum("td,efd->tef", x, layer["we_gate_up"].astype(jnp.float32))
-    h = h + layer["be_gate_up"].astype(jnp.float32) if "be_gate_up" in layer else h
-    out = jnp.einsum("tef,edf->ted", _swiglu_rows(h, expert_glu.glu_of(cfg)),
-                     layer["we_down"].astype(jnp.float32))
-    out = out + layer["be_down"].astype(jnp.float32) if "be_down" in layer else out
-    y = jnp.einsum("ted,te->td", out, full)
-    if "ws_gate_up" in layer:
-        gate = jax.nn.sigmoid(layers.linear(x, layer["w_shared_gate"]))
-        y = y + gate * layers.swiglu(x, layer["ws_gate_up"], layer["ws_down"])
-    return y

@@ -140,9 +140,3 @@ def _per_position(token_mask: jax.Array | None, num_positions: int) -> jax.Array
     if token_mask is None or num_positions == 1:
         return token_mask
     return jnp.repeat(token_mask, num_positions, axis=0)
-
-
-def logits(params: transformer.Params, kv_cache: KVCache, token_ids: jax.Array,
-           md: AttentionMetadata, *, cfg: ModelConfig) -> tuple[KVCache, jax.Array]:
-    """The forward pass alone: (kv_cache, f32[R, V]) for parity checks and scoring."""
-    return transformer.forward(params, kv_cache, token_ids, md, cfg=cfg)

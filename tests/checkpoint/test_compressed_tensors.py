@@ -157,7 +157,7 @@ def test_logits_match_transformers_on_dequantized_weights(fp8, strategy):
     runner = Runner(cfg, checkpoint.load_params(root, cfg), num_pages=16, page_size=8,
                     max_model_len=64)
     ids = np.random.default_rng(0).integers(0, 256, size=37)
-    ours = runner.logits([Chunk(ids.tolist(), 0, [3, 1, 7, 2, 9])])
+    ours = testing.logits(runner, [Chunk(ids.tolist(), 0, [3, 1, 7, 2, 9])])
     with torch.no_grad():
         want = reference(torch.tensor(ids)[None]).logits[0].numpy()
     diff = np.abs(ours - want).max()

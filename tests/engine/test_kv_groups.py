@@ -3,6 +3,7 @@ are preempted and hit the prefix cache."""
 
 from __future__ import annotations
 
+from jaxinfer import testing
 from jaxinfer.engine.core.kv_groups import SLIDING_KEY, PageGroups
 from jaxinfer.engine.core.page_pool import PagePool
 from jaxinfer.engine.core.scheduler import Scheduler
@@ -125,7 +126,7 @@ def test_prefix_hit_takes_the_window_pages_and_is_shortened_when_one_is_evicted(
     # then take one page more than the uncached free ones.
     serials = s.pages.pool.match(prompt, PAGE, 12)[1]
     twin = sliding.lookup(serials[5], (serials[5],), SLIDING_KEY).page
-    for page in sliding.evictable():
+    for page in testing.evictable(sliding):
         if page != twin:
             sliding.share([page])
             sliding.free([page])

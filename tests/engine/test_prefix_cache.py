@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxinfer import SamplingParams
+from jaxinfer import SamplingParams, testing
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.core.page_pool import ROOT, PagePool
 from jaxinfer.engine.core.scheduler import Scheduler
@@ -31,7 +31,7 @@ def test_free_cached_pages_go_to_the_lru_and_are_evicted_last():
     s1 = pool.register(p1, ROOT, A)
     pool.register(p2, s1, B)
     pool.free([p2, p1, p3])  # p3 was never registered: plain free
-    assert pool.evictable() == [2, 1] and pool.num_cached == 2 and pool.num_free == 5
+    assert testing.evictable(pool) == [2, 1] and pool.num_cached == 2 and pool.num_free == 5
     assert pool.allocate(3) == [4, 5, 3]  # uncached free pages first
     assert pool.allocate(1) == [2] and pool.num_evictions == 1  # then the LRU's oldest
     assert pool.num_cached == 1 and pool.match(list(A + B), 4, 2) == ([1], [s1])
@@ -46,12 +46,12 @@ def test_a_hit_leaves_the_lru_in_o1_and_counts_its_owners():
     pages, serials = pool.match(list(A + B + C), 4, 3)
     assert (pages, serials) == ([1, 2], [s1, s2])
     pool.share(pages)
-    assert pool.evictable() == [] and pool.refcount(1) == pool.refcount(2) == 1
+    assert testing.evictable(pool) == [] and pool.refcount(1) == pool.refcount(2) == 1
     pool.share([1])
     pool.free([1])
-    assert pool.refcount(1) == 1 and pool.evictable() == []
+    assert pool.refcount(1) == 1 and testing.evictable(pool) == []
     pool.free([2, 1])
-    assert pool.evictable() == [2, 1]  # most recently freed last
+    assert testing.evictable(pool) == [2, 1]  # most recently freed last
 
 
 def test_match_stops_at_the_first_miss_and_respects_max_pages():
@@ -115,7 +115,7 @@ def test_registering_the_same_content_twice_keeps_one_page():
     s1 = pool.register(p1, ROOT, A)
     assert pool.register(p2, ROOT, A) == s1
     pool.free([p1, p2])
-    assert pool.evictable() == [1] and pool.num_cached == 1
+    assert testing.evictable(pool) == [1] and pool.num_cached == 1
 
 
 def test_partial_overlap_measures_the_shared_run_below_a_page():
@@ -149,8 +149,8 @@ def test_scheduler_starts_a_request_on_its_cached_prefix():
     plan = s.schedule()
     chunk = plan.chunks[-1]
     assert chunk.request is second and (chunk.start, chunk.num_tokens) == (8, 1)
-    assert second.num_cached_tokens == 8 and second.page_ids[:2] == first.page_ids[:2]
-    assert s.pool.refcount(first.page_ids[0]) == 2
+    assert second.num_cached_tokens == 8 and second.page_ids[0][:2] == first.page_ids[0][:2]
+    assert s.pool.refcount(first.page_ids[0][0]) == 2
     assert s.cache_stats == {"prompt_tokens": 19, "hit_tokens": 8,
                              "miss_tokens_no_shared_prefix": 10 + 1,
                              "miss_tokens_shared_below_page": 0}
@@ -179,7 +179,7 @@ def test_scheduler_n_siblings_wait_for_the_prompt_then_share_it():
     plan = s.schedule()
     assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == \
         [(first, 13, 1), (second, 12, 1)]
-    assert second.page_ids[:3] == first.page_ids[:3]
+    assert second.page_ids[0][:3] == first.page_ids[0][:3]
 
 
 SMALL = dict(page_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from jaxinfer import testing
 from jaxinfer.engine.request import Request, SamplingParams
 from jaxinfer.engine.runner import Chunk, build_metadata, next_power_of_two, sampling_inputs
-from jaxinfer.engine.runner.inputs import proposed_ids, sample_rows
+from jaxinfer.engine.runner.inputs import proposed_ids
 
 
 def test_build_metadata_ragged_batch_exact():
@@ -82,7 +83,8 @@ def test_sampling_rows_follow_the_tokens_before_each_position():
     decode = _request("d", [5, 6], [7, 8], temperature=0.5, top_k=4)
     chunks = [Chunk([4, 40, 41], 3, [1], num_samples=3), Chunk([8], 3, [2]),
               Chunk([50, 51], 0, [3], num_samples=0)]
-    rows = sample_rows([verify, decode, _request("p", [50, 51, 52])], chunks, num_positions=3)
+    rows = testing.sample_rows([verify, decode, _request("p", [50, 51, 52])], chunks,
+                               num_positions=3)
     assert [None if r is None else (r.request.request_id, list(r.token_ids)) for r in rows] == [
         ("v", [1, 2, 3, 4]), ("v", [1, 2, 3, 4, 40]), ("v", [1, 2, 3, 4, 40, 41]),
         ("d", [5, 6, 7, 8]), None, None, None, None, None]

@@ -47,7 +47,7 @@ def test_paged_forward_matches_transformers_in_chunks_across_the_window(
                     page_size=8, max_model_len=64)
     ids, pages, pieces, start = _prompt(1, 40), [5, 2, 11, 7, 9], [], 0
     for n in (7, 9, 20, 1, 1, 1, 1):
-        pieces.append(runner.logits([Chunk(ids[start:start + n], start, pages)]))
+        pieces.append(testing.logits(runner, [Chunk(ids[start:start + n], start, pages)]))
         start += n
     diff = np.abs(np.concatenate(pieces) - _hf_logits(hf_models[family], ids)).max()
     print(f"{family}: paged chunked max abs logit diff {diff:.2e}")
@@ -111,7 +111,7 @@ def test_tensor_parallel_logits_match_transformers(family, tp, hf_model_dirs, hf
                     max_model_len=64, mesh=mesh,
                     buckets=BucketSet(max_num_batched_tokens=32, max_num_seqs=4))
     ids = _prompt(9, 30)
-    ours = runner.logits([Chunk(ids, 0, [4, 1, 7, 2])])
+    ours = testing.logits(runner, [Chunk(ids, 0, [4, 1, 7, 2])])
     assert np.abs(ours - _hf_logits(hf_models[family], ids)).max() < TOL
 
 
@@ -178,7 +178,7 @@ def test_bfloat16_close_to_float32(family, hf_model_dirs, hf_models):
     runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64,
                     kv_dtype="bfloat16")
     ids = _prompt(7, 30)
-    ours = runner.logits([Chunk(ids, 0, [3, 5, 1, 9])])
+    ours = testing.logits(runner, [Chunk(ids, 0, [3, 5, 1, 9])])
     ref = _hf_logits(hf_models[family], ids)
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9

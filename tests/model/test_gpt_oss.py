@@ -49,8 +49,8 @@ def _paged_logits(model_dir: pathlib.Path, ids: list[int], cfg=None, params=None
     params = params or checkpoint.load_params(model_dir, cfg)
     runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64)
     pages = [5, 2, 11, 7, 3, 9]
-    pieces = [runner.logits([Chunk(ids[:30], 0, pages)])]
-    pieces += [runner.logits([Chunk(ids[i:i + 1], i, pages)]) for i in range(30, len(ids))]
+    pieces = [testing.logits(runner, [Chunk(ids[:30], 0, pages)])]
+    pieces += [testing.logits(runner, [Chunk(ids[i:i + 1], i, pages)]) for i in range(30, len(ids))]
     return np.concatenate(pieces)
 
 
@@ -188,8 +188,8 @@ def test_logits_on_two_devices_match_transformers(gpt_oss):
         assert params["layers"][0]["sinks"].sharding.spec == P("model")
         runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64, mesh=mesh)
         pages = [5, 2, 11, 7, 3]
-        got = np.concatenate([runner.logits([Chunk(ids[:30], 0, pages)])] + [
-            runner.logits([Chunk(ids[i:i + 1], i, pages)]) for i in range(30, 34)])
+        got = np.concatenate([testing.logits(runner, [Chunk(ids[:30], 0, pages)])] + [
+            testing.logits(runner, [Chunk(ids[i:i + 1], i, pages)]) for i in range(30, 34)])
         assert np.abs(got - want).max() < TOL, f"EP={ep}"
 
 

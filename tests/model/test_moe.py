@@ -39,8 +39,8 @@ def test_paged_forward_matches_transformers(family, hf_model_dirs, hf_models):
                     page_size=8, max_model_len=64)
     ids = _prompt(1, 24)
     pages = [5, 2, 11, 7]
-    pieces = [runner.logits([Chunk(ids[:20], 0, pages)])]
-    pieces += [runner.logits([Chunk(ids[i:i + 1], i, pages)]) for i in range(20, 24)]
+    pieces = [testing.logits(runner, [Chunk(ids[:20], 0, pages)])]
+    pieces += [testing.logits(runner, [Chunk(ids[i:i + 1], i, pages)]) for i in range(20, 24)]
     diff = np.abs(np.concatenate(pieces) - _hf_logits(hf_models[family], ids)).max()
     print(f"{family}: max abs logit diff {diff:.2e}")
     assert diff < TOL
@@ -100,7 +100,7 @@ def test_expert_paths_match_the_dense_reference(tokens, shared):
     layer = _random_layer(cfg, tokens)
     x = jax.random.normal(jax.random.key(7), (tokens, 16))
     got = np.asarray(moe.moe_block(layer, x, cfg))
-    want = np.asarray(moe.dense_reference(layer, x, cfg))
+    want = np.asarray(testing.dense_reference(layer, x, cfg))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -8,10 +8,10 @@ import functools
 import jax
 import numpy as np
 
-from jaxinfer import checkpoint
+from jaxinfer import checkpoint, testing
 from jaxinfer.engine.request import MAX_LOGPROBS, Request, SamplingParams
 from jaxinfer.engine.runner import Chunk, Runner, build_metadata, sampling_inputs
-from jaxinfer.engine.runner.inputs import proposed_ids, sample_rows
+from jaxinfer.engine.runner.inputs import proposed_ids
 from jaxinfer.model import sampler
 from jaxinfer.model import step as model_step
 
@@ -39,7 +39,7 @@ def test_step_samples_and_scores_proposals_at_two_positions(hf_model_dirs):
               Chunk(prompts[2], 0, [4, 5], num_samples=0)]
     token_ids, md = build_metadata(chunks, page_size=PAGE_SIZE, pages_per_seq=MAX_LEN // 4,
                                    num_tokens=16, num_slots=4, num_positions=Q)
-    rows = sample_rows(requests, chunks, num_positions=Q)
+    rows = testing.sample_rows(requests, chunks, num_positions=Q)
     inputs = model_step.StepInputs(
         token_ids=token_ids, md=md,
         sampling=sampling_inputs(rows, num_rows=4 * Q, history_width=MAX_LEN,
@@ -51,7 +51,8 @@ def test_step_samples_and_scores_proposals_at_two_positions(hf_model_dirs):
     assert packed.shape == (4, Q, 3 + 2 * MAX_LOGPROBS) and packed.dtype == np.int32
     out = sampler.unpack(np.asarray(packed), MAX_LOGPROBS)
 
-    raw = _log_softmax(runner.logits(chunks))  # f[14, V]: every token's next-token logprobs
+    # f[14, V]: every token's next-token logprobs
+    raw = _log_softmax(testing.logits(runner, chunks))
     sampled = [(0, 0, 4), (0, 1, 5), (1, 0, 8)]  # (slot, position, token row in the batch)
     for slot, q, row in sampled:
         assert out.token_ids[slot, q] == raw[row].argmax()  # greedy

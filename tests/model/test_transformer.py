@@ -37,7 +37,7 @@ def _prompt(seed: int, length: int) -> np.ndarray:
 def test_forward_full_prompt_matches_transformers(family, hf_model_dirs, hf_models):
     ids = _prompt(1, 45)  # crosses 5 page boundaries, past the windows (24, gemma's 12)
     runner = _runner(hf_model_dirs[family])
-    ours = runner.logits([Chunk(ids.tolist(), 0, PAGES[:6])])
+    ours = testing.logits(runner, [Chunk(ids.tolist(), 0, PAGES[:6])])
     diff = np.abs(ours - _hf_logits(hf_models[family], ids)).max()
     print(f"{family}: max abs logit diff {diff:.2e}")
     assert diff < TOL
@@ -50,7 +50,8 @@ def test_forward_incremental_matches_full(family, chunks, hf_model_dirs, hf_mode
     runner = _runner(hf_model_dirs[family])
     pieces, start = [], 0
     for n in chunks:
-        pieces.append(runner.logits([Chunk(ids[start:start + n].tolist(), start, PAGES[:6])]))
+        chunk = Chunk(ids[start:start + n].tolist(), start, PAGES[:6])
+        pieces.append(testing.logits(runner, [chunk]))
         start += n
     diff = np.abs(np.concatenate(pieces) - _hf_logits(hf_models[family], ids)).max()
     assert diff < TOL
@@ -62,11 +63,11 @@ def test_forward_mixed_batch_matches_separate_requests(family, hf_model_dirs, hf
     runner = _runner(hf_model_dirs[family])
     a, b, c = _prompt(3, 30), _prompt(4, 17), _prompt(5, 9)
     tables = {"a": [4, 12, 6, 20], "b": [8, 3, 17], "c": [30, 2]}
-    runner.logits([Chunk(a[:29].tolist(), 0, tables["a"]), Chunk(b[:10].tolist(), 0,
-                   tables["b"])])
-    step = runner.logits([Chunk(a[29:].tolist(), 29, tables["a"]),  # decode
-                          Chunk(b[10:].tolist(), 10, tables["b"]),  # prefill chunk
-                          Chunk(c.tolist(), 0, tables["c"])])  # whole prompt
+    testing.logits(runner, [Chunk(a[:29].tolist(), 0, tables["a"]),
+                            Chunk(b[:10].tolist(), 0, tables["b"])])
+    step = testing.logits(runner, [Chunk(a[29:].tolist(), 29, tables["a"]),  # decode
+                                   Chunk(b[10:].tolist(), 10, tables["b"]),  # prefill chunk
+                                   Chunk(c.tolist(), 0, tables["c"])])  # whole prompt
     want = np.concatenate([_hf_logits(hf_models[family], a)[29:],
                            _hf_logits(hf_models[family], b)[10:],
                            _hf_logits(hf_models[family], c)])
@@ -89,7 +90,7 @@ def test_forward_bfloat16_close_to_float32(hf_model_dirs, hf_models):
     runner = Runner(cfg, params, num_pages=16, page_size=PAGE_SIZE, max_model_len=64,
                     kv_dtype="bfloat16")
     ids = _prompt(7, 20)
-    ours = runner.logits([Chunk(ids.tolist(), 0, PAGES[:3])])
+    ours = testing.logits(runner, [Chunk(ids.tolist(), 0, PAGES[:3])])
     ref = _hf_logits(hf_models["llama"], ids)
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
@@ -105,7 +106,7 @@ def test_forward_through_pallas_kernel_matches_transformers(impl, hf_model_dirs,
     runner = Runner(cfg, checkpoint.load_params(hf_model_dirs["qwen3"], cfg), num_pages=8,
                     page_size=PAGE_SIZE, max_model_len=32)
     ids = _prompt(8, 12)
-    first = runner.logits([Chunk(ids[:10].tolist(), 0, [3, 5])])
-    second = runner.logits([Chunk(ids[10:].tolist(), 10, [3, 5])])
+    first = testing.logits(runner, [Chunk(ids[:10].tolist(), 0, [3, 5])])
+    second = testing.logits(runner, [Chunk(ids[10:].tolist(), 10, [3, 5])])
     ours = np.concatenate([first, second])
     assert np.abs(ours - _hf_logits(hf_models["qwen3"], ids)).max() < TOL

@@ -85,10 +85,6 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
-    def evictable(self) -> list[int]:
-        """Cached pages with no owner, least recently used first."""
-        return list(self._evictable)
-
     def allocate(self, count: int) -> list[int] | None:
         """`count` fresh pages with refcount 1, or None (nothing taken) if too few.
         Uncached free pages go first, then the least recently used cached ones."""

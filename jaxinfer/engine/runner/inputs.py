@@ -107,19 +107,6 @@ def proposed_ids(chunks: Sequence[Chunk], *, num_slots: int, num_positions: int
     return out
 
 
-def sample_rows(requests: Sequence[Request], chunks: Sequence[Chunk], *, num_positions: int
-                ) -> list[SampleRow | None]:
-    """`num_positions` rows per chunk: one per sampled token, in order, then None."""
-    rows: list[SampleRow | None] = []
-    for request, chunk in zip(requests, chunks, strict=True):
-        if chunk.num_samples:
-            fed = request.all_token_ids[:chunk.start] + list(chunk.token_ids)
-            first = len(fed) - chunk.num_samples
-            rows += [SampleRow(request, fed[:first + q + 1]) for q in range(chunk.num_samples)]
-        rows += [None] * (num_positions - chunk.num_samples)
-    return rows
-
-
 def next_power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 

@@ -21,7 +21,7 @@ position runs it in the mixed bucket of its size and returns the scores as a sec
 int32 array. With speculative decoding the bucket set has verify buckets (Q = k + 1
 positions a request), compiled with `model/step.verify_step`: a step whose chunks
 carry draft tokens runs there, given the draft model's probabilities on device
-(`draft_probs=True`; engine/runner/draft.py makes them) or none (n-gram proposals).
+(`uses_draft_probs=True`; engine/runner/draft.py makes them) or none (n-gram proposals).
 The runner's `compiles` counter (compiles.py) counts the compilations of the threads
 that drive it. Multi-host (jaxinfer/distributed.py) needs nothing more here: every
 process builds the same deltas, which jit places on this process's devices of the
@@ -53,10 +53,7 @@ from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import (
     BIAS_WIDTH,
     STOP_WIDTH,
-    Chunk,
     ScoreSpan,
-    build_metadata,
-    next_power_of_two,
     score_spans,
     score_targets,
 )
@@ -74,7 +71,6 @@ from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import TokenMasks
 from jaxinfer.model import batch_state, moe, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
-from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
 from jaxinfer.pallas import kv_quant
 
@@ -108,7 +104,7 @@ class Runner:
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
-                 enable_prompt_logprobs: bool = False, draft_probs: bool = False,
+                 enable_prompt_logprobs: bool = False, uses_draft_probs: bool = False,
                  num_sliding_pages: int = 0) -> None:
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
@@ -142,7 +138,7 @@ class Runner:
             out_shardings=whole)()
         self.masks = TokenMasks(cfg.vocab_size, whole)
         self.enable_prompt_logprobs = enable_prompt_logprobs
-        self.draft_probs = draft_probs  # verify steps take the draft's q (draft model)
+        self.uses_draft_probs = uses_draft_probs  # verify steps take the draft's q (draft model)
         self._jit_programs(cfg, page_size, param_shardings, kv_shardings, whole)
         self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, scores)
         self._admit_compiled: jax.stages.Compiled | None = None
@@ -153,7 +149,7 @@ class Runner:
     def _jit_programs(self, cfg: ModelConfig, page_size: int, param_shardings: object,
                       kv_shardings: object, whole: object) -> None:
         """The jitted programs: the step (decode-only and mixed), its scoring and verify
-        variants, admission and logits; inputs are params, KV cache, batch state, the
+        variants and admission; inputs are params, KV cache, batch state, the
         step's delta and its token mask (token_masks.py); KV cache and state donated."""
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
@@ -165,13 +161,10 @@ class Runner:
                                    in_shardings=ins + (whole,), out_shardings=outs + (whole,),
                                    donate_argnums=(1, 2))
         self._verify = jax.jit(verify_step_function(cfg, page_size=page_size),
-                               in_shardings=ins + (whole,) * self.draft_probs, out_shardings=outs,
-                               donate_argnums=(1, 2))
+                               in_shardings=ins + (whole,) * self.uses_draft_probs,
+                               out_shardings=outs, donate_argnums=(1, 2))
         self._admit = jax.jit(batch_state.admit, in_shardings=(whole, whole),
                               out_shardings=whole, donate_argnums=(0,))
-        self._logits = jax.jit(functools.partial(model_step.logits, cfg=cfg),
-                               in_shardings=(param_shardings, kv_shardings, whole, whole),
-                               out_shardings=(kv_shardings, whole), donate_argnums=(1,))
 
     @property
     def weight_bytes(self) -> int:
@@ -217,7 +210,7 @@ class Runner:
                     probs = jax.ShapeDtypeStruct(
                         (bucket.num_slots, bucket.num_positions, self.cfg.vocab_size),
                         jnp.float32)
-                    lowered = self._verify.lower(*args, *[probs][:self.draft_probs])
+                    lowered = self._verify.lower(*args, *[probs][:self.uses_draft_probs])
                 else:
                     lowered = self._steps[bucket.decode].lower(*args)
             self._compiled[(bucket, scores)] = lowered.compile()
@@ -235,7 +228,7 @@ class Runner:
                  token_masks: typing.Sequence[tuple[int, object]] = ()) -> InFlight:
         """Start one step and return without waiting for it. A plan with draft tokens
         runs in a verify bucket; `draft_probs` f32[S, Q, V] (S its slots) are their q
-        when the runner takes them (`draft_probs=True`). `token_masks`: (chunk index,
+        when the runner takes them (`uses_draft_probs=True`). `token_masks`: (chunk index,
         llguidance matcher) of the constrained requests the step samples
         (token_masks.py)."""
         requests = [c.request for c in plan.chunks]
@@ -245,9 +238,9 @@ class Runner:
             raise ValueError("a request asks for prompt_logprobs but this runner was made "
                              "without enable_prompt_logprobs=True")
         verify = any(c.draft_token_ids for c in plan.chunks)
-        if verify and (scores or self.draft_probs != (draft_probs is not None)):
+        if verify and (scores or self.uses_draft_probs != (draft_probs is not None)):
             raise ValueError("a verify step scores no prompt and takes draft_probs exactly "
-                             "when the runner was made with draft_probs=True")
+                             "when the runner was made with uses_draft_probs=True")
         bucket = self.buckets.pick(plan.num_tokens, len(plan.chunks), verify=verify,
                                    decode=not scores and all(c.num_tokens == 1
                                                              for c in plan.chunks))
@@ -259,7 +252,7 @@ class Runner:
         if verify:
             self.kv_cache, self.state, packed = compiled(
                 self.params, self.kv_cache, self.state, delta, mask,
-                *[draft_probs][:self.draft_probs])
+                *[draft_probs][:self.uses_draft_probs])
         elif scores:
             targets, num_top = score_targets(requests, spans, num_tokens=bucket.num_tokens)
             self.last_step_bytes += targets.nbytes + num_top.nbytes
@@ -313,7 +306,7 @@ class Runner:
         compiled = self._compile(bucket)
         delta, _ = self.slots.delta([], bucket)
         extra = []
-        if bucket.num_positions > 1 and self.draft_probs:
+        if bucket.num_positions > 1 and self.uses_draft_probs:
             extra = [jax.device_put(np.zeros((bucket.num_slots, bucket.num_positions,
                                                self.cfg.vocab_size), np.float32),
                                     sharding.replicated(self.mesh))]
@@ -326,20 +319,6 @@ class Runner:
             np.asarray(packed)
             times.append(time.perf_counter() - began)
         return sorted(times)[len(times) // 2]
-
-    def logits(self, chunks: typing.Sequence[Chunk]) -> np.ndarray:
-        """Write the chunks' K/V and return f32[tokens, V] logits for every real token
-        (for parity tests; compiles per shape, outside the bucket set)."""
-        if self.sliding:  # build_metadata writes one page group's metadata
-            raise NotImplementedError("logits() of a runner with a sliding page group")
-        total = sum(len(c.token_ids) for c in chunks)
-        token_ids, md = build_metadata(chunks, page_size=self.page_size,
-                                       pages_per_seq=self.pages_per_seq, all_logits=True,
-                                       num_tokens=next_power_of_two(total, 8),
-                                       num_slots=next_power_of_two(len(chunks)))
-        with jax.set_mesh(self.mesh):
-            self.kv_cache, out = self._logits(self.params, self.kv_cache, token_ids, md)
-        return np.asarray(out)[:total]
 
     @functools.cached_property
     def compiles(self) -> CompileCounter:
