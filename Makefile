@@ -34,9 +34,13 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint
-	$(PY) -m pytest
-	$(MAKE) test-tpu-aot
+# The TPU compile suite runs beside the CPU suite, as each keeps about one core busy;
+# its log follows the CPU suite's (docs/architecture.md, "Tests").
+test: lint $(TPU_VENV)/.base
+	@log=$$(mktemp); $(TPU_AOT) > $$log 2>&1 & aot=$$!; \
+	$(PY) -m pytest; cpu=$$?; wait $$aot; tpu=$$?; \
+	echo "== make test-tpu-aot (ran beside the CPU suite): exit $$tpu =="; \
+	cat $$log; rm -f $$log; test $$cpu -eq 0 && test $$tpu -eq 0
 
 test-slow: lint
 	$(PY) -m pytest -m slow
