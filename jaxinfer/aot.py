@@ -72,7 +72,7 @@ class Settings:
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' mode
     quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
     hybrid_kv_cache: bool = True  # not EngineConfig.disable_hybrid_kv_cache_manager: a
-    # model with sliding and full layers compiles with the sliding layers' own pages
+    # model whose layers differ in attention compiles with a KV page group per kind
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -140,31 +140,37 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
 def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int
                ) -> tuple[Any, Any]:
     """(params, kv_cache) of the served model as whole-array ShapeDtypeStructs in the
-    TPU's storage dtypes; the KV pages hold each of `shards` chips' pool of
-    `plan.num_pages` pages (compile_steps_for places them on the mesh)."""
+    TPU's storage dtypes; the KV pages hold each of `shards` chips' pool of each page
+    group's pages (compile_steps_for places them on the mesh)."""
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
                           param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
     if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
         params = jax.eval_shape(functools.partial(
             quantization.quantize_params, mode=s.quantization, head=s.quantized_head), params)
-    kv = kv_cache_spec(served, num_pages=plan.num_pages, page_size=s.page_size,
-                       dtype=s.kv_dtype, backend="tpu", shards=shards,
-                       num_sliding_pages=plan.num_sliding_pages)
+    kv = kv_cache_spec(served, num_pages=[group.num_pages for group in plan.page_groups],
+                       page_size=s.page_size, dtype=s.kv_dtype, backend="tpu", shards=shards,
+                       group_windows=group_windows(plan))
     return params, kv
 
 
 def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
-                    s: Settings, mesh: jax.sharding.Mesh, sliding: bool = False
+                    s: Settings, mesh: jax.sharding.Mesh,
+                    group_windows: tuple[int | None, ...] = (None,)
                     ) -> list[jax.stages.Compiled | Exception]:
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
-    kernel (the compiler's exception in place of a bucket it refused); `sliding`: `kv`
-    has the sliding layers' own page group (the plan's `num_sliding_pages`)."""
+    kernel (the compiler's exception in place of a bucket it refused); `group_windows`:
+    the KV page groups of `kv` (the plan's, `group_windows(plan)`)."""
     tpu_cfg = dataclasses.replace(served, attention_impl="tpu", attention_interpret=False)
     # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
     # running in one process, once in four runs of the TPU compile suite.
     return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
                                     max_model_len=s.max_model_len, mesh=mesh, threads=1,
-                                    sliding=sliding)
+                                    group_windows=group_windows)
+
+
+def group_windows(plan: planner.MemoryPlan) -> tuple[int | None, ...]:
+    """The window of each KV page group's layers (model/attention.py, `page_group`)."""
+    return tuple(group.window for group in plan.page_groups)
 
 
 def kv_page_shapes(hlo_text: str) -> list[str]:
@@ -250,7 +256,7 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     for replica in replicas_to_compile(dp):
         mesh = sharding.make_mesh(tp, devices[replica * tp:])  # this replica's chips
         results = compile_buckets(served, params, kv, chosen, settings, mesh,
-                                  sliding=plan.num_sliding_pages > 0)
+                                  group_windows=group_windows(plan))
         report["replicas"].append({
             "replica": replica, "chips": list(range(replica * tp, (replica + 1) * tp)),
             "device_ids": [d.id for d in mesh.devices.flat],

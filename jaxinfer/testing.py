@@ -172,8 +172,8 @@ def logits(runner: Runner, chunks: Sequence[Chunk]) -> np.ndarray:
 
     from jaxinfer.engine.runner.inputs import build_metadata, next_power_of_two
 
-    if runner.sliding:  # build_metadata writes one page group's metadata
-        raise NotImplementedError("logits() of a runner with a sliding page group")
+    if len(runner.group_windows) > 1:  # build_metadata writes one page group's metadata
+        raise NotImplementedError("logits() of a runner with several KV page groups")
     total = sum(len(c.token_ids) for c in chunks)
     token_ids, md = build_metadata(chunks, page_size=runner.page_size,
                                    pages_per_seq=runner.pages_per_seq, all_logits=True,

@@ -27,7 +27,6 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import checks, loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core import kv_groups
-from jaxinfer.engine.core.page_pool import PagePool
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.metrics.summary import Metrics
 from jaxinfer.engine.output import (
@@ -76,12 +75,12 @@ class Engine:
                                speculation=self.speculation and self.speculation.stats.summary,
                                expert_tokens=self.model_config.moe and self.runner.expert_tokens)
         self.scheduler = Scheduler(
-            PagePool(self.memory_plan.num_pages, enable_caching=config.enable_prefix_caching),
+            kv_groups.from_plan(self.memory_plan.page_groups, page_size=config.page_size,
+                                enable_caching=config.enable_prefix_caching),
             page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            policy=config.scheduler, **kv_groups.sliding_group(
-                self.memory_plan.num_sliding_pages, self.model_config, config))
+            policy=config.scheduler)
         self.metrics.page_groups = self.scheduler.pages.usage
         if config.enable_prefix_caching:
             self.metrics.prefix_cache = self._prefix_cache_counts

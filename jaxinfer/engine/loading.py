@@ -90,9 +90,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
                              config.quantization)
-    check_same_engine(served, config, max_len, memory_plan.num_pages
-                      if not memory_plan.num_sliding_pages  # two groups: both pools
-                      else (memory_plan.num_pages, memory_plan.num_sliding_pages))
+    group_pages = tuple(group.num_pages for group in memory_plan.page_groups)
+    check_same_engine(served, config, max_len, group_pages)
     params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh)
     if config.quantization is not None and quantization.mode_of(params) is None:
         if config.quantization == "int4":  # activation-aware scales before rounding
@@ -105,12 +104,12 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                                                               config.quantization),
                         verify_positions=spec.num_speculative_tokens + 1 if spec else 0)
     runner = runner_lib.Runner(
-        served, params, mesh=mesh, num_pages=memory_plan.num_pages,
-        page_size=config.page_size,
+        served, params, mesh=mesh, num_pages=group_pages, page_size=config.page_size,
+        group_windows=tuple(group.window for group in memory_plan.page_groups),
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention_impl=config.attention_impl,
         enable_prompt_logprobs=config.enable_prompt_logprobs,
-        uses_draft_probs=parts.proposes_with_model, num_sliding_pages=memory_plan.num_sliding_pages)
+        uses_draft_probs=parts.proposes_with_model)
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,
@@ -134,7 +133,7 @@ def check_data_parallel(config: EngineConfig) -> None:
 
 
 def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
-                      num_pages: int | tuple[int, int]) -> None:
+                      num_pages: tuple[int, ...]) -> None:
     """Multi-host: raise ValueError unless every process serves the same model with the
     same settings and page pool (sized per host, from its own memory), as all must run
     the same schedule (distributed.py). The compilation cache directory may differ."""

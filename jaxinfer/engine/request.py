@@ -199,12 +199,11 @@ class Request:
     # Tokens sampled by steps in flight, not yet read by the host (asynchronous scheduling):
     # they follow output_token_ids, and the next step feeds them from the device.
     num_output_placeholders: int = 0
-    page_ids: list[int] = dataclasses.field(default_factory=list)
+    # Its KV page ids in each page group (engine/core/kv_groups.py), group 0 the one that
+    # keeps every page: entry i of a group's list is its logical page i, 0 where a page no
+    # query sees any more was given back. [] while it holds no pages.
+    page_ids: list[list[int]] = dataclasses.field(default_factory=list)
     page_serials: list[int] = dataclasses.field(default_factory=list)  # of full cached pages
-    # A hybrid model's sliding-window layers' pages (engine/core/kv_groups.py), by logical page
-    # like page_ids; 0 where a page slid out of every window (given back) or was never held.
-    sliding_page_ids: list[int] = dataclasses.field(default_factory=list)
-    sliding_first: int = 0  # sliding_page_ids[:sliding_first] are all 0
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, once set
     group: str = ""  # the prompt's id when n > 1: siblings share its cached pages
     parent_id: str = ""  # the prompt's id (add_request's); request_id is parent_id#index

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,18 +59,29 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]: prefix sums of tokens per request
     num_seqs: jax.Array  # i32[1]: requests in use; the rest of S is padding
     logits_indices: jax.Array  # i32[R]: token rows whose logits are returned
-    # A second page group (engine/core/kv_groups.py): the sliding-window layers' own pages.
-    # None without one (the structure is fixed per config, as the KV cache's).
-    sliding_slot_mapping: jax.Array | None = None  # i32[T], into the sliding layers' pages
-    sliding_page_indices: jax.Array | None = None  # i32[S, pages_per_seq]
+    # With several KV page groups (engine/core/kv_groups.py; each group's KV arrays have
+    # their own page ids), every group's slot mapping i32[G, T] and page table
+    # i32[G, S, pages_per_seq], the fields above being group 0's; None with one group
+    # (the structure is fixed per engine, as the KV cache's).
+    group_slot_mapping: jax.Array | None = None
+    group_page_indices: jax.Array | None = None
+    group_windows: tuple[int | None, ...] = dataclasses.field(  # each group's (page_group)
+        default=(None,), metadata={"static": True})
 
     def for_window(self, window: int | None) -> AttentionMetadata:
-        """The metadata a layer of `window` attends with: a sliding layer reads the sliding
-        group's pages when there is one (its KV arrays have their own page ids)."""
-        if window is None or self.sliding_page_indices is None:
+        """The metadata a layer of `window` attends with: its page group's pages."""
+        group = page_group(window, self.group_windows)
+        if self.group_slot_mapping is None or group == 0:
             return self
-        return dataclasses.replace(self, slot_mapping=self.sliding_slot_mapping,
-                                   page_indices=self.sliding_page_indices)
+        return dataclasses.replace(self, slot_mapping=self.group_slot_mapping[group],
+                                   page_indices=self.group_page_indices[group])
+
+
+def page_group(window: int | None, group_windows: Sequence[int | None]) -> int:
+    """The KV page group a layer of `window` reads and writes: the one kept for its
+    window, else group 0, which keeps every page of a request's tokens. `group_windows`:
+    each group's window, None for group 0."""
+    return group_windows.index(window) if window in group_windows[1:] else 0
 
 
 def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
@@ -82,15 +94,18 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
+def kv_cache_spec(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, backend: str | None = None,
-                  shards: int = 1, num_sliding_pages: int = 0) -> list:
+                  shards: int = 1, group_windows: Sequence[int | None] = (None,)) -> list:
     """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, L] each
     (a `QuantizedPages` with scales f32[P, K, 2G] for 8-bit `dtype`, "int8" or "fp8");
     with `shards` devices on the model axis, W is each device's words (its G / shards
     heads, padded to whole words) times `shards`, so a split of W gives whole heads.
-    `num_sliding_pages` > 0: the sliding-window layers hold that many pages (their own
-    page group, engine/core/kv_groups.py), the others `num_pages`."""
+    `num_pages`: P of each KV page group (engine/core/kv_groups.py), whose windows are
+    `group_windows`; a layer has its `page_group`'s."""
+    num_pages = (num_pages,) if isinstance(num_pages, int) else tuple(num_pages)
+    if len(num_pages) != len(group_windows):
+        raise ValueError(f"{len(num_pages)} page counts for {len(group_windows)} groups")
     stored = kv_storage_dtype(kv_quant.storage_dtype(dtype), backend)
 
     def layer(count: int) -> jax.ShapeDtypeStruct | QuantizedPages:
@@ -102,11 +117,11 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int, page_size: int,
             spec = QuantizedPages(spec, jax.ShapeDtypeStruct(scales, jnp.float32))
         return spec
 
-    full, sliding = layer(num_pages), num_sliding_pages and layer(num_sliding_pages)
-    spec = [sliding if num_sliding_pages and cfg.layer_window(i) is not None else full
+    groups = [layer(count) for count in num_pages]
+    spec = [groups[page_group(cfg.layer_window(i), group_windows)]
             for i in range(cfg.num_layers)]
     if cfg.feature_layers:  # the feature store (ModelConfig.feature_layers), by KV slot
-        spec.append(jax.ShapeDtypeStruct((num_pages * page_size, cfg.feature_size),
+        spec.append(jax.ShapeDtypeStruct((num_pages[0] * page_size, cfg.feature_size),
                                          feature_dtype(dtype, backend)))
     return spec
 
@@ -146,16 +161,16 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
     return jax.tree.map(named, kv_cache)
 
 
-def init_kv_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
+def init_kv_cache(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, shards: int = 1,
-                  num_sliding_pages: int = 0) -> KVCache:
+                  group_windows: Sequence[int | None] = (None,)) -> KVCache:
     """Zeroed cache: L layers of [P, K, W, packing, L] in the storage dtype of `dtype`
     (with their scales for 8-bit KV; jit it with out_shardings to build a sharded cache
     without a whole copy)."""
     return jax.tree.map(lambda spec: jnp.zeros(spec.shape, spec.dtype),
                         kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
                                       dtype=dtype, shards=shards,
-                                      num_sliding_pages=num_sliding_pages))
+                                      group_windows=group_windows))
 
 
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,

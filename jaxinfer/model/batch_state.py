@@ -14,9 +14,9 @@ appended since the last step. `expand` turns the state and the delta into the
 model step's `StepInputs`; `record_samples` keeps each slot's sampled token for
 the next step. `admit` writes the rows of newly placed requests (their sampling
 settings, their pages so far, and the history a penalized request already has),
-a separate program run only in steps that place a request. A model whose sliding-window
-layers have their own page group (engine/core/kv_groups.py) has a second page table, written
-the same way, from which `expand` builds the sliding layers' slot mapping and page table.
+a separate program run only in steps that place a request. The page table has a row
+per slot in each KV page group (engine/core/kv_groups.py), written the same way; `expand`
+gives each group's layers their slot mapping and page table (docs/kv_cache.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SlotRows:
 class BatchState:
     """Per-slot rows on the device, N + 1 of each (the last one padding)."""
 
-    page_table: jax.Array  # i32[N + 1, pages_per_seq]
+    page_table: jax.Array  # i32[G, N + 1, pages_per_seq]: per KV page group
     history: jax.Array  # i32[N + 1, max_model_len]: token ids by position
     last_token: jax.Array  # i32[N + 1]: the token the slot sampled last
     rows: SlotRows  # [N + 1]
@@ -68,13 +68,13 @@ class BatchState:
     # admission (sparse: B pairs, the most a request may send)
     bias_ids: jax.Array  # i32[N + 1, B]
     bias_values: jax.Array  # f32[N + 1, B]
-    # i32[N + 1, pages_per_seq]: the sliding-window layers' own page ids (a second page
-    # group, engine/core/kv_groups.py); None without one: the structure is fixed per engine.
-    sliding_page_table: jax.Array | None = None
+    # the window of each page group's layers (AttentionMetadata.group_windows)
+    group_windows: tuple[int | None, ...] = dataclasses.field(
+        default=(None,), metadata={"static": True})
 
 
 # A step delta's fields, in the order the host packs them, and their sizes given
-# T tokens, S requests, Q sampled positions each and U page-id writes.
+# T tokens, S requests, Q sampled positions each and U page-id writes per page group.
 _DELTA_FIELDS = (
     ("token_ids", "T"),  # -1 = the token the slot sampled last
     ("positions", "T"),
@@ -86,14 +86,13 @@ _DELTA_FIELDS = (
     ("logits_indices", "SQ"),  # token row of each sampled position
     ("sample_slots", "SQ"),  # slot whose settings sample it; N: not sampled
     ("proposed_ids", "SQ"),  # [S, Q]: token to verify; -1 = none
-    ("page_writes", "3U"),  # [U, 3]: (slot, page index, page id); slot N + 1 = none
-    ("sliding_page_writes", "3V"),  # the same for the sliding group's table; V = 0: none
+    ("page_writes", "3GU"),  # [G, U, 3]: (slot, page index, page id); slot N + 1 = none
 )
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["flat"],
                    meta_fields=["num_tokens", "num_slots", "num_positions",
-                                "num_page_writes", "num_sliding_page_writes"])
+                                "num_page_writes", "num_groups"])
 @dataclasses.dataclass(frozen=True)
 class StepDelta:
     """One step's host inputs, packed in one int32 array (one transfer, not eleven);
@@ -104,16 +103,16 @@ class StepDelta:
     num_slots: int  # S
     num_positions: int  # Q
     num_page_writes: int  # U
-    num_sliding_page_writes: int = 0  # V: 0 without a sliding page group
+    num_groups: int = 1  # G: KV page groups
 
     @classmethod
     def from_list(cls, values: list[int], *, num_tokens: int, num_slots: int,
-                  num_positions: int, num_page_writes: int,
-                  num_sliding_page_writes: int = 0) -> StepDelta:
+                  num_positions: int, num_page_writes: int, num_groups: int = 1
+                  ) -> StepDelta:
         """The delta of the _DELTA_FIELDS already concatenated in one list (the host's
         fast path: one conversion)."""
         delta = cls(np.array(values, np.int32), num_tokens, num_slots, num_positions,
-                    num_page_writes, num_sliding_page_writes)
+                    num_page_writes, num_groups)
         expected = sum(delta._size(size) for _, size in _DELTA_FIELDS)
         if len(values) != expected:
             raise ValueError(f"{len(values)} values for a delta of {expected}")
@@ -127,15 +126,16 @@ class StepDelta:
                 part = self.flat[offset:offset + count]
                 if name == "proposed_ids":
                     return part.reshape(self.num_slots, self.num_positions)
-                return part.reshape(-1, 3) if name.endswith("page_writes") else part
+                if name == "page_writes":
+                    return part.reshape(self.num_groups, self.num_page_writes, 3)
+                return part
             offset += count
         raise AttributeError(name)
 
     def _size(self, size: str) -> int:
         return {"T": self.num_tokens, "S": self.num_slots, "S+1": self.num_slots + 1,
                 "1": 1, "SQ": self.num_slots * self.num_positions,
-                "3U": 3 * self.num_page_writes,
-                "3V": 3 * self.num_sliding_page_writes}[size]
+                "3GU": 3 * self.num_groups * self.num_page_writes}[size]
 
 
 @jax.tree_util.register_dataclass
@@ -145,30 +145,29 @@ class Admission:
 
     slots: jax.Array  # i32[A]: slot of each row; N + 1 = none
     rows: SlotRows  # [A]
-    page_writes: jax.Array  # i32[W, 3]: (slot, page index, page id)
+    page_writes: jax.Array  # i32[G, W, 3]: (slot, page index, page id) per page group
     history_writes: jax.Array  # i32[W, 3]: (slot, position, token id)
     bias_writes: jax.Array  # i32[Wb, 3]: (slot, index, token id or -1) of logit_bias pairs
     bias_values: jax.Array  # f32[Wb]: the bias of each pair
-    sliding_page_writes: jax.Array | None = None  # i32[W, 3]; None without a sliding group
 
 
 def init(num_slots: int, *, pages_per_seq: int, max_model_len: int,
          num_stop_ids: int, experts: tuple[int, int] = (0, 0),
-         sliding_group: bool = False, bias_width: int = 0) -> BatchState:
+         group_windows: tuple[int | None, ...] = (None,), bias_width: int = 0
+         ) -> BatchState:
     """N = `num_slots` empty slots and the padding one, all neutral; `experts`: (MoE
-    layers, experts) of the routing counts; `sliding_group`: a second page table;
-    `bias_width`: logit_bias pairs a slot holds."""
+    layers, experts) of the routing counts; `group_windows`: the window of each KV page
+    group's layers (a page table each); `bias_width`: logit_bias pairs a slot holds."""
     n = num_slots + 1
     return BatchState(
-        page_table=jnp.zeros((n, pages_per_seq), jnp.int32),
+        page_table=jnp.zeros((len(group_windows), n, pages_per_seq), jnp.int32),
         history=jnp.full((n, max_model_len), -1, jnp.int32),
         last_token=jnp.zeros((n,), jnp.int32),
         rows=neutral_rows(n, num_stop_ids),
         expert_tokens=jnp.zeros(experts, jnp.int32),
         bias_ids=jnp.full((n, bias_width), -1, jnp.int32),
         bias_values=jnp.zeros((n, bias_width), jnp.float32),
-        sliding_page_table=jnp.zeros((n, pages_per_seq), jnp.int32) if sliding_group
-        else None)
+        group_windows=tuple(group_windows))
 
 
 def neutral_rows(n: int, num_stop_ids: int) -> SlotRows:
@@ -186,14 +185,10 @@ def admit(state: BatchState, admission: Admission) -> BatchState:
     slots = admission.slots
     rows = jax.tree.map(lambda table, new: table.at[slots].set(new, mode="drop"),
                         state.rows, admission.rows)
-    state = dataclasses.replace(
-        state, rows=rows, page_table=_write(state.page_table, admission.page_writes),
+    return dataclasses.replace(
+        state, rows=rows, page_table=_write_pages(state.page_table, admission.page_writes),
         history=_write(state.history, admission.history_writes),
         **_admit_bias(state, admission))
-    if state.sliding_page_table is None:
-        return state
-    return dataclasses.replace(state, sliding_page_table=_write(
-        state.sliding_page_table, admission.sliding_page_writes))
 
 
 def _admit_bias(state: BatchState, admission: Admission) -> dict[str, jax.Array]:
@@ -211,27 +206,34 @@ def _write(table: jax.Array, writes: jax.Array) -> jax.Array:
     return table.at[writes[:, 0], writes[:, 1]].set(writes[:, 2], mode="drop")
 
 
+def _write_pages(page_table: jax.Array, writes: jax.Array) -> jax.Array:
+    """The page table i32[G, N + 1, P] with each group's (slot, index, page id) triples
+    `writes` i32[G, W, 3] set; slots out of range dropped."""
+    group = jnp.arange(writes.shape[0])[:, None]
+    return page_table.at[group, writes[..., 0], writes[..., 1]].set(writes[..., 2],
+                                                                     mode="drop")
+
+
 def expand(state: BatchState, delta: StepDelta, *, page_size: int
            ) -> tuple[BatchState, StepInputs]:
     """The step's full inputs from the state and the delta; the state with the delta's
     pages and fed tokens written."""
-    page_table = _write(state.page_table, delta.page_writes)
+    page_table = _write_pages(state.page_table, delta.page_writes)
     slots, positions = delta.token_slots, delta.positions
     token_ids = jnp.where(delta.token_ids >= 0, delta.token_ids, state.last_token[slots])
     history = state.history.at[slots, positions].set(token_ids, mode="drop")
-    pages = page_table[slots, positions // page_size]
+    slot_mapping = page_table[:, slots, positions // page_size] * page_size \
+        + positions % page_size  # [G, T]
+    page_indices = page_table[:, delta.seq_slots]  # [G, S, P]
+    several = len(state.group_windows) > 1
     md = AttentionMetadata(
-        positions=positions, slot_mapping=pages * page_size + positions % page_size,
-        page_indices=page_table[delta.seq_slots], kv_lens=delta.kv_lens,
-        cu_q_lens=delta.cu_q_lens, num_seqs=delta.num_seqs,
-        logits_indices=delta.logits_indices)
+        positions=positions, slot_mapping=slot_mapping[0], page_indices=page_indices[0],
+        kv_lens=delta.kv_lens, cu_q_lens=delta.cu_q_lens, num_seqs=delta.num_seqs,
+        logits_indices=delta.logits_indices,
+        group_slot_mapping=slot_mapping if several else None,
+        group_page_indices=page_indices if several else None,
+        group_windows=state.group_windows)
     state = dataclasses.replace(state, page_table=page_table, history=history)
-    if state.sliding_page_table is not None:
-        sliding = _write(state.sliding_page_table, delta.sliding_page_writes)
-        md = dataclasses.replace(
-            md, sliding_slot_mapping=sliding[slots, positions // page_size] * page_size
-            + positions % page_size, sliding_page_indices=sliding[delta.seq_slots])
-        state = dataclasses.replace(state, sliding_page_table=sliding)
     sampling = _sampling(state, delta, positions[delta.logits_indices])
     return state, StepInputs(token_ids=token_ids, md=md, sampling=sampling,
                              proposed_ids=delta.proposed_ids)

@@ -113,12 +113,11 @@ def _gauges(snap: dict[str, Any]) -> Iterator[Metric]:
                  snap["pages_in_use"] / max(snap["pages"], 1))
     yield _gauge("kv_cache_pages_in_use", "KV pages held by requests", snap["pages_in_use"])
     yield _gauge("kv_cache_pages", "KV pages requests can hold", snap["pages"])
-    sliding = snap["page_groups"].get("sliding")
-    if sliding is not None:  # a hybrid model's sliding-window layers' own pages
-        yield _gauge("kv_cache_sliding_pages_in_use", "sliding-window layers' KV pages held "
-                     "by requests", sliding["in_use"])
-        yield _gauge("kv_cache_sliding_pages", "sliding-window layers' KV pages requests "
-                     "can hold", sliding["pages"])
+    for name, group in list(snap["page_groups"].items())[1:]:  # an attention kind's own
+        yield _gauge(f"kv_cache_{name}_pages_in_use", f"KV pages of the {name} page group "
+                     "held by requests", group["in_use"])  # pages (docs/kv_cache.md)
+        yield _gauge(f"kv_cache_{name}_pages", f"KV pages of the {name} page group "
+                     "requests can hold", group["pages"])
     yield _gauge("mean_batch_size", "completions per engine step, mean over the life",
                  summary["mean_requests_per_step"])
     yield _gauge("roofline_fraction", "bytes a step must read over its time, as a fraction "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.sizing.page_groups import hybrid_summary
+from jaxinfer.sizing.page_groups import PageGroupPlan, hybrid_summary
 
 GB = 1e9
 ROOFLINE_BATCHES = (1, 8, 32, 128)  # plus the largest batch that fits
@@ -53,13 +53,10 @@ class MemoryPlan:
     experts_per_token: int = 0
     total_params: int = 0
     active_params: int = 0  # per token: the dense parameters and k of the E experts
-    # The hybrid KV cache (engine/core/kv_groups.py): the sliding-window layers' own pages.
-    # page_bytes and num_pages are then the full-attention layers' (and a draft's);
-    # 0 pages: one group, every layer keeps every page.
-    num_sliding_pages: int = 0  # the trash page included
-    sliding_page_bytes: int = 0
-    sliding_window_pages: int = 0  # ceil(window / page_size) + 1: a decode's sliding pages
-    unified_num_pages: int = 0  # pages of every layer the bytes hold: without the hybrid
+    # The KV page groups (engine/core/kv_groups.py, sizing/page_groups.py), group 0 first:
+    # page_bytes and num_pages are group 0's; with one group, every layer's.
+    page_groups: tuple[PageGroupPlan, ...] = ()
+    unified_num_pages: int = 0  # pages of every layer the bytes hold: one group's
 
     def step_weight_bytes(self, batch: int) -> float:
         """The weight bytes a decode step of `batch` requests reads on one device: every

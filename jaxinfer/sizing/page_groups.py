@@ -1,106 +1,121 @@
 """How the memory plan splits KV bytes between page groups (engine/core/kv_groups.py).
 
-A model with both sliding-window and full-attention layers (Gemma 3, gpt-oss) gives its
-sliding layers their own pages: a request holds a full-group page for every page of its
-tokens but only about ceil(window / page_size) + 1 sliding pages while decoding. The
-planner sizes the groups so that requests at max_model_len run out of both together:
-sliding pages = full pages x W / F (W = ceil(window / page_size) + 1, F =
-ceil(max_model_len / page_size)) plus slack for one prefill chunk per step, solving
-bytes = page_bytes_per_layer x (n_full x P_full + n_sliding x P_sliding).
+Group 0 holds the layers that keep a page for every page of a request's tokens; a model
+with both sliding-window and full-attention layers (Gemma 3, gpt-oss) gives its sliding
+layers a group of their own, of which a decoding request holds about
+ceil(window / page_size) + 1 pages. The planner sizes the groups so that requests at
+max_model_len run out of them together: group g's pages = group 0's x W_g / F (W_g the
+pages a request holds in it, F = ceil(max_model_len / page_size)) plus slack for one
+prefill chunk per step, solving bytes = sum over groups of pages x page bytes.
+docs/kv_cache.md, "Sizing".
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxinfer.config import ModelConfig
 
 
-def sliding_split(cfg: ModelConfig, page_size: int, max_model_len: int
-                  ) -> tuple[int, int] | None:
-    """(full-attention layers, sliding-window layers) when the hybrid KV cache pays: the
-    model has both and a window spans fewer pages than a request at max_model_len; else
-    None (one page group: Llama, Mistral, or a window as long as the context)."""
+@dataclasses.dataclass(frozen=True)
+class PageGroupPlan:
+    """One page group of a memory plan."""
+
+    kind: str  # engine/core/kv_groups.py's KINDS: "full" or "sliding"
+    window: int | None  # its layers' window; None: a group that keeps every page
+    num_layers: int
+    request_pages: int  # pages a request at max_model_len holds while decoding
+    num_pages: int = 0  # the trash page included
+    page_bytes: int = 0  # one page of its layers (group 0's: and a draft's)
+
+
+def group_layers(cfg: ModelConfig, page_size: int, max_model_len: int, hybrid: bool
+                 ) -> list[PageGroupPlan]:
+    """The page groups of `cfg` (their pages not yet counted): one of every layer, or with
+    `hybrid` and layers both full and within one window that spans fewer pages than a
+    request at max_model_len, the full layers' then the sliding layers'."""
+    context_pages = -(-max_model_len // page_size)
+    every = PageGroupPlan("full", None, cfg.num_layers, context_pages)
     sliding = len(cfg.sliding_layers())
-    if not 0 < sliding < cfg.num_layers:
-        return None
+    if not hybrid or not 0 < sliding < cfg.num_layers:
+        return [every]
     window_pages = -(-cfg.sliding_window // page_size) + 1
-    if window_pages >= -(-max_model_len // page_size):
-        return None
-    return cfg.num_layers - sliding, sliding
+    if window_pages >= context_pages:
+        return [every]
+    return [dataclasses.replace(every, num_layers=cfg.num_layers - sliding),
+            PageGroupPlan("sliding", cfg.sliding_window, sliding, window_pages)]
 
 
-def split_pages(kv_cache_bytes: int, full_page_bytes: int, sliding_page_bytes: int, *,
-                window_pages: int, context_pages: int, slack: int) -> tuple[int, int]:
-    """(full pages, sliding pages), trash pages included, in `kv_cache_bytes`: sliding =
-    (full - 1) x window_pages / context_pages (what requests at full context hold while
-    decoding) + `slack` (a prefill chunk's extra pages) + 1, whatever the full pages
-    leave over going to the sliding group."""
-    ratio = window_pages / context_pages
-    full = int((kv_cache_bytes - sliding_page_bytes * (slack + 1 - ratio))
-               // (full_page_bytes + sliding_page_bytes * ratio))
-    full = max(full, 0)
-    return full, (kv_cache_bytes - full * full_page_bytes) // sliding_page_bytes
+def split_pages(kv_cache_bytes: int, page_bytes: list[int], request_pages: list[int], *,
+                slack: int) -> list[int]:
+    """Pages per group, trash pages included, in `kv_cache_bytes`: group g > 0 gets
+    (group 0's - 1) x request_pages[g] / request_pages[0] (what requests at full context
+    hold while decoding) + `slack` (a prefill chunk's extra pages) + 1, the last group
+    whatever the others leave over."""
+    ratios = [pages / request_pages[0] for pages in request_pages[1:]]
+    others = list(zip(page_bytes[1:], ratios, strict=True))
+    spare = kv_cache_bytes - sum(b * (slack + 1 - r) for b, r in others)
+    counts = [max(int(spare // (page_bytes[0] + sum(b * r for b, r in others))), 0)]
+    counts += [int((counts[0] - 1) * r) + slack + 1 for r in ratios[:-1]]
+    left = kv_cache_bytes - sum(n * b for n, b in zip(counts, page_bytes, strict=False))
+    return counts + [left // page_bytes[-1]]
 
 
 def page_groups(cfg: ModelConfig, kv_cache_bytes: int, per_token: int, draft_per_token: int,
                 *, page_size: int, max_model_len: int, max_num_batched_tokens: int,
-                hybrid: bool) -> dict[str, int]:
-    """MemoryPlan's page fields for `kv_cache_bytes`: one group of pages of every layer
-    unless `hybrid` and `sliding_split` says it pays; then bytes = page_bytes_per_layer x
-    (n_full x P_full + n_sliding x P_sliding), a draft's K/V riding with the full group
-    (its pages are the full group's ids). Requests at max_model_len that fit: by the
-    full pages, and by the sliding pages each decoding request holds."""
-    page_bytes = page_size * (per_token + draft_per_token)
-    context_pages = -(-max_model_len // page_size)
-    split = sliding_split(cfg, page_size, max_model_len) if hybrid else None
-    if split is None:
-        pages = kv_cache_bytes // page_bytes
-        return {"page_bytes": page_bytes, "num_pages": pages,
-                "kv_cache_bytes": pages * page_bytes,
-                "max_concurrent_requests": (pages - 1) // context_pages}
-    num_full, num_sliding = split
+                hybrid: bool) -> dict[str, object]:
+    """MemoryPlan's page fields for `kv_cache_bytes`: the groups of `group_layers`, each
+    page holding its layers' K/V (a draft's riding with group 0: its pages are group 0's
+    ids). Requests at max_model_len that fit: the fewest any group's pages hold."""
+    groups = group_layers(cfg, page_size, max_model_len, hybrid)
+    unified = page_size * (per_token + draft_per_token)
     per_layer = per_token // cfg.num_layers
-    full_bytes = page_size * (per_layer * num_full + draft_per_token)
-    sliding_bytes = page_size * per_layer * num_sliding
-    window_pages = -(-cfg.sliding_window // page_size) + 1
-    full, sliding = split_pages(
-        kv_cache_bytes, full_bytes, sliding_bytes, window_pages=window_pages,
-        context_pages=context_pages, slack=-(-max_num_batched_tokens // page_size) + 1)
-    return {"page_bytes": full_bytes, "num_pages": full,
-            "kv_cache_bytes": full * full_bytes + sliding * sliding_bytes,
-            "max_concurrent_requests": min((full - 1) // context_pages,
-                                           (sliding - 1) // window_pages),
-            "num_sliding_pages": sliding, "sliding_page_bytes": sliding_bytes,
-            "sliding_window_pages": window_pages,
-            "unified_num_pages": kv_cache_bytes // page_bytes}
+    if len(groups) == 1:
+        page_bytes = [unified]
+        counts = [kv_cache_bytes // unified]
+    else:
+        page_bytes = [page_size * per_layer * g.num_layers for g in groups]
+        page_bytes[0] += page_size * draft_per_token
+        counts = split_pages(kv_cache_bytes, page_bytes, [g.request_pages for g in groups],
+                             slack=-(-max_num_batched_tokens // page_size) + 1)
+    groups = tuple(dataclasses.replace(g, num_pages=n, page_bytes=b)
+                   for g, n, b in zip(groups, counts, page_bytes, strict=True))
+    return {"page_bytes": page_bytes[0], "num_pages": counts[0],
+            "kv_cache_bytes": sum(n * b for n, b in zip(counts, page_bytes, strict=True)),
+            "max_concurrent_requests": min((g.num_pages - 1) // g.request_pages
+                                           for g in groups),
+            "page_groups": groups, "unified_num_pages": kv_cache_bytes // unified}
 
 
 def one_request_bytes(cfg: ModelConfig, per_token: int, draft_per_token: int, *,
                       page_size: int, max_model_len: int, max_num_batched_tokens: int,
                       hybrid: bool) -> int:
-    """KV bytes one request of max_model_len needs, trash pages included: every layer's
-    pages for all its tokens in one group; with the hybrid split, the full layers' pages
-    for all its tokens and the sliding layers' for a window and a prefill chunk."""
-    context_pages = -(-max_model_len // page_size)
-    split = sliding_split(cfg, page_size, max_model_len) if hybrid else None
-    if split is None:
-        return (context_pages + 1) * page_size * (per_token + draft_per_token)
-    num_full, num_sliding = split
+    """KV bytes one request of max_model_len needs, trash pages included: in group 0
+    pages for all its tokens (every layer's, with one group), in each other group
+    the pages it holds while decoding and a prefill chunk's."""
+    groups = group_layers(cfg, page_size, max_model_len, hybrid)
+    if len(groups) == 1:
+        return (groups[0].request_pages + 1) * page_size * (per_token + draft_per_token)
     per_layer = per_token // cfg.num_layers
-    window_pages = -(-cfg.sliding_window // page_size) + 1
     slack = -(-max_num_batched_tokens // page_size) + 1
-    full = (context_pages + 1) * page_size * (per_layer * num_full + draft_per_token)
-    return full + (window_pages + slack + 1) * page_size * per_layer * num_sliding
+    first, *others = groups
+    need = (first.request_pages + 1) * page_size * (per_layer * first.num_layers
+                                                    + draft_per_token)
+    return need + sum((g.request_pages + slack + 1) * page_size * per_layer * g.num_layers
+                      for g in others)
 
 
 def hybrid_summary(plan: object) -> dict[str, object]:
-    """A MemoryPlan's page groups, and what its KV bytes hold without the hybrid cache
-    (nothing without a sliding group)."""
-    if not plan.num_sliding_pages:
+    """A MemoryPlan's page groups past the first, and what its KV bytes hold with one
+    group (nothing when it has one)."""
+    if len(plan.page_groups) < 2:
         return {}
+    out: dict[str, object] = {}
+    for group in plan.page_groups[1:]:
+        out |= {f"num_{group.kind}_pages": group.num_pages,
+                f"{group.kind}_page_bytes": group.page_bytes,
+                f"kv_tokens_{group.kind}": (group.num_pages - 1) * plan.page_size}
     pages = plan.unified_num_pages
     full_context = -(-plan.max_model_len // plan.page_size)
-    return {"num_sliding_pages": plan.num_sliding_pages,
-            "sliding_page_bytes": plan.sliding_page_bytes,
-            "kv_tokens_sliding": (plan.num_sliding_pages - 1) * plan.page_size,
-            "kv_tokens_without_hybrid": (pages - 1) * plan.page_size,
-            "max_concurrent_requests_without_hybrid": (pages - 1) // full_context}
+    return out | {"kv_tokens_without_hybrid": (pages - 1) * plan.page_size,
+                  "max_concurrent_requests_without_hybrid": (pages - 1) // full_context}

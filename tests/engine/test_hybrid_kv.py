@@ -86,9 +86,9 @@ def reference(hybrid_dir):
     """The workloads' tokens with every layer keeping every page (one group)."""
     engine = Engine(hybrid_dir, EngineConfig(**SMALL, disable_hybrid_kv_cache_manager=True,
                                              kv_cache_memory_bytes=12 * 64 * LAYER_PAGE_BYTES))
-    assert engine.memory_plan.num_sliding_pages == 0
+    assert len(engine.memory_plan.page_groups) == 1
     assert len({layer.shape for layer in engine.runner.kv_cache}) == 1
-    assert engine.runner.state.sliding_page_table is None
+    assert engine.runner.state.page_table.shape[0] == 1  # one page table per slot
     return {seed: _greedy(engine, *_workload(seed)) for seed in (0, 1)}
 
 
@@ -99,7 +99,8 @@ def test_hybrid_tokens_equal_one_group_under_preemption(hybrid_dir, reference,
     engine = Engine(hybrid_dir, EngineConfig(**SMALL, async_scheduling=async_scheduling,
                                              kv_cache_memory_bytes=100 * LAYER_PAGE_BYTES))
     plan = engine.memory_plan
-    assert (plan.num_pages, plan.num_sliding_pages) == (39, 12)
+    assert [g.num_pages for g in plan.page_groups] == [39, 12]
+    assert engine.runner.state.page_table.shape[0] == 2
     assert plan.kv_cache_bytes == (39 + 12 * 5) * LAYER_PAGE_BYTES == tree_bytes(
         engine.runner.kv_cache)
     shapes = [layer.shape[0] for layer in engine.runner.kv_cache]
@@ -120,8 +121,7 @@ def test_hybrid_tokens_equal_one_group_with_prefix_hits(hybrid_dir, reference):
 
     def recording():
         plan = step()
-        peak.append((engine.scheduler.pool.num_used,
-                     engine.scheduler.pages.sliding_pool.num_used))
+        peak.append(tuple(group.pool.num_used for group in engine.scheduler.pages.groups))
         return plan
 
     engine.scheduler.schedule = recording
@@ -129,7 +129,7 @@ def test_hybrid_tokens_equal_one_group_with_prefix_hits(hybrid_dir, reference):
     metrics = engine.metrics.summary()
     assert metrics["prefix_cache_hit_tokens"] > 0 and metrics["compiles_after_warmup"] == 0
     assert max(s for _, s in peak) < max(f for f, _ in peak)  # the window, not the context
-    assert engine.scheduler.pages.sliding_pool.num_cached > 0
+    assert engine.scheduler.pages.groups[1].pool.num_cached > 0
 
 
 def test_hybrid_tokens_equal_one_group_with_ngram_speculation(hybrid_dir, reference):

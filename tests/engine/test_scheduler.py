@@ -59,7 +59,7 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     s.update(plan, [[8], []])
     plan, chunks = _plan(s)
     assert chunks == [("a", 7, 1, 1), ("b", 15, 15, 1)]
-    assert s.running[1].page_ids == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert s.running[1].page_ids == [[3, 4, 5, 6, 7, 8, 9, 10]]
 
 
 def test_waiting_admitted_by_priority_then_arrival_up_to_max_num_seqs():
@@ -102,13 +102,13 @@ def test_preemption_frees_latest_lowest_priority_and_recomputes():
     s.add(a)
     s.add(b)
     s.update(s.schedule(), [[1], [2]])
-    assert a.page_ids == [1, 2] and b.page_ids == [3, 4]
+    assert a.page_ids == [[1, 2]] and b.page_ids == [[3, 4]]
     s.update(s.schedule(), [[3], [4]])  # 9 tokens each now: a needs a third page
     plan = s.schedule()
     assert [r.request_id for r in plan.preempted] == ["b"]
     assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("a", 8, 1)]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.page_ids == []
-    assert b.output_token_ids == [2, 4] and a.page_ids == [1, 2, 3]
+    assert b.output_token_ids == [2, 4] and a.page_ids == [[1, 2, 3]]
     s.update(plan, [[5]])
     s.finish(a, "abort")
     plan = s.schedule()
@@ -141,7 +141,7 @@ def test_update_appends_several_tokens_per_chunk_up_to_a_stop():
     assert [(r.finish_reason, r.stop_reason) for r in reqs] == [
         ("stop", 42), ("stop", 42), ("length", None), ("stop", None), (None, None)]
     assert reqs[4].num_computed_tokens == 5 and reqs[4].num_tokens == 8
-    assert s.running == [reqs[4]] and reqs[4].page_ids == [9, 10]  # the others' pages freed
+    assert s.running == [reqs[4]] and reqs[4].page_ids == [[9, 10]]  # the others' pages freed
     assert s.pool.num_used == 2
 
 

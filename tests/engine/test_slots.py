@@ -17,13 +17,14 @@ N, PAGE = 4, 4
 def _request(rid: str, prompt: list[int], pages: list[int], **params) -> Request:
     request = Request(request_id=rid, prompt_token_ids=prompt, arrival=0, seed=3,
                       params=SamplingParams(**params))
-    request.page_ids = list(pages)
+    request.page_ids = [list(pages)]  # one KV page group
     request.status = Status.RUNNING
     return request
 
 
 def _writes(delta) -> list[tuple[int, int, int]]:
-    return [tuple(w) for w in np.asarray(delta.page_writes).tolist() if w[0] <= N]
+    (group,) = np.asarray(delta.page_writes).tolist()
+    return [tuple(w) for w in group if w[0] <= N]
 
 
 def test_a_step_sends_new_page_ids_once_and_tokens_on_the_device_as_minus_one():
@@ -49,7 +50,7 @@ def test_a_step_sends_new_page_ids_once_and_tokens_on_the_device_as_minus_one():
     delta, admissions = table.delta([ScheduledChunk(a, 6, 1, 1)], Bucket(1, 1, True))
     assert admissions == [] and _writes(delta) == []  # position 6 is on page 8, sent
     assert delta.token_ids.tolist() == [-1] and delta.kv_lens.tolist() == [7]
-    a.output_token_ids, a.page_ids = [99, 98, 97], [7, 8, 5]
+    a.output_token_ids, a.page_ids = [99, 98, 97], [[7, 8, 5]]
     delta, _ = table.delta([ScheduledChunk(a, 8, 1, 1)], Bucket(1, 1, True))
     assert delta.token_ids.tolist() == [97] and _writes(delta) == [(0, 2, 5)]
 
@@ -76,7 +77,7 @@ def test_trimmed_pages_are_rewritten_and_long_rows_overflow_into_admissions():
     delta, admissions = table.delta([ScheduledChunk(a, 1200, 1, 1)], Bucket(1, 1, True))
     capacity = slots_lib.page_write_capacity(Bucket(1, 1, True), PAGE)
     sent = _writes(delta) + [tuple(w) for adm in admissions
-                             for w in adm.page_writes.tolist() if w[0] <= N]
+                             for w in adm.page_writes[0].tolist() if w[0] <= N]
     assert sorted(sent) == [(0, k, p) for k, p in enumerate(pages + [400])]
     assert len(_writes(delta)) == capacity
     history = [tuple(w) for adm in admissions for w in adm.history_writes.tolist()
@@ -84,6 +85,6 @@ def test_trimmed_pages_are_rewritten_and_long_rows_overflow_into_admissions():
     assert history == [(0, p, p) for p in range(1200)]  # the penalized request's past
     assert len(admissions) == -(-1200 // slots_lib.WRITE_WIDTH)
     # Rejected drafts' pages freed and others taken at the same indices: resent.
-    a.page_ids[-2:] = [500, 501]
+    a.page_ids[0][-2:] = [500, 501]
     delta, _ = table.delta([ScheduledChunk(a, 1200, 1, 1)], Bucket(1, 1, True))
     assert _writes(delta) == [(0, 299, 500), (0, 300, 501)]

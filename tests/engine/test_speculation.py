@@ -75,24 +75,24 @@ def test_ngram_without_a_match_or_room_proposes_nothing():
 def test_rejected_drafts_roll_back_and_free_their_pages():
     s = _scheduler()
     request = _decoding(s, range(1, 7))  # 6 prompt tokens + the sampled 7: 7 tokens
-    assert (request.num_computed_tokens, request.page_ids) == (6, [1, 2])
+    assert (request.num_computed_tokens, request.page_ids) == (6, [[1, 2]])
     plan = s.schedule()
     assert s.reserve_drafts(plan, [4]) == [4]  # positions 6..10: pages 1, 2, 3
     plan = s.with_drafts(plan, [[10, 11, 12, 13]])
     (chunk,) = plan.chunks
     assert (chunk.start, chunk.num_tokens, chunk.num_samples) == (6, 5, 5)
-    assert chunk.token_ids == [7, 10, 11, 12, 13] and request.page_ids == [1, 2, 3]
+    assert chunk.token_ids == [7, 10, 11, 12, 13] and request.page_ids == [[1, 2, 3]]
     # The target agrees with 10 and 11, then says 20 where 12 was proposed.
     s.update(plan, [[10, 11, 20, 30, 40]])
     assert request.output_token_ids == [7, 10, 11, 20]
     assert request.num_computed_tokens == 9  # 6 + the fed 7, 10, 11; not 20
-    assert request.page_ids == [1, 2, 3]  # 10 tokens need 3 pages
+    assert request.page_ids == [[1, 2, 3]]  # 10 tokens need 3 pages
     plan = s.schedule()
     s.reserve_drafts(plan, [4])
-    assert request.page_ids == [1, 2, 3, 4]
+    assert request.page_ids == [[1, 2, 3, 4]]
     s.update(s.with_drafts(plan, [[1, 2, 3, 4]]), [[5, 6, 7, 8, 9]])  # all rejected
     assert request.output_token_ids[-1] == 5 and request.num_computed_tokens == 10
-    assert request.page_ids == [1, 2, 3] and s.pool.num_free == 31 - 3  # page 4 freed
+    assert request.page_ids == [[1, 2, 3]] and s.pool.num_free == 31 - 3  # page 4 freed
 
 
 def test_all_drafts_accepted_add_the_bonus_token():
@@ -124,11 +124,11 @@ def test_drafts_get_no_pages_past_the_context_or_the_pool_and_never_preempt():
     s = _scheduler(max_model_len=10)
     request = _decoding(s, range(1, 8))  # 8 tokens, 7 computed: pages 1, 2
     assert s.reserve_drafts(s.schedule(), [5]) == [2]  # positions 8, 9: the context ends
-    assert request.page_ids == [1, 2, 3]
+    assert request.page_ids == [[1, 2, 3]]
     full = _scheduler(num_pages=3)  # 2 usable pages, both held by the request
     held = _decoding(full, range(1, 8))
     assert full.reserve_drafts(full.schedule(), [3]) == [0]  # no free page: no drafts
-    assert held.page_ids == [1, 2] and held.status is Status.RUNNING
+    assert held.page_ids == [[1, 2]] and held.status is Status.RUNNING
     assert full.num_preemptions == 0
 
 
@@ -140,8 +140,8 @@ def test_prefix_cache_registers_only_accepted_tokens():
     s.update(s.with_drafts(plan, [[8, 9, 10, 11]]), [[8, 5, 6, 6, 6]])
     # computed: 1 2 3 7 8 (5 tokens); tokens 1 2 3 7 8 5: page 1 full and registered
     assert request.num_computed_tokens == 5 and len(request.page_serials) == 1
-    assert s.pool.match([1, 2, 3, 7, 8, 5, 0, 0], 4, 2)[0] == [request.page_ids[0]]
-    assert s.pool.match([1, 2, 3, 7, 8, 9, 10, 11], 4, 2)[0] == [request.page_ids[0]]
+    assert s.pool.match([1, 2, 3, 7, 8, 5, 0, 0], 4, 2)[0] == [request.page_ids[0][0]]
+    assert s.pool.match([1, 2, 3, 7, 8, 9, 10, 11], 4, 2)[0] == [request.page_ids[0][0]]
     assert s.pool.num_cached == 1  # the page of rejected drafts 9, 10, 11 was not cached
 
 
@@ -154,7 +154,7 @@ def test_pages_filled_by_accepted_drafts_are_cached_with_their_tokens():
     s.update(s.with_drafts(plan, [[8, 9, 10, 11, 12, 13]]), [[8, 9, 10, 11, 12, 13, 14]])
     assert request.num_computed_tokens == 10 and len(request.page_serials) == 2
     pages, _ = s.pool.match([1, 2, 3, 7, 8, 9, 10, 11, 0], 4, 2)
-    assert pages == request.page_ids[:2]
+    assert pages == request.page_ids[0][:2]
     # A stop inside the run: only the pages of tokens kept are registered.
     s = _scheduler(caching=True)
     stopped = _decoding(s, [5, 5, 5])

@@ -1,194 +1,239 @@
 """A request's KV pages in each page group (vLLM's hybrid KV cache manager). Plain Python.
 
-One group, as ever, for a model whose layers all attend to everything (Llama) or all
-within one window (Mistral), and whenever `disable_hybrid_kv_cache_manager` is set:
-every layer keeps a page for every page of a request's tokens.
-
-Two groups for a model with both sliding-window and full-attention layers (Gemma 3,
-gpt-oss). The full group (the full-attention layers' KV arrays) keeps today's pages. The
-sliding group has its own KV arrays, its own page ids and `PagePool`, and its own list
-per request, `Request.sliding_page_ids`, indexed by the same logical page: logical page
-i covers tokens [i * page_size, (i + 1) * page_size) in both groups, so the kernels are
-unchanged. A sliding layer's query at position q sees tokens > q - window, so when a
-step is scheduled whose first query of a request is at c (its computed count), every
-sliding page all of whose tokens are below c - window + 1 is given back (`reserve` with
-`first_query`); its entry becomes 0. No later query of that request sees it: queries
-only move forward, a step in flight (asynchronous scheduling) reads before any later
-step writes (the device runs steps in order), and rejected drafts roll the count back no
-further than the scheduled chunk's first token + 1. The device page-table row keeps the
-old id; the kernels skip pages before the window and the reference masks them (the
-probabilities there are exactly 0, and finite K/V times 0 adds nothing).
-
-Prefix caching stays exact. Full pages are cached as before (a hash chain whose serial
-names a verified whole prefix). A sliding page is registered when its full twin is,
-keyed by that twin's serial; pages that slide out of a window go to the sliding pool's
-LRU, still hittable until evicted, never served once evicted. A hit of n full pages is
-shortened to the longest m <= n for which every sliding page the first query after m
-pages can see (logical pages `live_start(m * page_size)` .. m - 1) is cached; the
-request then holds those sliding pages and 0 before them.
+A page group is the KV arrays of the layers of one attention kind, with their own page
+ids and `PagePool`; logical page i covers a request's tokens [i * page_size, (i + 1) *
+page_size) in every group, so the kernels are the same whatever the group. A group
+answers which pages a query can still see (`live_start`), takes and gives back pages,
+and says how much of a prefix-cache hit it holds; `PageGroups` loops over the groups.
+Group 0 keeps every page of a request's tokens (full attention, or every layer of a model
+with one group) and anchors the prefix cache. docs/kv_cache.md has the rules: which
+pages a sliding window frees, why no later query sees them, and why hits stay exact.
 """
 
 from __future__ import annotations
 
-from jaxinfer.config import EngineConfig, ModelConfig
+from collections.abc import Sequence
+from typing import Protocol
+
 from jaxinfer.engine.core.page_pool import ROOT, TRASH_PAGE, PagePool
 from jaxinfer.engine.request import Request
 
-SLIDING_KEY = "sliding"  # the extra key of a sliding page's cache entry
 
+class PageGroup:
+    """The pages of one attention kind. `ids`, a request's list in this group: its page
+    of each logical page, 0 (TRASH_PAGE) before `live_start` where pages were given
+    back or never held. A group other than the first caches a page as the twin of the
+    first group's page of the same index, keyed by that page's serial, so a hit can only
+    be served for the prefix the first group verified."""
 
-class PageGroups:
-    """The page pools of a request's KV: the full group, and the sliding one if any."""
+    name = ""  # in usage() and the metrics: kv_pages_<name>_in_use
+    window: int | None = None  # the window of the layers it serves; None: full attention
 
-    def __init__(self, pool: PagePool, *, page_size: int, sliding_pool: PagePool | None = None,
-                 window: int | None = None) -> None:
-        if (sliding_pool is None) != (window is None):
-            raise ValueError("a sliding page pool needs its window, and a window its pool")
+    def __init__(self, pool: PagePool, page_size: int) -> None:
         self.pool = pool
         self.page_size = page_size
-        self.sliding_pool = sliding_pool
-        self.window = window
 
     def live_start(self, first_query: int) -> int:
-        """The first logical page that a sliding layer's query at `first_query` or later
-        can see: pages before it hold only tokens < first_query - window + 1."""
-        return max(0, first_query - self.window + 1) // self.page_size
+        """The first logical page a query at `first_query` or later can see."""
+        raise NotImplementedError
 
-    def reserve(self, request: Request, num_tokens: int, first_query: int | None = None
-                ) -> bool:
-        """Pages in every group for the request's first `num_tokens` tokens, or False with
-        nothing taken. `first_query`: the first position the step computes; the sliding
-        pages no query from there on sees are given back first (drafts pass None)."""
-        total = -(-num_tokens // self.page_size)
-        need = total - len(request.page_ids)
-        low = 0
-        if self.sliding_pool is not None:
-            if first_query is not None:
-                self._slide(request, first_query)
-                low = self.live_start(first_query)
-            sliding_need = max(0, total - max(len(request.sliding_page_ids), low))
-            if sliding_need > self.sliding_pool.num_free:
-                return False
-        if need > self.pool.num_free:
-            return False
-        if need > 0:
-            request.page_ids.extend(self.pool.allocate(need))
-        if self.sliding_pool is not None:
-            ids = request.sliding_page_ids
-            dead = max(0, min(total, low) - len(ids))  # pages no query will see: none held
-            ids.extend([TRASH_PAGE] * dead)
-            if len(ids) < total:
-                ids.extend(self.sliding_pool.allocate(total - len(ids)))
-        return True
+    def free_dead(self, ids: list[int], first_query: int) -> None:
+        """Give back the held pages before `live_start(first_query)`. The pages held
+        always follow the 0s, so walking back from there finds exactly the new ones."""
+        end = start = min(self.live_start(first_query), len(ids))
+        while start > 0 and ids[start - 1] != TRASH_PAGE:
+            start -= 1
+        if start < end:
+            self.pool.free(ids[start:end])
+            ids[start:end] = [TRASH_PAGE] * (end - start)
 
-    def _slide(self, request: Request, first_query: int) -> None:
-        """Give back the request's sliding pages before `live_start(first_query)`."""
-        ids = request.sliding_page_ids
-        end = min(self.live_start(first_query), len(ids))
-        gone = [page for page in ids[request.sliding_first:end] if page != TRASH_PAGE]
-        if gone:
-            self.sliding_pool.free(gone)
-        ids[request.sliding_first:end] = [TRASH_PAGE] * max(0, end - request.sliding_first)
-        request.sliding_first = max(request.sliding_first, end)
+    def need(self, ids: list[int], total: int, first_query: int | None) -> int:
+        """Pages to take for `total` logical pages (none before the live ones)."""
+        low = 0 if first_query is None else self.live_start(first_query)
+        return max(0, total - max(len(ids), low))
 
-    def release(self, request: Request) -> None:
-        """Give back all the request's pages, in every group (cached ones stay cached)."""
-        if request.page_ids:
-            self.pool.free(request.page_ids)
-            request.page_ids = []
-        request.page_serials = []
-        held = [page for page in request.sliding_page_ids if page != TRASH_PAGE]
+    def grow(self, ids: list[int], total: int, first_query: int | None) -> None:
+        """Extend `ids` to `total` pages: 0 for those no query will see, then new ones."""
+        low = 0 if first_query is None else self.live_start(first_query)
+        ids.extend([TRASH_PAGE] * max(0, min(total, low) - len(ids)))
+        if len(ids) < total:
+            ids.extend(self.pool.allocate(total - len(ids)))
+
+    def release(self, ids: list[int], keep: int = 0) -> None:
+        """Give back the pages from logical page `keep` on (cached ones stay cached)."""
+        held = [page for page in ids[keep:] if page != TRASH_PAGE]
         if held:
-            self.sliding_pool.free(held)
-        request.sliding_page_ids, request.sliding_first = [], 0
+            self.pool.free(held)
+        del ids[keep:]
 
-    def trim(self, request: Request) -> None:
-        """Free the pages past those the request's tokens need (they held rejected drafts'
-        K/V only), in every group."""
-        keep = -(-request.num_tokens // self.page_size)
-        if len(request.page_ids) > keep:
-            self.pool.free(request.page_ids[keep:])
-            del request.page_ids[keep:]
-        ids = request.sliding_page_ids
-        if len(ids) > keep:
-            held = [page for page in ids[keep:] if page != TRASH_PAGE]
-            if held:
-                self.sliding_pool.free(held)
-            del ids[keep:]
+    def cache(self, ids: list[int], index: int, serial: int) -> None:
+        """Register logical page `index` as the twin of the first group's page `serial`
+        (one already given back is just not cached)."""
+        if index < len(ids) and ids[index] != TRASH_PAGE:
+            self.pool.register(ids[index], serial, (serial,), self.name)
 
-    # ---- the prefix cache -------------------------------------------------------------
-
-    def register(self, request: Request) -> None:
-        """Register the request's newly computed full pages, and their sliding twins."""
-        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
-        if not self.pool.enable_caching or full <= len(request.page_serials):
-            return
-        parent = request.page_serials[-1] if request.page_serials else ROOT
-        for index in range(len(request.page_serials), full):
-            parent = self.pool.register(request.page_ids[index], parent, request.tokens(
-                index * self.page_size, (index + 1) * self.page_size))
-            request.page_serials.append(parent)
-            if self.sliding_pool is not None and index < len(request.sliding_page_ids):
-                page = request.sliding_page_ids[index]
-                if page != TRASH_PAGE:  # one that slid out unregistered is just not cached
-                    self.sliding_pool.register(page, parent, (parent,), SLIDING_KEY)
-
-    def take_cached(self, request: Request) -> None:
-        """Start `request` on the cached pages of its leading full pages (never the last
-        token's page: its logits are needed), as far as the sliding group has the window
-        before them too."""
-        tokens = request.all_token_ids
-        pages, serials = self.pool.match(tokens, self.page_size,
-                                         (len(tokens) - 1) // self.page_size)
-        if self.sliding_pool is not None:
-            count, sliding = self._sliding_hit(serials)
-            pages, serials = pages[:count], serials[:count]
-            held = [page for page in sliding if page != TRASH_PAGE]
-            self.sliding_pool.share(held)
-            request.sliding_page_ids = sliding
-            request.sliding_first = self.live_start(count * self.page_size)
-        self.pool.share(pages)
-        request.page_ids, request.page_serials = pages, serials
-        request.num_computed_tokens = len(pages) * self.page_size
-
-    def _sliding_hit(self, serials: list[int]) -> tuple[int, list[int]]:
-        """The most leading full pages m <= len(serials) whose window is cached in the
-        sliding group, and the request's sliding ids then (0 before the window)."""
+    def hit(self, serials: Sequence[int], count: int) -> tuple[int, list[int]]:
+        """The most leading pages m <= `count` of a hit whose serials are `serials` for
+        which every page a query after them can see is cached here, and the request's
+        ids then (0 before the live ones)."""
         found: dict[int, int | None] = {}
 
         def cached(index: int) -> int | None:
             if index not in found:
-                entry = self.sliding_pool.lookup(serials[index], (serials[index],), SLIDING_KEY)
+                entry = self.pool.lookup(serials[index], (serials[index],), self.name)
                 found[index] = None if entry is None else entry.page
             return found[index]
 
-        count = len(serials)
         while count > 0:
-            low = self.live_start(count * self.page_size)
-            missing = [i for i in range(low, count) if cached(i) is None]
+            missing = [i for i in range(self.live_start(count * self.page_size), count)
+                       if cached(i) is None]
             if not missing:
                 break
             count = missing[-1]  # any longer hit still needs that page
         low = self.live_start(count * self.page_size) if count else 0
         return count, [TRASH_PAGE] * low + [cached(i) for i in range(low, count)]
 
+
+class FullAttentionPages(PageGroup):
+    """Every page of a request's tokens: a full-attention query sees them all."""
+
+    name = "full"
+
+    def live_start(self, first_query: int) -> int:
+        return 0
+
+
+class SlidingWindowPages(PageGroup):
+    """The pages a sliding window still sees: a query at position q sees tokens
+    > q - window, so a page all of whose tokens are below first_query - window + 1 is
+    given back when a step's first query passes it."""
+
+    name = "sliding"
+
+    def __init__(self, pool: PagePool, page_size: int, window: int) -> None:
+        if window <= 0:
+            raise ValueError(f"{window=} must be > 0")
+        super().__init__(pool, page_size)
+        self.window = window
+
+    def live_start(self, first_query: int) -> int:
+        return max(0, first_query - self.window + 1) // self.page_size
+
+
+KINDS: dict[str, type[PageGroup]] = {"full": FullAttentionPages,
+                                     "sliding": SlidingWindowPages}
+
+
+class GroupPlan(Protocol):
+    """What the memory plan says of a page group (sizing/page_groups.py)."""
+
+    kind: str
+    window: int | None
+    num_pages: int
+
+
+def from_plan(plans: Sequence[GroupPlan], *, page_size: int, enable_caching: bool
+              ) -> list[PageGroup]:
+    """The page groups a memory plan sizes, each with a pool of its pages."""
+    groups = []
+    for plan in plans:
+        pool = PagePool(plan.num_pages, enable_caching=enable_caching)
+        window = {} if plan.window is None else {"window": plan.window}
+        groups.append(KINDS[plan.kind](pool, page_size, **window))
+    return groups
+
+
+class PageGroups:
+    """The coordinator: reserves, frees, caches and matches a request's pages in every
+    group; `Request.page_ids[g]` is its list in group g."""
+
+    def __init__(self, groups: Sequence[PageGroup]) -> None:
+        if not groups or not isinstance(groups[0], FullAttentionPages):
+            raise ValueError("the first page group must keep every page (full attention)")
+        if len({g.name for g in groups}) < len(groups) or len(
+                {g.page_size for g in groups}) > 1:
+            raise ValueError("page groups need distinct kinds and one page size")
+        self.groups = tuple(groups)
+        self.pool = groups[0].pool  # the prefix cache's anchor
+        self.page_size = groups[0].page_size
+
+    def _ids(self, request: Request) -> list[list[int]]:
+        if not request.page_ids:
+            request.page_ids = [[] for _ in self.groups]
+        return request.page_ids
+
+    def reserve(self, request: Request, num_tokens: int, first_query: int | None = None
+                ) -> bool:
+        """Pages in every group for the request's first `num_tokens` tokens, or False with
+        nothing taken. `first_query`: the first position the step computes; the pages
+        no query from there on sees are given back first (drafts pass None)."""
+        total = -(-num_tokens // self.page_size)
+        ids = self._ids(request)
+        if first_query is not None:
+            for group, held in zip(self.groups, ids, strict=True):
+                group.free_dead(held, first_query)
+        if any(group.need(held, total, first_query) > group.pool.num_free
+               for group, held in zip(self.groups, ids, strict=True)):
+            return False
+        for group, held in zip(self.groups, ids, strict=True):
+            group.grow(held, total, first_query)
+        return True
+
+    def release(self, request: Request) -> None:
+        """Give back all the request's pages, in every group (cached ones stay cached)."""
+        for group, held in zip(self.groups, request.page_ids, strict=False):
+            group.release(held)
+        request.page_ids, request.page_serials = [], []
+
+    def trim(self, request: Request) -> None:
+        """Free the pages past those the request's tokens need (they held rejected drafts'
+        K/V only), in every group."""
+        keep = -(-request.num_tokens // self.page_size)
+        for group, held in zip(self.groups, request.page_ids, strict=False):
+            group.release(held, keep)
+
+    # ---- the prefix cache -------------------------------------------------------------
+
+    def register(self, request: Request) -> None:
+        """Register the request's newly computed full pages, and their twins."""
+        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
+        if not self.pool.enable_caching or full <= len(request.page_serials):
+            return
+        first, *others = request.page_ids
+        parent = request.page_serials[-1] if request.page_serials else ROOT
+        for index in range(len(request.page_serials), full):
+            parent = self.pool.register(first[index], parent, request.tokens(
+                index * self.page_size, (index + 1) * self.page_size))
+            request.page_serials.append(parent)
+            for group, held in zip(self.groups[1:], others, strict=True):
+                group.cache(held, index, parent)
+
+    def take_cached(self, request: Request) -> None:
+        """Start `request` on the cached pages of its leading full pages (never the last
+        token's page: its logits are needed), as far as every group holds what a query
+        after them sees."""
+        tokens = request.all_token_ids
+        pages, serials = self.pool.match(tokens, self.page_size,
+                                         (len(tokens) - 1) // self.page_size)
+        count, held = len(pages), []
+        while self.groups[1:]:  # each group may shorten the hit; stop when all agree
+            shorter, held = count, []
+            for group in self.groups[1:]:
+                shorter, ids = group.hit(serials, shorter)
+                held.append(ids)
+            if shorter == count:
+                break
+            count = shorter
+        request.page_ids = [pages[:count], *held]
+        for group, ids in zip(self.groups, request.page_ids, strict=True):
+            group.pool.share([page for page in ids if page != TRASH_PAGE])
+        request.page_serials = serials[:count]
+        request.num_computed_tokens = count * self.page_size
+
     # ---- counts -----------------------------------------------------------------------
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Pages in use and free per group (the trash pages not counted)."""
-        groups = {"full": self.pool}
-        if self.sliding_pool is not None:
-            groups["sliding"] = self.sliding_pool
-        return {name: {"pages": pool.num_pages - 1, "in_use": pool.num_used,
-                       "free": pool.num_free} for name, pool in groups.items()}
-
-
-def sliding_group(num_sliding_pages: int, model: ModelConfig, engine: EngineConfig
-                  ) -> dict[str, object]:
-    """The Scheduler's sliding-group arguments for a memory plan's `num_sliding_pages`
-    (none when 0: one group)."""
-    if not num_sliding_pages:
-        return {}
-    return {"sliding_pool": PagePool(num_sliding_pages,
-                                     enable_caching=engine.enable_prefix_caching),
-            "window": model.sliding_window}
+        return {group.name: {"pages": group.pool.num_pages - 1,
+                             "in_use": group.pool.num_used, "free": group.pool.num_free}
+                for group in self.groups}

@@ -25,9 +25,9 @@ length back to the accepted tokens (so only they are registered in the prefix ca
 and frees the pages that held only rejected ones.
 
 Pages are reserved, freed, registered and matched through `PageGroups`
-(engine/core/kv_groups.py): one group, or with a model of sliding-window and full-attention
-layers a second one whose pages are given back as they slide out of every window;
-admission and preemption then go by both groups' free pages.
+(engine/core/kv_groups.py), in every page group: one, or one per attention kind of a
+model whose layers differ (docs/kv_cache.md); admission and preemption go by every
+group's free pages.
 
 A request's computed count moves on, and the full pages of known tokens it covers are
 registered, when its tokens are scheduled (vLLM's rule), so the next step can be planned
@@ -47,7 +47,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxinfer.config import SCHEDULERS
-from jaxinfer.engine.core.kv_groups import PageGroups
+from jaxinfer.engine.core.kv_groups import FullAttentionPages, PageGroup, PageGroups
 from jaxinfer.engine.core.page_pool import ROOT, PagePool
 from jaxinfer.engine.request import Request, Status
 
@@ -116,15 +116,20 @@ class StepPlan:
 class Scheduler:
     """Decides which tokens of which requests each step computes."""
 
-    def __init__(self, pool: PagePool, *, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: Collection[int] = (), policy: str = "continuous",
-                 sliding_pool: PagePool | None = None, window: int | None = None) -> None:
+    def __init__(self, pages: PagePool | Sequence[PageGroup], *, page_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: Collection[int] = (), policy: str = "continuous") -> None:
+        """`pages`: the page groups (engine/core/kv_groups.py), or the pool of one group
+        that keeps every page of every layer."""
         if policy not in SCHEDULERS:
             raise ValueError(f"scheduler={policy!r} must be one of {SCHEDULERS}")
-        self.pool = pool  # the full group's (every layer's, without a sliding group)
-        self.pages = PageGroups(pool, page_size=page_size, sliding_pool=sliding_pool,
-                                window=window)  # engine/core/kv_groups.py
+        if isinstance(pages, PagePool):
+            pages = [FullAttentionPages(pages, page_size)]
+        self.pages = PageGroups(pages)
+        if self.pages.page_size != page_size:
+            raise ValueError(f"page groups of {self.pages.page_size} tokens a page, not "
+                             f"{page_size=}")
+        self.pool = self.pages.pool  # the first group's: it holds the prefix cache's chain
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

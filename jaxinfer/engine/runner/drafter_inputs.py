@@ -35,7 +35,7 @@ def catch_up_calls(segments: Sequence[tuple[Request, int, int]], *, shift: int,
                 pending, used = [], 0
             count = min(end - done, budget - used)
             pending.append(Chunk(tokens[done + shift:done + shift + count], done,
-                                 request.page_ids, 0))
+                                 request.page_ids[0], 0))
             done, used = done + count, used + count
     if pending:
         yield pending, used
@@ -54,7 +54,8 @@ def propose_inputs(requests: Sequence[Request], bucket: Bucket, num_steps: int, 
     for i, request in enumerate(requests):
         token_ids[i] = request.all_token_ids[-1]
         positions[i] = request.num_tokens - 1 - shift
-        page_indices[i, :len(request.page_ids)] = request.page_ids
+        pages = request.page_ids[0]  # the KV page group that keeps every page
+        page_indices[i, :len(pages)] = pages
     rows = [SampleRow(r, r.all_token_ids) for r in requests]
     sampling = sampling_inputs(rows, num_rows=slots, history_width=max_model_len,
                                eos_token_ids=eos_token_ids)

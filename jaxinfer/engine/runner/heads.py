@@ -233,7 +233,7 @@ class HeadRunner:
                                 eos_token_ids=self.eos_token_ids)
         if not self.has_cache:
             return (inputs,)
-        chunks = [Chunk(r.all_token_ids[start + 1:], start, r.page_ids, 1)
+        chunks = [Chunk(r.all_token_ids[start + 1:], start, r.page_ids[0], 1)
                   for r, start in zip(requests, starts, strict=True)]
         first_ids, first_md = build_metadata(
             chunks, page_size=self.page_size, pages_per_seq=self.pages_per_seq,

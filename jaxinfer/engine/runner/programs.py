@@ -89,15 +89,15 @@ def min_step_tokens(dtype: str, quantization: str | None = None) -> int:
 
 
 def input_spec(bucket: Bucket, *, page_size: int,
-               num_positions: int = NUM_SAMPLE_POSITIONS, sliding: bool = False
+               num_positions: int = NUM_SAMPLE_POSITIONS, num_groups: int = 1
                ) -> batch_state.StepDelta:
     """ShapeDtypeStructs of a bucket's step delta (an empty plan, padded), sampling
     `num_positions` (Q) positions per request; its shapes depend on the bucket alone
-    (and on `sliding`: a second page group's writes)."""
+    (and on the KV page groups, whose page writes it carries)."""
     bucket = dataclasses.replace(bucket, num_positions=max(bucket.num_positions,
                                                            num_positions))
-    delta, _ = SlotTable(bucket.num_slots, page_size=page_size, sliding=sliding).delta(
-        [], bucket)
+    delta, _ = SlotTable(bucket.num_slots, page_size=page_size,
+                         num_groups=num_groups).delta([], bucket)
     return _specs(delta)
 
 
@@ -107,15 +107,14 @@ def mask_spec(bucket: Bucket, vocab_size: int) -> jax.ShapeDtypeStruct:
 
 
 def state_spec(num_slots: int, *, page_size: int, max_model_len: int,
-               experts: tuple[int, int] = (0, 0), sliding: bool = False
-               ) -> batch_state.BatchState:
+               experts: tuple[int, int] = (0, 0),
+               group_windows: tuple[int | None, ...] = (None,)) -> batch_state.BatchState:
     """ShapeDtypeStructs of the batch state of `num_slots` slots (model/batch_state.py);
-    `experts`: `moe.routing_shape(cfg)`; `sliding`: with a second page group's table."""
+    `experts`: `moe.routing_shape(cfg)`; `group_windows`: the KV page groups'."""
     return jax.eval_shape(functools.partial(
         batch_state.init, num_slots, pages_per_seq=-(-max_model_len // page_size),
         max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
-        experts=experts,
-        sliding_group=sliding))
+        experts=experts, group_windows=group_windows))
 
 
 def _specs(tree: object) -> object:
@@ -124,7 +123,8 @@ def _specs(tree: object) -> object:
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
-                      mesh: Mesh, threads: int = COMPILE_THREADS, sliding: bool = False
+                      mesh: Mesh, threads: int = COMPILE_THREADS,
+                      group_windows: tuple[int | None, ...] = (None,)
                       ) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the devices of `mesh` from specs alone
     (ShapeDtypeStructs: nothing is allocated), e.g. n chips of a TPU topology on a CPU
@@ -134,8 +134,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     `cfg` is the served model (`sharding.served_config`). Lowering is serial, under the
     mesh (tracing is not thread-safe); compiles run on `threads` threads.
     `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
-    default backend. `sliding`: `kv_cache` gives the sliding layers their own page group
-    (the hybrid KV cache), so the state and deltas carry its page table."""
+    default backend. `group_windows`: the KV page groups of `kv_cache` (kv_cache_spec's),
+    whose page tables the state and deltas carry."""
     if cfg.attention_impl == "auto":
         raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
@@ -157,10 +157,11 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
              for decode in (False, True)}
     state = on_shardings(state_spec(max((b.num_slots for b in buckets), default=1),
                                     page_size=page_size, max_model_len=max_model_len,
-                                    experts=moe.routing_shape(cfg), sliding=sliding), whole)
+                                    experts=moe.routing_shape(cfg),
+                                    group_windows=group_windows), whole)
     with jax.set_mesh(mesh):
         lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
-            b, page_size=page_size, sliding=sliding), whole), on_shardings(
+            b, page_size=page_size, num_groups=len(group_windows)), whole), on_shardings(
                 mask_spec(b, cfg.vocab_size), whole)) for b in buckets]
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:

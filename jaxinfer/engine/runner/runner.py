@@ -99,13 +99,16 @@ def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str) -> d
 class Runner:
     """Device state (params, KV cache, batch state) and the step compiled per bucket."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
+    def __init__(self, cfg: ModelConfig, params: dict, *,
+                 num_pages: int | typing.Sequence[int], page_size: int,
                  max_model_len: int, buckets: BucketSet | None = None,
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
                  attention_impl: str | None = None, mesh: Mesh | None = None,
                  enable_prompt_logprobs: bool = False, uses_draft_probs: bool = False,
-                 num_sliding_pages: int = 0) -> None:
+                 group_windows: typing.Sequence[int | None] = (None,)) -> None:
+        """`num_pages`: the pages of each KV page group (engine/core/kv_groups.py), whose
+        layers' windows are `group_windows` (model/attention.py, `page_group`)."""
         cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
         self.cfg = cfg
         self.mesh = mesh or sharding.make_mesh(1)
@@ -120,21 +123,19 @@ class Runner:
         self.pages_per_seq = -(-max_model_len // page_size)
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
-        # num_sliding_pages > 0: a second page group, the sliding-window layers' own pages
-        # (engine/core/kv_groups.py), with its own page table in the batch state.
-        self.sliding = num_sliding_pages > 0
+        self.group_windows = tuple(group_windows)
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
                               dtype=kv_quant.storage_dtype(kv_dtype), shards=shards,
-                              num_sliding_pages=num_sliding_pages),
+                              group_windows=self.group_windows),
             out_shardings=kv_shardings)()
         num_slots = self.buckets.max_num_seqs
         self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids,
-                               sliding=self.sliding)
+                               num_groups=len(self.group_windows))
         self.state = jax.jit(functools.partial(
             batch_state.init, num_slots, pages_per_seq=self.pages_per_seq,
             max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
-            experts=moe.routing_shape(cfg), sliding_group=self.sliding),
+            experts=moe.routing_shape(cfg), group_windows=self.group_windows),
             out_shardings=whole)()
         self.masks = TokenMasks(cfg.vocab_size, whole)
         self.enable_prompt_logprobs = enable_prompt_logprobs
@@ -200,7 +201,8 @@ class Runner:
 
     def _compile(self, bucket: Bucket, scores: bool = False) -> jax.stages.Compiled:
         if (bucket, scores) not in self._compiled:
-            spec = input_spec(bucket, page_size=self.page_size, sliding=self.sliding)
+            spec = input_spec(bucket, page_size=self.page_size,
+                              num_groups=len(self.group_windows))
             with self._lower_lock, jax.set_mesh(self.mesh):
                 args = (self.params, self.kv_cache, self.state, spec,
                         self.masks.spec(bucket.num_slots))

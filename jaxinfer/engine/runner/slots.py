@@ -38,18 +38,17 @@ TAIL = 8  # a slot's last page ids compared with the request's each step
 class _Slot:
     request: Request
     preemptions: int  # the request's count when placed: a new count means a new placement
-    pages: list[int]  # page ids written to the device row
-    sliding_pages: list[int]  # the same for the sliding group's row (engine/core/kv_groups.py)
+    pages: list[list[int]]  # page ids written to the device row, per KV page group
 
 
 class SlotTable:
     """Slots of the requests in flight, and the deltas that keep their rows current."""
 
     def __init__(self, num_slots: int, *, page_size: int,
-                 eos_token_ids: frozenset[int] = frozenset(), sliding: bool = False) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), num_groups: int = 1) -> None:
         self.num_slots = num_slots
         self.page_size = page_size
-        self.sliding = sliding  # a second page group: its own page-table rows
+        self.num_groups = num_groups  # KV page groups (engine/core/kv_groups.py): a row each
         self.eos_token_ids = eos_token_ids
         self._slots: dict[int, _Slot] = {}  # slot -> its request
         self._slot_of: dict[Request, int] = {}
@@ -76,8 +75,7 @@ class SlotTable:
         if len(chunks) > num_slots:
             raise ValueError(f"{len(chunks)} requests exceed the bucket's {num_slots} slots")
         placed: list[tuple[int, Request, int]] = []
-        writes: list[tuple[int, int, int]] = []
-        sliding_writes: list[tuple[int, int, int]] = []
+        writes: list[list[tuple[int, int, int]]] = [[] for _ in range(self.num_groups)]
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -92,11 +90,9 @@ class SlotTable:
                 placed.append((slot, request, chunk.start))
             fed = _fed_tokens(chunk)
             end = chunk.start + len(fed)
-            held = self._slots[slot]
-            writes += self._page_writes(slot, held.pages, request.page_ids, end)
-            if self.sliding:
-                sliding_writes += self._page_writes(slot, held.sliding_pages,
-                                                    request.sliding_page_ids, end)
+            for group, mirror, ids in zip(writes, self._slots[slot].pages, request.page_ids,
+                                          strict=True):
+                group.extend(self._page_writes(slot, mirror, ids, end))
             tokens += fed
             positions += range(chunk.start, end)
             token_slots += [slot] * len(fed)
@@ -111,27 +107,27 @@ class SlotTable:
         if len(tokens) > bucket.num_tokens:
             raise ValueError(f"{len(tokens)} tokens exceed the bucket's {bucket.num_tokens}")
         capacity = page_write_capacity(bucket, self.page_size)
-        in_step, overflow = writes[:capacity], writes[capacity:]
-        sliding_in_step = sliding_writes[:capacity]
         pad = bucket.num_tokens - len(tokens)
         values = (tokens + [0] * pad + positions + [0] * pad + token_slots + [n] * pad
                   + seq_slots + kv_lens
                   + cu_q_lens + [len(tokens)] * (num_slots + 1 - len(cu_q_lens))
                   + [len(chunks)] + rows + sample_slots + proposed)
-        for writes_in_step in (in_step, sliding_in_step)[:1 + self.sliding]:
-            for write in writes_in_step:
+        for group in writes:
+            in_step = group[:capacity]
+            for write in in_step:
                 values += write
-            values += [n + 1, 0, 0] * (capacity - len(writes_in_step))
+            values += [n + 1, 0, 0] * (capacity - len(in_step))
         delta = StepDelta.from_list(values, num_tokens=bucket.num_tokens, num_slots=num_slots,
                                     num_positions=q, num_page_writes=capacity,
-                                    num_sliding_page_writes=capacity * self.sliding)
-        return delta, self._admissions(placed, overflow, sliding_writes[capacity:])
+                                    num_groups=self.num_groups)
+        return delta, self._admissions(placed, [group[capacity:] for group in writes])
 
     def _place(self, request: Request) -> int:
         if not self._free:
             raise RuntimeError(f"more than {self.num_slots} requests in flight")
         slot = self._free.pop()
-        self._slots[slot] = _Slot(request, request.num_preemptions, [], [])
+        self._slots[slot] = _Slot(request, request.num_preemptions,
+                                  [[] for _ in range(self.num_groups)])
         self._slot_of[request] = slot
         return slot
 
@@ -139,8 +135,9 @@ class SlotTable:
                      ) -> list[tuple[int, int, int]]:
         """(slot, index, page id) of the request's pages `ids` up to position `end` that
         the device row (mirrored by `mirror`) lacks; pages past the mirror's common tail
-        are rewritten. A 0 in `ids` over a written id is a sliding page given back: the
-        row keeps the old id, which no query reads (engine/core/kv_groups.py)."""
+        are rewritten. A 0 in `ids` over a written id is a page given back as no query
+        sees it any more: the row keeps the old id, which no query reads
+        (engine/core/kv_groups.py)."""
         common = min(len(mirror), len(ids))
         low = max(0, common - TAIL)
         changed = [k for k in range(low, common) if mirror[k] != ids[k] and ids[k]]
@@ -154,23 +151,23 @@ class SlotTable:
         return out
 
     def _admissions(self, placed: list[tuple[int, Request, int]],
-                    overflow: list[tuple[int, int, int]],
-                    sliding: list[tuple[int, int, int]]) -> list[Admission]:
-        """Admission calls: the placed slots' rows, page writes past the step's capacity,
-        and the history a penalized request has before its first fed token."""
+                    overflow: list[list[tuple[int, int, int]]]) -> list[Admission]:
+        """Admission calls: the placed slots' rows, page writes past the step's capacity
+        (per page group), and the history a penalized request has before its first fed
+        token."""
         history: list[tuple[int, int, int]] = []
         for slot, request, start in placed:
             if request.params.penalized and start:
                 history += [(slot, p, t) for p, t in enumerate(request.tokens(0, start))]
         bias = [pair for slot, request, _ in placed for pair in self._bias_writes(slot, request)]
         calls = []
-        while placed or overflow or history or sliding or bias:
+        while placed or any(overflow) or history or bias:
             batch, placed = placed[:ADMIT_ROWS], placed[ADMIT_ROWS:]
-            pages, overflow = overflow[:WRITE_WIDTH], overflow[WRITE_WIDTH:]
+            pages = [group[:WRITE_WIDTH] for group in overflow]
+            overflow = [group[WRITE_WIDTH:] for group in overflow]
             past, history = history[:WRITE_WIDTH], history[WRITE_WIDTH:]
-            slid, sliding = sliding[:WRITE_WIDTH], sliding[WRITE_WIDTH:]
             pairs, bias = bias[:BIAS_WRITES], bias[BIAS_WRITES:]
-            calls.append(self._admission(batch, pages, past, slid, pairs))
+            calls.append(self._admission(batch, pages, past, pairs))
         return calls
 
     def _bias_writes(self, slot: int, request: Request) -> list[tuple[int, int, int, float]]:
@@ -182,8 +179,8 @@ class SlotTable:
                 + [(slot, k, -1, 0.0) for k in range(len(pairs), held)])
 
     def _admission(self, placed: list[tuple[int, Request, int]],
-                   pages: list[tuple[int, int, int]], history: list[tuple[int, int, int]],
-                   sliding: list[tuple[int, int, int]],
+                   pages: list[list[tuple[int, int, int]]],
+                   history: list[tuple[int, int, int]],
                    bias: list[tuple[int, int, int, float]]) -> Admission:
         """One admission call's arrays (padded: slot N + 1, dropped on the device)."""
         n = self.num_slots
@@ -191,17 +188,15 @@ class SlotTable:
             slots=np.array([s for s, _, _ in placed] + [n + 1] * (ADMIT_ROWS - len(placed)),
                            np.int32),
             rows=self._rows([r for _, r, _ in placed]),
-            page_writes=_triples(pages, WRITE_WIDTH, n + 1),
+            page_writes=np.stack([_triples(group, WRITE_WIDTH, n + 1) for group in pages]),
             history_writes=_triples(history, WRITE_WIDTH, n + 1),
             bias_writes=_triples([pair[:3] for pair in bias], BIAS_WRITES, n + 1),
             bias_values=np.array([pair[3] for pair in bias] + [0.0] * (BIAS_WRITES - len(bias)),
-                                 np.float32),
-            sliding_page_writes=_triples(sliding, WRITE_WIDTH, n + 1) if self.sliding
-            else None)
+                                 np.float32))
 
     def empty_admission(self) -> Admission:
         """An admission call that writes nothing (its shapes compile the program)."""
-        return self._admission([], [], [], [], [])
+        return self._admission([], [[] for _ in range(self.num_groups)], [], [])
 
     def _rows(self, requests: Sequence[Request]) -> SlotRows:
         """SlotRows of ADMIT_ROWS rows: the requests', then greedy padding."""
