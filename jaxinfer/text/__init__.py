@@ -1,2 +1,3 @@
-"""Text: the tokenizer (HF fast tokenizers, chat templates, streaming detokenization)
-and the bundled code corpus the demo model was trained on. No jax."""
+"""Text: the tokenizer, chat templates, reasoning and tool-call parsers, and the bundled
+corpus the demo model was trained on. No jax (docs/sampling.md#tokenizer-and-chat-template).
+"""

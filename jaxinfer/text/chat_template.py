@@ -1,10 +1,5 @@
-"""Chat templates rendered the way transformers renders them, in a jinja2 sandbox.
-
-The environment, filters and globals match transformers' (`tojson` without HTML
-escaping, `raise_exception`, `strftime_now`, the `{% generation %}` tag,
-`namespace` and `dict` locked down), and messages are rebuilt from plain data
-so a template never reaches a Python object's methods. Nothing from a
-checkpoint runs as Python.
+"""Chat templates rendered as transformers renders them, in a jinja2 sandbox; messages
+rebuilt from plain data. See docs/sampling.md#tokenizer-and-chat-template.
 """
 
 from __future__ import annotations

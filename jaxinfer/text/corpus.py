@@ -1,11 +1,6 @@
-"""The bundled corpus: the running Python's standard library, split train / held-out.
-
-The demo models (checkpoints/) were trained on the standard library's own `.py` files,
-present offline on every machine; 1 file in `HELD_OUT_EVERY` (chosen by a CRC32 of its
-path relative to the library root) was held out and never trained on. The split lives
-here so the trainer (tools/train_demo.py), the default calibration set of
-`quantization="int4"` (training files) and the accuracy measurements of `eval_ppl`
-(held-out files) agree on it.
+"""The bundled corpus: the running Python's standard library, split train / held-out,
+shared by the demo trainer, int4 calibration and `eval_ppl`
+(docs/quantization.md#perplexity-eval_ppl).
 """
 
 from __future__ import annotations

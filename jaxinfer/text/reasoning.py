@@ -1,29 +1,6 @@
-"""Reasoning parsers: a reasoning model's generated text split into its reasoning and its
-answer, whole or as it streams.
-
-A parser is fed text in pieces of any size (`add`) and says what each piece added to the
-reasoning and to the content (`Split`); `finish` takes what it held back. It holds back
-only what may be the start of one of its markers, so a chunk boundary inside a marker
-never lets part of one into either field, and the pieces' splits add up to the whole
-text's (`split`). `PARSERS` maps each name `--reasoning_parser` takes to its parser
-(vLLM's names); `parser(name)` makes one. `MarkedDetokenizer` turns generated ids into
-the text a parser reads: the tokenizer's special tokens skipped, as in the engine's
-text, but the parser's markers kept.
-
-gpt-oss speaks OpenAI's harmony format. The chat template's generation prompt ends with
-`<|start|>assistant`; the model then writes messages, each a header (a channel, maybe a
-recipient and a content type) and a body:
-
-    <|channel|>analysis<|message|>REASONING<|end|>
-    <|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
-
-The `final` channel is the content. Every other channel is reasoning: `analysis` (the
-chain of thought) and `commentary` (tool calls and their preambles, which this server
-does not parse into tool calls). Two messages on the same side are joined by a newline.
-Text before any marker (a model that does not speak harmony) is content.
-
-Qwen3 (`qwen3`) writes `<think>REASONING</think>ANSWER`; its chat template may open the
-block in the prompt, so that parser reads the prompt's end (`ThinkParser`).
+"""Reasoning parsers (`PARSERS`, `parser`, `split`): a reasoning model's output split into
+reasoning and answer, whole or streamed, and `MarkedDetokenizer`, which keeps the markers
+the engine's text drops. Formats and flags: docs/serving.md#reasoning-models.
 """
 
 from __future__ import annotations

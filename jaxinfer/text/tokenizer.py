@@ -1,11 +1,6 @@
-"""Text <-> token ids for a checkpoint directory: encode, decode, chat templates, streaming.
-
-`Tokenizer.from_dir` wraps the HF fast tokenizer in `tokenizer.json` and reads, when present,
-tokenizer_config.json (and the legacy special_tokens_map.json), generation_config.json,
-config.json and chat_template.jinja, reproducing what transformers does with them without
-importing it. Chat templates render in a jinja2 sandbox; nothing from a checkpoint is ever run
-as Python. `IncrementalDetokenizer` turns generated ids into text deltas that never split a
-UTF-8 character.
+"""Text <-> token ids for a checkpoint directory: `Tokenizer.from_dir` (HF fast tokenizer,
+configs, chat template) and `IncrementalDetokenizer` (streamed text deltas).
+See docs/sampling.md#tokenizer-and-chat-template.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""Tool-call parsers: a model's generated text split into its content and the function
-calls it makes, whole or as it streams (vLLM's `--tool-call-parser` names).
-
-A parser is fed text in pieces of any size (`add`) and says what each piece added to the
-content and which calls it completed (`ToolSplit`); `finish` takes what it held back.
-Like the reasoning parsers, it holds back only what may be the start of one of its
-markers, or a call still open, so the pieces' splits add up to the whole text's (`split`).
-A call is reported once its JSON is whole: `ToolCall(name, arguments)`, the arguments as
-JSON text. `PARSERS` maps each name to its parser; `parser(name)` makes one.
-
-- `hermes`: Hermes 2 Pro, Qwen2.5, Qwen3: `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`, one block per call; content is the text before the first block.
-- `llama3_json`: Llama 3.1-3.3's JSON calls: the output (maybe after `<|python_tag|>`)
-  is `{"name": ..., "parameters": {...}}` objects separated by `;`; output that opens
-  with anything else is content.
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (v3 tokenizers)
-  or `NAME[ARGS]{...}` per call (v11 and later); content is the text before.
-- `openai`: gpt-oss's harmony: a message whose header names a recipient
-  `to=functions.NAME` is a call, its body the arguments. It reads the text with
-  harmony's markers, before the reasoning parser: what is not a call passes on to it
-  (`reads_harmony`).
-
-`ConstrainedCalls` reads what a `tool_choice` constraint made the model write (a list of
-`{"name", "parameters"}`, or one named function's arguments).
+"""Tool-call parsers (vLLM's `--tool-call-parser` names: `hermes`, `llama3_json`,
+`mistral`, `openai`): a model's output split into content and `ToolCall`s, whole or
+streamed; `ConstrainedCalls` reads what a `tool_choice` constraint made the model write.
+Formats and rules: docs/serving.md#tool-calling.
 """
 
 from __future__ import annotations
