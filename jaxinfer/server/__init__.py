@@ -1,18 +1,7 @@
 """`python -m jaxinfer serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
-
-The package's modules: the request bodies and errors (`protocol`), the thread that
-owns the engine (`engine_loop`), response shapes (`responses`), the routes (`app`),
-uvicorn's HTTP protocol with header deadlines and JSON errors (`http`) and the
-Prometheus exposition (`prometheus`). This module wires them: `serve(llm, config)`
-starts the engine thread, binds the socket, runs uvicorn until SIGTERM/SIGINT, then
-shuts down gracefully: new requests and uploads still arriving get 503, requests in
-flight have `shutdown_timeout` seconds to finish, then are aborted with an error,
-and `serve` returns (the CLI exits 0). A second signal aborts them at once (their
-streams still end with the error event and `[DONE]`). Multi-host, process 0 serves
-an engine wrapped by engine/parallel/lockstep.py's `Leader` (the other processes follow it);
-then an engine failure, or a step running past heartbeat_timeout_s, fails the requests
-and exits the process non-zero (docs/serving.md, "Multi-host serving"). The package
-sits between cli and api.
+`serve(llm, config)` wires the package's modules: it starts the engine thread, binds
+the socket and runs uvicorn until a signal, then shuts down gracefully. See
+docs/serving.md (#shutdown, #multi-host-serving).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The FastAPI app: OpenAI's routes over an EngineLoop.
-
-POST /v1/completions and /v1/chat/completions (whole, or `stream: true` as
-server-sent events ending in `data: [DONE]`), GET /v1/models, /health and
-/metrics. Bodies are read by hand (size limit -> 413, then UTF-8, JSON and
-pydantic checks -> 400) so every error, routing ones included, leaves in
-OpenAI's error shape. A client that goes away aborts its requests at once: a
-stream's generator is cancelled by Starlette; a whole response races a
-disconnect watcher.
-
-Prompt logprobs (vLLM's `prompt_logprobs`, or the legacy `echo` with `logprobs`) need a
-server started with --enable_prompt_logprobs, else they are a 400 naming the flag. A
-completion choice carries `prompt_logprobs` in its whole body, or streamed in its first
-chunk (with the echoed prompt); a chat response carries them beside `choices`, and chat
-refuses them with `stream` (as vLLM does). Reasoning apart: server/reasoning.py.
+"""The FastAPI app: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics) over an EngineLoop; bodies read by hand so every error leaves in
+OpenAI's shape. See docs/serving.md (#routes, #errors, #prompt-logprobs).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Reading a request body within the server's limits: its size (413, at once when
-Content-Length declares more), its deadline (408) and shutdown (503)."""
+Content-Length declares more), its deadline (408) and shutdown (503); docs/serving.md#deadlines.
+"""
 
 from __future__ import annotations
 

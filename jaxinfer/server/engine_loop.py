@@ -1,21 +1,6 @@
-"""The one thread that owns the Engine, and the streams request handlers read.
-
-Handlers never touch the engine's state. `EngineLoop.submit` tokenizes and checks
-the prompt on a preparing thread (the engine's read-only prompt methods; never on
-the engine thread, so a long prompt cannot stall everyone's steps: the tokenizer
-lets go of the GIL, and a text surely too long for the context is refused from its
-length alone), so a bad prompt is a 400 before any response starts; then it puts
-a command on a thread-safe queue and awaits an asyncio future the engine thread
-resolves once the request is added. Each step's deltas then reach the handler's `Stream` through
-`loop.call_soon_threadsafe` (with the prompt's logprobs, `prompt_logprobs`, once the
-engine has scored the whole prompt). Between steps the thread drains its commands (add,
-abort, abort all, snapshot); idle, it blocks on the queue. Admission is bounded:
-completions waiting plus those queued for admission never exceed
-`max_waiting_requests` beyond the running batch's free slots (503 with Retry-After
-beyond), so a burst fills the batch and at most that many wait. A failure inside one
-request fails that request (500); a failure of `engine.step()` marks the loop
-unhealthy and fails every request in flight, and the thread stays to answer
-later commands with 503 so that nothing waits forever.
+"""The one thread that owns the Engine (`EngineLoop`): prompts prepared on other threads,
+commands through a thread-safe queue, each step's deltas posted to the handlers'
+streams, admission bounded by `max_waiting_requests`. See docs/serving.md#admission.
 """
 
 from __future__ import annotations

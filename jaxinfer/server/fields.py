@@ -1,16 +1,6 @@
-"""What the server settles in a request's JSON before the strict body models see it.
-
-Fields accepted and ignored: OpenAI's fields that ask something of OpenAI's platform,
-not of the model (storing the completion, tagging it, picking a service tier, keying
-OpenAI's prompt cache, identifying the end user, a predicted output that only speeds
-OpenAI's decoding up). Ignoring them cannot change what the model generates, so real
-clients that send them work unchanged; each is type-checked, dropped, named in the
-response's `x-jaxinfer-ignored-fields` header and logged once per request. A field whose
-absence would change the output (`tools`, `audio`, `reasoning_effort`, ...) stays
-refused by the body models (protocol.py).
-
-Also checked here: a chat message other than an assistant's must have content (OpenAI
-refuses `content: null` there; an assistant turn that made tool calls may have none).
+"""What the server settles in a request's JSON before the strict body models see it:
+OpenAI's platform fields accepted and ignored, and chat messages that need content.
+See docs/serving.md#fields-accepted-and-ignored.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""uvicorn's HTTP/1.1 protocol (h11) with what a server facing clients it does not
-trust needs below the app: a deadline for a request's headers, and errors in OpenAI's
-shape where uvicorn answers in plain text.
-
-A connection has `header_read_timeout` seconds to send a request's headers, counted
-from connecting, or, on a kept-alive connection, from the next request's first byte
-(before that byte, uvicorn's keep-alive timeout closes an idle connection); then it
-gets a 408 and is closed. A request answered before its body arrived whole (a 413
-for its declared size) keeps the connection while uvicorn reads and drops the rest,
-so a client still sending reads the answer instead of a reset, for at most
-`body_read_timeout` seconds; then the connection is closed. A malformed request gets
-a 400 in OpenAI's error shape (uvicorn's is text/plain). The body's own deadline and
-size limit belong to the app (app.py), which checks the API key first. Imports
-uvicorn, h11 and protocol.
+"""uvicorn's HTTP/1.1 protocol (h11) with a deadline for a request's headers, a bounded
+drain after an early answer, and errors in OpenAI's shape where uvicorn answers in
+plain text. See docs/serving.md#deadlines.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Chat messages and tool definitions as the chat endpoint reads them (pydantic, strict,
-unknown fields refused): text parts, an assistant's tool calls, function definitions and
-the named tool choice; `Message.plain()` is what the chat template sees. A tool message
-names the call it answers (`tool_call_id`, as OpenAI requires), and a call's arguments
-nest at most MAX_NESTING levels: the template walks them recursively."""
+unknown fields refused); `Message.plain()` is what the chat template sees. A call's
+arguments nest at most MAX_NESTING levels: the template walks them recursively.
+See docs/serving.md#tool-calling.
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The OpenAI request bodies we accept, their errors, and their mapping to SamplingParams.
-
-Bodies are validated strictly (pydantic strict mode, no NaN or infinity, unknown
-fields refused: a parameter we do not implement is an error, never silently
-ignored). Every problem becomes an `APIError` carrying OpenAI's error shape and
-the HTTP status; `param` names the offending field. Sampling values are checked
-by `SamplingParams` itself, so the server and the Python API refuse the same
-things. Completions take vLLM's `prompt_logprobs` and the legacy `echo` (with
-`logprobs` it scores the prompt too, vLLM's rule; with `max_tokens=0` it generates
-nothing: one token is run and dropped, as in vLLM); chat takes `prompt_logprobs`.
+"""The OpenAI request bodies we accept (pydantic, strict), their errors (`APIError`, in
+OpenAI's shape) and their mapping to SamplingParams. See docs/serving.md#parameters.
 """
 
 from __future__ import annotations

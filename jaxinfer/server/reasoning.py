@@ -1,18 +1,6 @@
-"""A chat choice's output read apart: its reasoning (`--reasoning_parser`), its content,
-and its tool calls (`--tool_call_parser`, or what a `tool_choice` constraint made it
-write; server/tools.py).
-
-The engine's text skips special tokens, and the markers a parser reads (harmony's
-`<|channel|>`, Mistral's `[TOOL_CALLS]`...) may be special tokens of their model's
-tokenizer; so each choice's generated ids are decoded again here with the parsers'
-markers kept (`MarkedDetokenizer`), cut at the request's stop strings as the engine cuts
-its own text (`TextState`), and split by the parsers (jaxinfer/text/reasoning.py,
-tool_parsers.py): the reasoning parser first, the tool parser on the content it leaves
-(gpt-oss's `openai` parser reads harmony, so it goes first and passes the rest on). A
-piece goes in; out come the same piece with `text` the content it added and `reasoning`
-the reasoning, then a piece per tool-call delta (OpenAI's shape: the call's id, type,
-name and arguments "", then its arguments), the last one with the finish reason
-(`tool_calls` once the choice made a call). app.py renders the reasoning under `names`.
+"""A chat choice's output read apart: its reasoning (`--reasoning_parser`), content and
+tool calls, from its ids decoded again with the parsers' markers kept. See
+docs/serving.md (#reasoning-models, #tool-calling).
 """
 
 from __future__ import annotations
@@ -20,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.config import ServerConfig
-from jaxinfer.engine.output import TextState
+from jaxinfer.engine.detokenize import TextState
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.server import responses
 from jaxinfer.server.streams import Piece, Stream

@@ -1,11 +1,6 @@
 """OpenAI response bodies: completions and chat, whole or as stream chunks; logprobs in
 each endpoint's own shape; usage. Pure functions over plain data (no engine, no I/O).
-
-A completion's `choices[i]` is prompt `i // n`, completion `i % n` (as OpenAI and
-vLLM number them). Logprob entries are the engine's `{token id: logprob}` dicts:
-the top-k plus the chosen token, which `chosen` names; None for a prompt's first token,
-which nothing scores. `echoed` puts the prompt in front of a completion (the legacy
-`echo`): its text, its token ids and, from its prompt logprobs, its scores.
+See docs/serving.md (#routes, #prompt-logprobs).
 """
 
 from __future__ import annotations

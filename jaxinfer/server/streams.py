@@ -1,6 +1,7 @@
 """What a request handler reads: the `Stream` of each submitted prompt, the `Update`s the
 engine thread posts to it (one `Piece` per completion that moved), and `updates`, which
-yields them in order until every prompt of the HTTP request has finished."""
+yields them in order until every prompt of the HTTP request has finished.
+"""
 
 from __future__ import annotations
 

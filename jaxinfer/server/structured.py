@@ -1,12 +1,6 @@
-"""Structured outputs over HTTP: OpenAI's `response_format` (`text`, `json_object`,
-`json_schema`) and vLLM's `structured_outputs` object (`json`, `regex`, `choice`,
-`grammar`, `json_object`), in both endpoints, as the request's one output constraint
-(`SamplingParams.structured_outputs`, jaxinfer/engine/structured/params.py).
-
-Here only the request's shape is checked; the engine compiles the constraint when it
-prepares the request, and a schema or grammar it cannot compile is a ValueError there,
-which the engine loop answers as a 400 whose `param` is `field(...)`: the field the
-constraint came in (`response_format.json_schema`, `structured_outputs.grammar`, ...).
+"""Structured outputs over HTTP: `response_format` and vLLM's `structured_outputs` checked
+for shape and turned into the request's one output constraint; the engine compiles it.
+See docs/serving.md#structured-outputs.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Tool calling in /v1/chat/completions (OpenAI's fields, vLLM's rules).
-
-`tools` go to the chat template as transformers passes them (OpenAI's
-`{"type": "function", "function": {...}}` dicts). `tool_choice`:
-- `none`: the model answers in text (the template still sees the tools);
-- `auto` (OpenAI's default when tools are given): the model decides; its calls are read
-  from its text by `--tool_call_parser` (jaxinfer/text/tool_parsers.py). It needs a server
-  started with `--enable_auto_tool_choice`, else a 400 naming `tool_choice` (vLLM's rule);
-- `required`, or `{"type": "function", "function": {"name": ...}}`: a constraint makes the
-  model write calls, as vLLM builds it: for `required`, a JSON list (one item unless
-  `parallel_tool_calls`) of `{"name": one of the functions, "parameters": its schema}`;
-  for a named function, its arguments alone, valid under its `parameters`. Each
-  function's local `$ref`s point into its own parameters (vLLM lifts every function's
-  `$defs` to the top, where two functions' `T` become one). A schema the engine cannot
-  compile is a 400 naming `tools[i].function.parameters` (`tools` when several
-  functions are constrained at once and the error does not say which).
-Calls come back as `tool_calls` (ids `chatcmpl-tool-...`) with `finish_reason`
-`tool_calls` (server/reasoning.py reads them out of the text).
+"""Tool calling in /v1/chat/completions (OpenAI's fields, vLLM's rules): `tools` for the
+chat template, and the constraint `tool_choice` asks for. See docs/serving.md#tool-calling.
 """
 
 from __future__ import annotations

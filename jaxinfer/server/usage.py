@@ -1,8 +1,6 @@
-"""Usage in a stream's chunks: OpenAI's `stream_options.include_usage` (a last chunk with
-the totals, `usage: null` in the others) and vLLM's `continuous_usage_stats` (with
-include_usage, every chunk carries the usage so far: the prompt's tokens, the completion
-tokens sent up to and with that chunk, their total), which benchmark clients such as
-guidellm send to time each token."""
+"""Usage in a stream's chunks: OpenAI's `stream_options.include_usage` and vLLM's
+`continuous_usage_stats` (the usage so far in every chunk). See docs/serving.md#routes.
+"""
 
 from __future__ import annotations
 
