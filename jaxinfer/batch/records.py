@@ -1,8 +1,6 @@
-"""The batch runner's files, without a model: the JSONL input read into requests, what
-the output already holds, and the records written (results and errors).
-
-The single-process runner (runner.py) and the Ray driver and replicas (jaxinfer/ray/)
-use these same functions, so both write the same records for the same lines.
+"""The batch runner's files, without a model: the JSONL input read into requests, what the
+output already holds, and the records written (results and errors), shared by runner.py
+and jaxinfer/ray/. See docs/batch.md (#output, #exactly-once-and-re-runs).
 """
 
 from __future__ import annotations

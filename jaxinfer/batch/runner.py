@@ -1,9 +1,6 @@
-"""The single-process (or multi-host) batch runner over one LLM, and `complete`, the
-engine loop that a Ray replica (jaxinfer/ray/) runs on its share of the requests.
-
-Multi-host (distributed.py): every process reads the same input file (checked by
-digest) and runs every request; only process 0 reads and writes the output file, and
-hands what it skips to the others, so all schedule the same requests.
+"""The single-process (or multi-host) batch runner over one LLM, and `complete`, the engine
+loop a Ray replica runs on its share of the requests. See docs/batch.md and, multi-host,
+docs/parallelism.md#multi-host-offline-jobs.
 """
 
 from __future__ import annotations
