@@ -1,10 +1,6 @@
-"""Offline batch over Ray Data: one engine per Ray actor, the driver writing one JSONL.
-
-`run_ray(input_path, output_path, num_replicas=N, **engine settings)` is the batch
-runner (jaxinfer/batch/) spread over `N` replicas; `Replica` is the callable class it
-hands to `ray.data.Dataset.map_batches`, usable in a user's own pipeline. Ray is an
-optional dependency (`pip install 'jaxinfer[ray]'`); nothing else in jaxinfer imports
-it, and `import jaxinfer` does not import this package. docs/batch.md.
+"""Offline batch over Ray Data (the optional `ray` extra): `run_ray`, the batch runner
+spread over replicas, and `Replica`, the `map_batches` class, usable in a pipeline of
+your own. See docs/batch.md#ray-data.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""`run_ray`: the batch runner over Ray Data replicas, one engine per Ray actor.
-
-The driver (this process) reads the input and the output, as the single-process runner
-does (jaxinfer/batch/records.py: ids already done are skipped, error records retried
-unless `retry_errors=False`, duplicate ids refused), hands the pending rows to
-`Dataset.map_batches(Replica, ...)`, and writes the one JSONL output itself as
-results come back, a line per record, flushed; it never writes an id twice. Ray's
-per-block files are not used, so exactly-once and re-runs mean what they mean for the
-single-process runner. An actor that dies is restarted by Ray, and the batches it held
-run again (`max_restarts=-1`, `max_task_retries=-1`); their results reach the driver
-once, from the run that finished.
+"""`run_ray`: the batch runner over Ray Data replicas; the driver reads the input and
+output as the single-process runner does and writes the one JSONL output itself.
+See docs/batch.md#ray-data.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""`Replica`: one engine per Ray actor, for `ray.data.Dataset.map_batches`.
-
-Ray constructs the class once per actor, on the devices it gave that actor (it sets
-CUDA_VISIBLE_DEVICES or TPU_VISIBLE_CHIPS; an actor without accelerators runs JAX on
-its CPU), and the engine loads and warms up there once. Each call takes a batch of rows
-(`id`, `line`, `request`: the JSON text of an input line), adds all of its requests to
-the engine together, steps them to completion (continuous batching inside the actor)
-and returns one record per row as JSON text (`record`), with the same functions and
-fields as the single-process runner (jaxinfer/batch/), error records included. JSON
-text keeps the column's type the same whatever fields a record has.
+"""`Replica`: one engine per Ray actor, for `ray.data.Dataset.map_batches`: rows of
+request JSON in, one record per row out, made as the single-process runner makes them.
+See docs/batch.md#ray-data.
 """
 
 from __future__ import annotations
