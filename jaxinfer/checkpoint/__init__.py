@@ -1,11 +1,7 @@
-"""HF checkpoint directories and orbax checkpoints <-> the params pytree.
-
-`hf.py` reads an HF directory (config.json, safetensors checked against it, each
-device's slice read on its own) and writes one (`save_hf`); `orbax_params.py` saves,
-restores and converts to orbax `params/`, and holds `load_params`, which reads either
-kind; `quantized.py` says which quantization a directory's weights are written and
-served in; `names.py` maps HF tensor names to params leaves. The names the rest of
-jaxinfer uses are re-exported here, so callers write `checkpoint.load_params(...)`.
+"""HF checkpoint directories and orbax checkpoints <-> the params pytree. hf.py reads and
+writes HF directories, orbax_params.py orbax ones (and `load_params`, either kind);
+the names the rest of jaxinfer uses are re-exported here (`checkpoint.load_params`).
+See docs/cli.md#model-directories.
 """
 
 from jaxinfer.checkpoint.hf import load_config, load_hf_params, read_hf_config, save_hf

@@ -1,35 +1,7 @@
-"""Activation-aware int4 weights (AWQ's idea): per-input-channel scales and per-group
-clipping chosen on calibration text, folded into the float params before
-`quantization.quantize_params(params, "int4")` rounds them.
-
-`calibrate(params, cfg, token_ids)` runs the float model layer by layer over the
-calibration windows i32[B, T] and, for each layer's four linears, takes their input
-activations x [n, I] and:
-1. scale search: s = mean|x|^alpha per input channel, alpha on ALPHAS (0 is plain
-   round-to-nearest), normalised by sqrt(max(s) * min(s)); the alpha minimising the
-   mean square of x W - (x / s) Q(diag(s) W) over at most MAX_SEARCH_TOKENS rows wins.
-   1/s is folded into the op that feeds the linear, so the int4 pytree and its matmul
-   stay as they are: wqkv and w_gate_up into the RMSNorm weight before them
-   (attn_norm, mlp_norm); w_down into the up columns of w_gate_up (silu(gate) * up is
-   linear in up); wo into the v columns of wqkv (attention mixes v rows, so a v
-   channel scales its output channel), which ties s across the query heads of a KV
-   head (mean|x| averaged over them): one value per (KV head, head dim).
-2. clip search (AWQ's auto-clip): per group of rows and output column, the range
-   shrunk to a ratio of CLIP_RATIOS (1: none) that minimises that group's share of the
-   output error, applied by clipping the float weight (round-to-nearest then meets
-   the clipped range).
-The float model's next-layer input comes from the unquantized layer, as in AWQ. The
-layer forward runs under jit on the default device and the searches in numpy (BLAS;
-the per-group errors through each group's Gram matrix), from host copies of the params
-(device_get), so a tensor-parallel engine gets the same weights as one device. Cost on
-a 2-core CPU: 2.7 s for the demo model (4.7 s with compiles; 14 windows of 128
-tokens), 28.5 s for a SmolLM-135M-shape model (30 layers).
-`quantizer` (default: int4 quantize-dequantize) is a parameter so
-benchmarks/int4_accuracy.py can compare other 4-bit schemes under the same search.
-
-Calibration data: `calibration_token_ids` cuts windows of WINDOW_TOKENS tokens from a
-JSONL file of {"text": ...} lines, or by default from NUM_WINDOWS training files of
-the bundled corpus (jaxinfer/text/corpus.py), tokenized by the model's tokenizer.
+"""Activation-aware int4 weights (AWQ): per-input-channel scales and per-group clipping
+chosen on calibration text (`calibration_token_ids`, `calibrate`), folded into the
+float params before `quantization.quantize_params(params, "int4")` rounds them.
+The method, its folds and its cost: docs/quantization.md#int4-calibration-awq.
 """
 
 from __future__ import annotations
@@ -125,7 +97,7 @@ def calibration_token_ids(tokenizer: Tokenizer, path: str | os.PathLike | None, 
 
 def calibrate(params: dict, cfg: ModelConfig, token_ids: np.ndarray,
               quantizer: Quantizer = fake_int4) -> dict:
-    """Float params with AWQ scales folded in and weights clipped (module docstring),
+    """Float params with AWQ scales folded in and weights clipped (docs/quantization.md),
     ready for `quantization.quantize_params(..., "int4")`; host numpy arrays."""
     check_supported(cfg)
     started = time.perf_counter()
@@ -186,7 +158,7 @@ def calibrate_layer(layer: dict, inputs: dict[str, jax.Array], cfg: ModelConfig,
     scales, rows = {}, {}
     for name, x in inputs.items():
         mean_abs = np.asarray(jnp.mean(jnp.abs(x), axis=0))
-        if name == "wo":  # one value per (KV head, head dim): see the module docstring
+        if name == "wo":  # one value per (KV head, head dim): docs/quantization.md
             g = cfg.num_kv_heads
             tied = mean_abs.reshape(g, -1, cfg.head_dim).mean(axis=1, keepdims=True)
             mean_abs = np.broadcast_to(tied, (g, cfg.num_heads // g, cfg.head_dim)).ravel()

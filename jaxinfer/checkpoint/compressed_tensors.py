@@ -1,31 +1,6 @@
-"""Pre-quantized checkpoints: the compressed-tensors FP8 format, and errors for the rest.
-
-An HF config.json may carry a `quantization_config`. `scheme_of` reads it before any
-weight is read: None without one; a `Scheme` for the one format served, compressed-tensors
-with 8-bit float weights (what llm-compressor writes for its FP8 / FP8_DYNAMIC /
-W8A16-FP8 recipes: `format` "float-quantized", or "naive-quantized" with float
-weights, every `config_groups` entry with `weights` {num_bits 8, type "float",
-strategy "tensor" or "channel", symmetric}); a ValueError naming the method or scheme
-for anything else (awq, gptq, HF's "fp8" block format, bitsandbytes, int or packed
-compressed-tensors weights, group/block strategies, sparsity, transforms).
-
-Such a checkpoint stores each quantized linear `<module>.weight` as float8_e4m3fn
-[out, in] with `<module>.weight_scale` (float32/bfloat16; [] or [1] per tensor,
-[out, 1] per output channel) and maybe `<module>.input_scale`. `take_scales` pulls the
-scales out of the memory-mapped tensors as float32 [out] per weight (a per-tensor scale
-broadcast to every column), so the loader (checkpoint/hf.py, shard_source.py) builds
-`quantization.QuantizedWeight(value, scale, "fp8")` leaves straight from the file's
-float8 bytes and scales, fused and sharded like float weights: nothing is dequantized
-or quantized again. The params are then exactly those of `quantization="fp8"`
-(per-column float32 scales), so the planner, the runner and orbax treat them alike.
-
-What is not used, said in the load log (`describe`): requested activation quantization
-(static `input_scale`s or dynamic per-token FP8) — jaxinfer's fp8 path is weight-only,
-activations run in bfloat16 — and a `kv_cache_scheme` (its k/v scales are skipped; the
-KV cache's dtype is the engine's `kv_cache_dtype`). Only the decoder layers' seven
-projections may be quantized, all of them: embeddings, norms and the LM head (in
-`ignore`) load as float, and a checkpoint that quantizes the LM head or keeps some
-layer projection float is refused by name.
+"""Pre-quantized checkpoints: the compressed-tensors FP8 format read as fp8
+QuantizedWeights (`scheme_of`, `take_scales`, `describe`), and errors naming any other
+`quantization_config`. See docs/quantization.md#pre-quantized-checkpoints.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The published tensor layouts of speculative heads (checkpoint/heads.py describes
-them): every tensor's name, the shapes it may have in torch's [out, in] orientation,
-its dtypes and whether a checkpoint must hold it; and the check of a checkpoint's
-tensors against them, naming the first tensor that does not fit."""
+"""The published tensor layouts of speculative heads: every tensor's name, the shapes it
+may have in torch's [out, in] orientation, its dtypes and whether a checkpoint must
+hold it; and the check of a checkpoint's tensors against them, naming the first tensor
+that does not fit. See docs/speculative_decoding.md#head-checkpoints-and-the-heads-step.
+"""
 
 from __future__ import annotations
 

@@ -1,42 +1,7 @@
-"""Speculative heads' checkpoints (EAGLE-1/2, EAGLE-3, Medusa) <-> their params.
-
-A head directory holds config.json (config/heads.py reads it) and model.safetensors
-(or shards listed in model.safetensors.index.json); pickle weights (.bin, .pt) are
-refused, never unpickled. Every tensor is checked by name, shape and dtype against
-the published layout (head_layouts.py), in torch's [out, in] orientation, as vLLM
-loads it:
-
-- eagle3 (SafeAILab's EAGLE-3): midlayer.self_attn.{q,k,v}_proj.weight [*, 2D] (q/k/v
-  read concat(input_layernorm(embeds), hidden_norm(fc(features)))), o_proj [D, N*H],
-  midlayer.mlp.{gate,up,down}_proj, midlayer.{input_layernorm, hidden_norm,
-  post_attention_layernorm}.weight [D], fc.weight [D, F], norm.weight [D],
-  lm_head.weight [V_draft, D], d2t int64 [V_draft] (target id = draft id + d2t; needed
-  when V_draft < V), t2d bool [V] (read past, as vLLM does), embed_tokens.weight
-  [V, D] optional (needed when D differs from the target's). "layers.0." is read as
-  "midlayer." (vLLM renames the same way).
-- eagle (SafeAILab's EAGLE-1/2): fc.weight [D, 2D] (+ fc.bias), layers.0.* of a Llama
-  decoder layer. layers.0.input_layernorm.weight and embed_tokens.weight may be there
-  and are read past: vLLM replaces layer 0's input norm by the identity (as EAGLE's
-  cnets.py skips it) and always embeds with the target's table on one pipeline stage.
-- medusa (vLLM's layout): blocks.{h}.layers.{j}.weight [D, D] (+ .bias with
-  medusa_fc_bias), lm_heads.{h}.weight [V', D] (only lm_heads.0 with original_lm_head),
-  token_map int [V'] when truncated_vocab_size V' < V (lm_heads may then be [V, D],
-  cut to the map's rows, as vLLM does); a "medusa_heads." prefix is dropped.
-
-The params (linear weights [in, out], like the rest of jaxinfer; model/eagle.py and
-model/medusa.py run them):
-- eagle/eagle3: fc [F_in, D], fc_bias [D] (eagle, when the checkpoint has one),
-  embed [V, D] (eagle3, only when the checkpoint has its own), layer: {attn_norm [D]
-  (eagle3's input_layernorm over the embeddings), hidden_norm [D] (eagle3), wqkv
-  [D_in, (N + 2G) * H] fused as the target's (model/fusion.py; D_in = 2D for eagle3),
-  wo [N*H, D], mlp_norm [D], w_gate_up [D, 2F'], w_down [F', D]}; eagle3 also
-  final_norm [D], lm_head [D, V_draft], d2t i32[V_draft].
-- medusa: blocks_w [H, L, D, D], blocks_b [H, L, D] (with medusa_fc_bias), lm_heads
-  [H or 1 (original_lm_head), D, V'], token_map i32[V'] (truncated vocabulary only).
-
-`save_eagle3`, `save_eagle` and `save_medusa` write those layouts back (float tensors in
-the given dtype, d2t int64, t2d bool, token_map int64); `random_head` makes a random
-head for tests and training.
+"""Speculative heads' checkpoints (EAGLE-1/2, EAGLE-3, Medusa) <-> their params: safetensors
+only, every tensor checked against its published layout (head_layouts.py) as vLLM loads
+it; `save_eagle3`, `save_eagle`, `save_medusa` write them back, `random_head` makes one.
+See docs/speculative_decoding.md#head-checkpoints-and-the-heads-step.
 """
 
 from __future__ import annotations
@@ -131,7 +96,7 @@ def _layer_params(tensors: dict[str, np.ndarray], prefix: str, cfg: ModelConfig)
 
 def _eagle_params(tensors: dict[str, np.ndarray], head: HeadConfig) -> dict:
     layer = _layer_params(tensors, "layers.0.", head.layer)
-    layer.pop("attn_norm", None)  # layer 0's input norm is the identity (module docstring)
+    layer.pop("attn_norm", None)  # layer 0 input norm: identity (docs/speculative_decoding.md)
     out = {"fc": np.asarray(tensors["fc.weight"], np.float32).T, "layer": layer}
     if head.fc_bias:
         out["fc_bias"] = np.asarray(tensors["fc.bias"], np.float32)
@@ -203,21 +168,21 @@ def save_head(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
 
 def save_eagle3(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
                 target: ModelConfig, dtype: str = "float32") -> None:
-    """SafeAILab's EAGLE-3 layout (module docstring)."""
+    """SafeAILab's EAGLE-3 layout (docs/speculative_decoding.md)."""
     _expect(head, "eagle3")
     save_head(model_dir, head, params, target, dtype)
 
 
 def save_eagle(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
                target: ModelConfig, dtype: str = "float32") -> None:
-    """SafeAILab's EAGLE-1/2 layout (module docstring)."""
+    """SafeAILab's EAGLE-1/2 layout (docs/speculative_decoding.md)."""
     _expect(head, "eagle")
     save_head(model_dir, head, params, target, dtype)
 
 
 def save_medusa(model_dir: str | os.PathLike, head: HeadConfig, params: dict,
                 target: ModelConfig, dtype: str = "float32") -> None:
-    """vLLM's Medusa layout (module docstring)."""
+    """vLLM's Medusa layout (docs/speculative_decoding.md)."""
     _expect(head, "medusa")
     save_head(model_dir, head, params, target, dtype)
 

@@ -1,16 +1,7 @@
-"""HF checkpoint directories: config.json and safetensors <-> the params pytree.
-
-An HF directory holds config.json, model.safetensors (or shards listed in
-model.safetensors.index.json), tokenizer files and generation_config.json. Loading
-needs no torch and never executes code from the checkpoint: the tensors are
-memory-mapped (safetensors_file), checked against config.json by name, shape and dtype
-(names.py), and each device's slice read on its own (shard_source). q/k/v and gate/up
-are fused on the fly (model/fusion.py). A compressed-tensors FP8 checkpoint's layer
-projections load as they are stored, as fp8 QuantizedWeights (compressed_tensors.py);
-an MXFP4 checkpoint's experts (gpt-oss) are decoded to the served dtype as each device
-reads its slice (mxfp4.py); any other quantization_config is refused by load_config.
-`save_hf` writes what transformers loads. A multimodal checkpoint serves its text tower
-(text_tower.py).
+"""HF checkpoint directories: config.json and safetensors <-> the params pytree. Reads
+without torch or checkpoint code, each device's slice on its own (shard_source), fused
+on the fly; `save_hf` writes what transformers loads. See docs/cli.md#model-directories
+and, for FP8, MXFP4 and multimodal checkpoints, docs/quantization.md and docs/models.md.
 """
 
 from __future__ import annotations

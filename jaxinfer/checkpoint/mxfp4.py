@@ -1,25 +1,7 @@
-"""MXFP4 checkpoints (gpt-oss): expert weights decoded to floats as they are read.
-
-A published gpt-oss checkpoint (`quantization_config.quant_method = "mxfp4"`) stores
-each expert projection `P` of HF shape [E, I, O] as two uint8 tensors over the
-transpose [E, O, I], in blocks of 32 inputs:
-
-- `P_blocks` [E, O, I / 32, 16]: two fp4 (e2m1) codes a byte, the low nibble first
-  (input 2j), the high one second (input 2j + 1);
-- `P_scales` [E, O, I / 32]: one e8m0 exponent a block, biased by 127.
-
-A value is `FP4_VALUES[code] * 2 ** (scale - 127)`, as
-`transformers.integrations.mxfp4.convert_moe_packed_tensors` computes it with
-`torch.ldexp`: an exact float32 ldexp, so at the top scale (255) 0.5 gives 2 ** 127 and
-only codes of magnitude 2 and above overflow to infinity. Such scales do not occur in
-real checkpoints; matching them keeps the decoder bit-exact on any bytes.
-
-`decoded_tensors` replaces each blocks/scales pair by an `MXFP4Tensor`: it looks like
-HF's float tensor `P` [E, I, O] to the loader, and slicing it decodes only the blocks
-the slice covers, so each device decodes (and reads from the memory-mapped file) only
-its own experts or its own rows of each expert. The values are float32 (every code
-times a power of two is exact in float32, and in bfloat16 below 2 ** 128), cast to the
-served dtype by the loader.
+"""MXFP4 checkpoints (gpt-oss): `decoded_tensors` replaces each `P_blocks`/`P_scales` pair
+by an `MXFP4Tensor` that looks like HF's float tensor [E, I, O] to the loader and
+decodes, bit-exact with transformers, only the blocks a device's slice covers.
+See docs/moe.md#gpt-oss.
 """
 
 from __future__ import annotations

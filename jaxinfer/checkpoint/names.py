@@ -1,10 +1,7 @@
-"""Name maps between HF checkpoint tensors and the params pytree.
-
-HF checkpoints keep q/k/v and gate/up as separate tensors, [out, in]; params hold
-them fused (model/fusion.py) and [in, out]. Both sides come from the parameter table
-(model/params_table.py): `hf_names` maps each HF tensor to its place in the unfused
-params (`hf_shapes`), `leaf_layouts` each fused params leaf to the HF tensors it is
-made of (what `shard_source` reads per device). Reads no files.
+"""Name maps between HF checkpoint tensors ([out, in], q/k/v and gate/up apart) and the
+fused [in, out] params, both from the parameter table: `hf_names`, `hf_shapes`,
+`leaf_layouts` (what shard_source reads per device). Reads no files.
+See docs/architecture.md#params-and-the-kv-cache.
 """
 
 from __future__ import annotations

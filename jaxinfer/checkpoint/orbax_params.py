@@ -1,13 +1,6 @@
-"""Orbax checkpoints: params saved and restored with orbax, and `load_params`.
-
-An orbax checkpoint is an HF directory (config.json, tokenizer files,
-generation_config.json) with `params/` (orbax, OCDBT) in place of the safetensors
-files; params, and so orbax checkpoints, hold q/k/v and gate/up fused
-(model/fusion.py). `convert_hf_to_orbax` writes one from an HF directory, quantized
-when asked (and QUANTIZATION_FILE saying how, quantized.py); `restore_orbax` reads it
-back straight onto the mesh. `load_params` reads either kind of directory. Imports
-jax, orbax (lazily), config, model, quantization, sharding, awq (int4 convert) and
-checkpoint.hf, .names and .quantized.
+"""Orbax checkpoints: `convert_hf_to_orbax` (quantized when asked), `restore_orbax`
+(straight onto the mesh) and `load_params`, which reads an HF or an orbax directory.
+See docs/cli.md#convert.
 """
 
 from __future__ import annotations

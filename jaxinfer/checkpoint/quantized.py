@@ -1,10 +1,6 @@
-"""Which quantization a checkpoint directory's weights are written in, and served in.
-
-An orbax checkpoint converted with a quantization mode records it in QUANTIZATION_FILE
-beside `params/` ({"mode": "w8a8", "layout": 2, "quantized_head": true}); an HF
-compressed-tensors FP8 checkpoint says so in its config.json's quantization_config
-(compressed_tensors.py). Everything else holds float weights, which the engine may
-quantize at load.
+"""Which quantization a checkpoint directory's weights are written in, and served in:
+QUANTIZATION_FILE of a quantized orbax checkpoint, or an HF compressed-tensors
+quantization_config; anything else is float. See docs/quantization.md.
 """
 
 from __future__ import annotations

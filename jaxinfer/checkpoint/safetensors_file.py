@@ -1,8 +1,5 @@
-"""Reading and writing the safetensors file format with numpy and ml_dtypes.
-
-We read the format ourselves rather than through `safetensors.numpy` because that
-one cannot return bfloat16 without torch, and so every corruption gets an error
-naming the file and the tensor. Tensors are memory-mapped, never copied whole.
+"""Reading and writing the safetensors file format with numpy and ml_dtypes (memory-mapped,
+never copied whole; errors name the file and the tensor). See docs/cli.md#model-directories.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The text tower of a multimodal checkpoint: its tensors under the names of the text
-model's own checkpoint, the vision weights left out.
-
-transformers 5 writes a `Gemma3ForConditionalGeneration` with the names of the
-original checkpoints (`language_model.model.layers.0...`, `vision_tower...`,
-`multi_modal_projector...`) and reads its in-memory names
-(`model.language_model.layers.0...`, `model.vision_tower...`) as well; both map to the
-`model.layers.0...` names of a `Gemma3ForCausalLM`. We serve text only: the vision
-tensors are never read (they stay memory-mapped, untouched), and a log line says so.
+"""The text tower of a multimodal checkpoint (Gemma 3): its tensors under the names of the
+text model's own checkpoint, the vision weights never read.
+See docs/models.md#gemma-2-and-gemma-3.
 """
 
 from __future__ import annotations
