@@ -1,30 +1,7 @@
-"""EAGLE-1/2 ("eagle") and EAGLE-3 ("eagle3") heads as pure functions: one decoder
-layer over the target's embeddings and hidden features, with its own paged KV.
-
-Params: checkpoint/heads.py's layout (fc, layer, and eagle3's final_norm, lm_head,
-d2t, maybe embed); `shared` holds the target's tensors the head reads, never copied
-into its params: {"embed": [V, D], "lm_head": [D, V] (absent when the target ties
-it)}. A head's own embed wins over the target's.
-
-One step over tokens with features, as vLLM's llama_eagle.py / llama_eagle3.py run it:
-- eagle: x = fc(concat(embed(token), feature)) (+ bias), whether the feature is the
-  target's (its final normed hidden) or the head's own previous output; layer 0's
-  input norm is the identity, so attention reads x and x is the residual; the layer's
-  output y = mlp + residual is both what the next step feeds and what the logits read
-  through the target's LM head (no norm).
-- eagle3: from the target, h = fc(concat of its captured streams); later steps feed
-  the head's own previous prenorm sum as h (no fc). residual = h and h =
-  hidden_norm(h) (norm_before_residual: both the normed h); attention reads
-  concat(input_layernorm(embed(token)), h) (2D wide) and adds to the residual; the
-  prenorm sum y = mlp + residual is what the next step feeds; logits are
-  lm_head(norm(y)) over the draft vocabulary, scattered to target ids (draft id
-  + d2t), -inf elsewhere.
-
-Alignment (catch-up and drafting alike): position p of the head holds the token at
-target position p + 1 and the target's feature at position p, so it predicts the token
-at p + 2. `prefill` catches up over tokens whose target features are in the feature
-store (written at each token's KV slot, model/transformer.py); `propose` drafts k
-tokens in one device call, drawing exactly as model/draft.py does.
+"""EAGLE-1/2 ("eagle") and EAGLE-3 ("eagle3") heads as pure functions: one decoder layer
+over the target's embeddings and hidden features, with its own paged KV; `prefill`
+catches up from the feature store, `propose` drafts k tokens in one device call.
+See docs/speculative_decoding.md#head-checkpoints-and-the-heads-step.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The experts' gated activation over gate/up outputs interleaved in blocks.
-
-`Glu` is static (hashable): the block size of the gate/up interleave (model/fusion.py)
-and the activation of config/moe.py: "swiglu", silu(gate) * up, or gpt-oss's
-"clamped_swiglu", (up + 1) * gate * sigmoid(alpha * gate) with gate clamped above at
-`limit` and up to [-limit, limit], in that order of operations, as transformers'
-`GptOssExperts._apply_gate`.
+"""The experts' gated activation over gate/up outputs interleaved in blocks (model/fusion.py):
+`Glu` (static) holds the block size and the activation, "swiglu" or gpt-oss's
+"clamped_swiglu" in transformers' order of operations (`GptOssExperts._apply_gate`).
+See docs/moe.md#gpt-oss.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Medusa heads as pure functions: H heads on the target's final normed hidden state,
-head h proposing the token h + 1 places after the one the target just sampled.
-
-Params: checkpoint/heads.py's layout, stacked over heads: blocks_w [H, L, D, D]
-([in, out]), blocks_b [H, L, D] (with medusa_fc_bias), lm_heads [H or 1, D, V']
-(one shared LM head with original_lm_head), token_map i32[V'] (a truncated
-vocabulary: column c is target id token_map[c]). Each head runs L residual blocks x
-+ SiLU(W x + b), then its LM head, as vLLM's medusa.py.
+"""Medusa heads as pure functions: H heads on the target's final normed hidden state, head
+h proposing the token h + 1 places after the one the target just sampled.
+See docs/speculative_decoding.md#head-checkpoints-and-the-heads-step.
 """
 
 from __future__ import annotations

@@ -1,68 +1,7 @@
-"""Quantized linear weights: the pytree, quantize_params(), and the matmuls that use them.
-
-Modes (`EngineConfig.quantization`), applied to the linear weights of every layer
-(`wqkv`, `wo`, `w_gate_up`, `w_down`; in a MoE layer the experts, stacked [E, O, I]
-with a scale per expert and output row, and the shared expert: `quantize_experts`,
-model/moe.py); int8, w8a8 and fp8 are symmetric with one float32 scale per output
-channel:
-- "int8": int8 weights, weight-only: the matmul dequantizes them to bfloat16 inside
-  the dot (activations bfloat16, f32 accumulation). XLA fuses the convert into the dot
-  on TPU and GPU; XLA:CPU materializes the converted weight every step, so on CPU
-  use "w8a8".
-- "w8a8": int8 weights, and activations quantized per token on the fly (symmetric,
-  max |x| / 127), `int8 x int8 -> int32` dots, rescaled by both scales: the fast path
-  on CPU (JAX_ON_CPU.md) and on the MXU of TPU v5e/v6e.
-- "fp8": float8_e4m3fn weights (max 448), weight-only like "int8".
-- "int4": 4-bit weights, group-wise along the input axis, weight-only (see below).
-The LM head is quantized too, in the same mode (int4 models: "int8", as llama.cpp
-keeps a Q4 model's output matrix at 6-8 bits), with one scale per vocabulary row
-(`lm_head`, value [V, D]): at batch 1 it is the largest single read of a small model
-(SmolLM-135M: 28 M of its 135 M parameters). With tied embeddings that is a second,
-quantized copy of the table: the embedding itself stays in the model's dtype, since a
-step gathers only its rows (T x D bytes) and a quantized gather would save nothing.
-Whether the head's rounding costs accuracy is measured by eval_ppl (README). A
-pre-quantized checkpoint that keeps its head float (compressed-tensors lists lm_head
-among the modules it ignores) is served so: `quantize_params(..., head=False)`.
-
-A quantized weight is a registered dataclass (`QuantizedWeight`: value [O, I],
-scale [O]) inside the usual params dict, so jit, sharding and orbax handle it like
-any array pair; `partition_specs` derives its specs from the float weight's (the
-value as the weight, transposed, the scale along the output columns).
-
-Why values are stored [O, I] (HF's layout, the transpose of the float weights'
-[I, O]): every matmul then contracts the weight's minor, contiguous axis, which
-XLA:CPU's few-row dots read 1.2-1.7x faster than the [I, O] layout, for int8 x int8
-and for bfloat16 alike (`benchmarks/bench_matvec.py --layouts`, 30 SmolLM-135M layers:
-at 2 rows int8 13.7 vs 22.6 ms, bf16 30.8 vs 46.7 ms; at 4 rows 1.18x and 1.40x).
-The float weights keep [I, O]: changing them touches every loader and sharding rule,
-and is left for later.
-
-int4 (`quantize_int4`): one group of rows per `int4_group(I)`: 128 rows where 128
-divides the input size I, else 64, else 32 (SmolLM-135M: 64 for its 576 inputs, 128
-for 1536; the demo model: 64 for 320, 32 for 864); any other I is refused. Asymmetric:
-each group and output column has a bfloat16 step d and offset m (its minimum) and
-codes c in 0..15 with w ~= c * d + m (llama.cpp's q4_1 form, no integer zero point).
-Why: on the demo model's held-out perplexity (benchmarks/int4_accuracy.py) symmetric
-codes (-7..7 times max|w| / 7, same groups) cost +2.6% round-to-nearest and +2.3%
-with AWQ, against +2.0% and +1.3% for these; the offset costs 2 bytes a group.
-Storage (not [O, I] like the 8-bit modes: the codes are unpacked to a bf16 [I, O]
-weight anyway): value uint8[I / 2, O] packs rows 2i (low nibble) and 2i + 1 (high nibble);
-scale bf16[2, I / group, O] holds d ([0]) and m ([1]). Bytes: I * O / 2
-+ 4 * O * I / group, a quarter of bf16's plus the scales (`quantized_bytes`). Under
-tensor parallelism a weight split by input rows (wo, w_down) must give every device
-whole groups (checked by `quantized_bytes`, which the planner calls). Compute,
-weight-only: the codes are unpacked and scaled to a bfloat16 [I, O] weight right before
-a bf16 x bf16 -> f32 dot. XLA:CPU materializes that bf16 weight every step (a loop
-fusion writes it, then the dot reads it: slower than bf16 weights, reported by
-benchmarks/bench_quant.py). On TPU (v5e, libtpu's AOT HLO of a decode step) XLA
-unpacks and converts the codes in loop fusions whose outputs it places in on-chip
-memory (S(1)), and fuses the step and offset into the multiply-reduce that computes a
-one-row dot, so HBM is read for the packed bytes and scales only. For GPU the exported
-StableHLO holds the same unpack (shift, and, convert, multiply, add) before a bf16
-dot_general; what XLA:GPU makes of it is not checked here (no CUDA compiler): its
-Triton gemm emitter can fuse such a producer, else it runs as a fusion before cuBLAS.
-The activation-aware scales (AWQ) are chosen before quantizing, by
-jaxinfer/checkpoint/awq.py, and folded into the float weights.
+"""Quantized linear weights: the `QuantizedWeight` pytree, `quantize_params` (int8, w8a8,
+fp8, int4; the LM head too; MoE experts via `quantize_experts`), their partition specs
+and byte counts, and the matmuls that use them. Modes, layouts and why:
+docs/quantization.md#weights; measured: docs/benchmarks.md#quantization.
 """
 
 from __future__ import annotations
@@ -187,7 +126,7 @@ def int4_group(rows: int) -> int:
 
 def quantize_int4(w: jax.Array) -> QuantizedWeight:
     """w [I, O] -> int4 codes packed two a byte, with a bf16 step and offset per group
-    of `int4_group(I)` rows and column (see the module docstring)."""
+    of `int4_group(I)` rows and column (docs/quantization.md#weights)."""
     value, scale = _quantize_int4_with(jnp, w, jnp.bfloat16)
     return QuantizedWeight(value, scale, "int4")
 
@@ -312,7 +251,7 @@ def _weight_spec(spec: P, mode: str) -> QuantizedWeight:
 
 
 def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x f[..., I] @ w -> f32[..., O], by the weight's mode (see the module docstring)."""
+    """x f[..., I] @ w -> f32[..., O], by the weight's mode (docs/quantization.md#weights)."""
     if w.mode == "w8a8":
         xq, x_scale = quantize_rows(x)
         y = jnp.einsum("...i,oi->...o", xq, w.value, preferred_element_type=jnp.int32)

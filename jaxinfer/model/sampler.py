@@ -1,22 +1,6 @@
-"""Next-token sampling on device, one batched call for every request row.
-
-vLLM's sampling set: OpenAI's logit_bias, repetition/presence/frequency penalties,
-the min_tokens ban on stop ids, greedy (temperature 0), temperature, top-k, top-p and min-p.
-Each row draws from its own key, folded from the request's seed and its count
-of generated tokens, so a request's tokens never depend on what else is in the
-batch. Logprobs are the log-softmax of the raw logits (vLLM's default), before
-penalties, temperature or filtering. Costly [R, V] work runs under `lax.cond`
-only when some row needs it: token counts (penalties), the draw (temperature
-> 0), one sort per row (top-k or top-p), the top-k logprobs (rows with
-`logprobs` > 0; the others get ids -1). Greedy is a max then the first index
-that reaches it: XLA:CPU's argmax (a variadic reduce) is ~5x slower.
-A row may carry a proposed token (a draft to verify; -1 for none): its raw
-logprob is returned beside the sampled token's. Structured outputs pass a bitmask of
-allowed tokens per row (`constrain`), applied after the penalties and logit_bias.
-Rows are whatever the caller makes them: the step samples R = S * Q of them (Q
-positions per request).
-`pack`/`unpack` turn the output into one int32 array per step and back (host
-side, numpy), keeping any leading dimensions.
+"""Next-token sampling on device, one batched call for every request row (vLLM's sampling
+set, logit_bias, structured-output masks, a proposed token's logprob), and `pack` /
+`unpack`, the step's one int32 output array. See docs/sampling.md#sampling-parameters.
 """
 
 from __future__ import annotations

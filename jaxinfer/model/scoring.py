@@ -1,15 +1,7 @@
-"""Prompt scoring on device: each position's raw logprob of a given next token, its rank
-and the top-k, for `SamplingParams.prompt_logprobs`.
-
-The scoring step (model/step.py: `score_step`) runs the LM head over every token of
-the step, f32[T, V]; `score` reduces those rows on device to what the host needs:
-per position the logprob of the token that follows it in the prompt (`target_ids`,
--1 where the position is not scored), that token's rank (1 + the number of tokens with
-a strictly higher logprob, vLLM's rule) and the top `num_logprobs` ids and logprobs
-(skipped under `lax.cond` when no scored position wants any). Logprobs are the
-log-softmax of the raw logits: no temperature or penalties, vLLM's default.
-`pack`/`unpack` turn the result into one i32[T, 2 + 2k] array and back (host side,
-numpy), so only [T, 2 + 2k] words cross to the host, never [T, V] rows.
+"""Prompt scoring on device for `SamplingParams.prompt_logprobs`: the scoring step's
+logits reduced to each position's logprob of the next prompt token, its rank and the
+top k, packed into one i32[T, 2 + 2k] array (`pack`/`unpack`).
+See docs/sampling.md#sampling-parameters.
 """
 
 from __future__ import annotations

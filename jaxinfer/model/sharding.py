@@ -1,24 +1,7 @@
-"""Tensor parallelism: the device mesh, which sizes are valid, and where each array lives.
-
-One mesh axis, `MODEL_AXIS` ("model"), over `tensor_parallel_size` devices, with
-GSPMD's automatic propagation (`AxisType.Auto`): the params carry Megatron shardings
-(`model.params_table`, one row per kind of parameter), XLA inserts the
-all-reduces after the row-parallel matmuls (o and down), and attention runs per device
-on its own KV heads inside `shard_map` (`model.attention`), with no communication.
-
-Fewer KV heads than devices. A size is valid when it divides the query heads and either
-divides the KV heads or is a multiple of them. In the second case each KV head is
-copied `kv_replicas(cfg, n)` times at load (the k and v weights, so each device owns
-one KV head; tpu-inference and SGL-JAX do the same, MaxText refuses such sizes): the
-model then runs as `served_config(cfg, n)`, a model with n KV heads whose query head
-groups are the original groups split in n / G parts. Its KV cache holds the copies, so
-KV bytes per token grow by that factor overall, and each device stores one head.
-
-Data parallelism (`data_parallel_size`): a 2-D mesh ("data", "model") whose row r holds
-replica r's `tensor_parallel_size` devices (`layout_mesh`). Each replica is its own engine
-on its own row (`replica_mesh`, a 1-D "model" mesh): its own params copy, KV pool,
-scheduler and compiled steps, so nothing here changes per replica (docs/architecture.md,
-"Data parallelism", says why not one program over the whole mesh).
+"""Tensor parallelism: the device mesh (`MODEL_AXIS`; `layout_mesh` and `replica_mesh` for
+data parallelism), which sizes are valid, KV heads copied when devices outnumber them
+(`kv_replicas`, `served_config`), and where each array lives.
+See docs/parallelism.md#tensor-parallelism and docs/architecture.md.
 """
 
 from __future__ import annotations

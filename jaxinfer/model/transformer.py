@@ -1,24 +1,7 @@
 """The decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3; Mixtral, Qwen2-MoE,
-Qwen3-MoE and gpt-oss with model/moe.py) as pure functions.
-
-Params are a dict pytree whose structure is fixed by the `ModelConfig`:
-  embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and
-  layers: L dicts of attn_norm [D], wqkv [D, (N + 2G) * H], wo [N*H, D],
-  bqkv [(N + 2G) * H] (qkv_bias), q_norm/k_norm [H] (qk_norm), mlp_norm [D],
-  w_gate_up [D, 2F], w_down [F, D], post_attn_norm/post_mlp_norm [D] (post_norms:
-  Gemma's block outputs normed before each residual add); a MoE layer has w_router [D, E],
-  we_gate_up [E, 2F', D], we_down [E, D, F'] in place of the MLP (and Qwen2-MoE's
-  shared expert ws_gate_up, ws_down, w_shared_gate [D, 1]; gpt-oss's b_router [E],
-  be_gate_up [E, 2F'], be_down [E, D], and in attention bo [D] and sinks [N]).
-Linear weights are stored [in, out]. q/k/v and gate/up are fused, so a layer runs four
-matmuls: `wqkv` is grouped by KV head (each KV head's query heads, then its k, then its
-v) and `w_gate_up` interleaves gate and up in blocks, so a tensor-parallel split of the
-fused axis takes whole groups (model/fusion.py). Checkpoints keep HF's separate names;
-the loader fuses. Shapes, splits and names come from one table (model/params_table.py).
-The layers are an unrolled Python loop: a `lax.scan` over stacked layers compiles the
-matmuls no faster and steps 1.1-1.4x (f32) to 4-12x (bf16) slower on XLA:CPU, which
-copies each layer's weight slice before its dot (measured:
-benchmarks/bench_layer_loop.py).
+Qwen3-MoE and gpt-oss with model/moe.py) as pure functions over a params dict whose
+leaves, shapes and splits are the rows of model/params_table.py. See
+docs/architecture.md#params-and-the-kv-cache and docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""YaRN RoPE frequencies (gpt-oss), as transformers' `_compute_yarn_parameters`.
-
-Each inverse frequency blends the original one (extrapolation) with the one divided by
-`factor` (interpolation): dimensions that turn fewer than `beta_slow` times within the
-original context are interpolated, those that turn more than `beta_fast` times keep
-their frequency, and a linear ramp over the dimension index joins the two. cos and sin
-are then scaled by the attention factor (`YarnScaling.cos_sin_scale`). Computed in
-float32 like transformers, so the tables agree with its to float32 rounding.
+"""YaRN RoPE frequencies (gpt-oss), as transformers' `_compute_yarn_parameters`, in
+float32 like transformers so the tables agree with its to float32 rounding.
+See docs/moe.md#gpt-oss.
 """
 
 from __future__ import annotations
