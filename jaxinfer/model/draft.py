@@ -1,19 +1,7 @@
-"""A draft model's k proposals in one device call (speculative decoding).
-
-`propose` runs the draft over every request's last token, then over each token it has
-just drafted, `num_steps` = k + 1 times in a `lax.fori_loop` (a dynamic trip count
-up to the static K + 1), with the draft's KV cache carried: one dispatch per proposal,
-not k. Iteration i feeds slot s the token at position `positions[s] + i` and writes
-its K/V there (pages from the slot's page table; positions past its pages go to the
-trash page 0); it samples the next token from q, the draft's distribution under the
-request's own settings (penalties with the drafts in the history, temperature, top-k,
-top-p, min-p; one-hot at the argmax for greedy rows), drawing with the row's key on
-`rejection.DRAFT_STREAM`. The last iteration's token is not a proposal: it runs to
-write the K/V of the k-th draft, so that after verification the draft's cache holds
-every accepted token. q of each drafted position is returned, f32[S, K + 1, V] (the
-last position unused), for the target's rejection sampler; the target's vocabulary V
-may be larger or smaller than the draft's (a draft never proposes an id outside the
-target's).
+"""A draft model's k proposals in one device call (speculative decoding): `propose` runs
+the draft k + 1 times in a `lax.fori_loop` with its KV cache carried, sampling each
+draft under the request's own settings, and returns the drafts and q for the target's
+rejection sampler. See docs/speculative_decoding.md#proposers.
 """
 
 from __future__ import annotations
