@@ -1,20 +1,6 @@
 """Perplexity through prompt logprobs: `perplexity(llm, files)`, the body of
-`python -m jaxinfer eval_ppl`, callable in-process by benchmarks and tests.
-
-How text is scored. Each file is tokenized on its own (the tokenizer adds no special
-tokens) and framed as the demo models were trained (tools/train_demo.py puts
-`<|endoftext|>`, id 0, between files): BOS, the file's tokens, EOS (no EOS after a file
-cut short by `max_tokens_per_file`), with BOS the tokenizer's BOS id (else its first
-EOS id) and EOS its first EOS id; a tokenizer with neither adds nothing, and then a
-file's first token is not scored. Each framed file is cut into windows of at most
-`window` tokens (default: the engine's max_model_len - 1, the longest prompt that
-leaves room for the one token each request generates) that overlap by exactly one
-token: window j holds tokens [j (W - 1), j (W - 1) + W), so every token after the
-file's first is scored exactly once. Context does not carry over a window boundary (no
-sliding context): the first token scored in a window sees one token.
-Each window is one request with `prompt_logprobs=0`, `max_tokens=1` (greedy); the mean
-negative log-likelihood is over every scored token of every file, in nats per token,
-and perplexity is its exponential. Files with no text are skipped (and counted).
+`python -m jaxinfer eval_ppl`, callable in-process by benchmarks and tests. How text is
+framed, windowed and scored: docs/cli.md#eval_ppl.
 """
 
 from __future__ import annotations
@@ -112,7 +98,7 @@ def resolve_window(llm: LLM, window: int | None) -> int:
 def perplexity(llm: LLM, files: str | Sequence[str | pathlib.Path], *,
                window: int | None = None, max_tokens_per_file: int | None = None) -> dict:
     """Score `files` (paths, or a spec for `expand_inputs`) through prompt logprobs;
-    returns {"tokens", "nll", "perplexity", "files", ...} (see the module docstring).
+    returns {"tokens", "nll", "perplexity", "files", ...} (docs/cli.md#eval_ppl).
     `max_tokens_per_file`: score only each file's first tokens (a deterministic subset).
     The LLM must be made with `enable_prompt_logprobs=True`."""
     paths = expand_inputs(files if isinstance(files, str) else [str(f) for f in files])

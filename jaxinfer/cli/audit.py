@@ -1,12 +1,6 @@
-"""The prompt-overlap audit: how much prefill a prefix cache would save, before a run.
-
-Reads prompts (JSONL as the batch runner takes them: `prompt` text or token ids,
-or chat `messages`), tokenizes them with the model's tokenizer, and replays
-them in order through the engine's own page pool with caching on and room for
-every page (no eviction): each prompt is served its leading full cached pages,
-never its last token (the engine recomputes it for logits), then registers its
-full pages. It reports the prompt tokens served, the projected prefill saving,
-and the longest shared prefixes. It does not load weights or run the model.
+"""The prompt-overlap audit: the prompts of a batch-runner JSONL file replayed through the
+engine's own page pool, reporting how much prefill a prefix cache would save. Loads no
+weights. See docs/cli.md#audit.
 """
 
 from __future__ import annotations

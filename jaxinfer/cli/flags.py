@@ -1,11 +1,6 @@
-"""Every flag the commands read, and the configs made from them.
-
-Engine, distributed and server flags are derived from `EngineConfig`,
-`DistributedConfig` and `ServerConfig` (name, default, type, choices and help text),
-so they cannot drift from the Python API. Sampling flags default to unset: the
-checkpoint's generation_config.json defaults apply and a flag given overrides only its
-field. Which command reads which flag is `main.COMMANDS`. The LLM is imported only
-when one is made.
+"""Every flag the commands read, and the configs made from them: engine, distributed and
+server flags derived from `EngineConfig`, `DistributedConfig` and `ServerConfig`;
+sampling flags unset unless given. See docs/cli.md#engine-flags.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The command table and the dispatcher: `python -m jaxinfer <command> --flags`.
-
-`COMMANDS` names each command (generate, batch, serve, convert, plan, audit, aot,
-eval_ppl) with the function that runs it, its one-line summary, the flags it reads and
-its defaults over them. `python -m jaxinfer --help` lists the commands,
-`python -m jaxinfer <command> --help` that command's flags with their defaults. Errors
-a user can fix (a bad flag value, a missing model directory, a prompt too long) print
-one line to stderr and exit non-zero (2: usage, 1: the rest); `--verbosity=1` logs
-their traceback. `run` is the entry point (`jaxinfer.cli.run`, `python -m jaxinfer`).
+"""The command table (`COMMANDS`: each command's function, summary, flags and defaults),
+the help and the dispatcher; `run` is the entry point. Errors a user can fix print one
+line and exit 2 (usage) or 1. See docs/cli.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The commands that load the weights: generate, batch, serve and eval_ppl run an LLM
-made from the engine flags; convert copies an HF checkpoint to an orbax one.
-
-Each command is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS`
-lists them with their summaries and flags. A mistake raises app.UsageError or
-ValueError, which `main.main` prints as one line. The library a command drives
-(distributed, batch, checkpoint, evaluate, server) is imported only when the command
-runs, so `--help` and the other commands stay light.
+"""The commands that load the weights: generate, batch, serve and eval_ppl run an LLM made
+from the engine flags; convert copies an HF checkpoint to an orbax one. Each reads
+FLAGS and imports its library only when it runs. See docs/cli.md.
 """
 
 from __future__ import annotations

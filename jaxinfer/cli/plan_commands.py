@@ -1,13 +1,6 @@
-"""The commands that load no weights: plan (memory plan, decode roofline and, with
---device, the DP x TP layouts of its chips and the recommended one: sizing/layout.py),
-audit (prompt overlap) and aot (compile the step for a TPU slice with libtpu's compiler,
-for replicas of tensor-parallel chips with --data_parallel_size).
-
---model is a model directory or, for plan and aot, a preset name (jaxinfer/config/presets/*.toml);
-a directory written quantized is planned and compiled in its own mode. Each command
-is a function of no arguments reading FLAGS (flags.py); `main.COMMANDS` lists them.
-planner, audit, aot and checkpoint are imported only when the command runs (plan never
-imports the runner: a test says so).
+"""The commands that load no weights: plan (memory plan, decode roofline, DP x TP
+layouts), audit (prompt overlap) and aot (compile the step for a TPU slice). Each reads
+FLAGS and imports its library only when it runs. See docs/cli.md (#plan, #audit, #aot).
 """
 
 from __future__ import annotations

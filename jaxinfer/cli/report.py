@@ -1,6 +1,7 @@
 """Reports as people read them: the nested dicts that plan, audit, aot and batch return,
 rendered as aligned text (`--format=table`, the default), or as JSON for scripts
-(`--format=json`)."""
+(`--format=json`). See docs/cli.md.
+"""
 
 from __future__ import annotations
 
