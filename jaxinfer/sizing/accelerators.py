@@ -1,31 +1,7 @@
-"""Accelerator presets: GCP TPU slices and GPU machines, with each chip's published peaks.
-
-`ACCELERATORS` maps the names `gcloud` takes for `--accelerator-type` (`v5litepod-4`,
-`v6e-8`, `v5p-8`; `v5e-4` is accepted for `v5litepod-4`) to the JAX topology name that
-libtpu's ahead-of-time compiler takes (`v5e:2x2`), the number of chips, and each chip's
-HBM, peak bf16 / int8 throughput and HBM bandwidth as Google publishes them
-(cloud.google.com/tpu/docs/v5e, /v6e, /v5p), and the HBM a program may use as libtpu
-0.0.42.1's compiler reports it (15.75 / 31.25 / 95.74 GiB). A v5p-N counts TensorCores
-(two per chip), so v5p-8 is 4 chips; v5e and v6e count chips. `aot` reads only this
-table, through `get` (TPU only).
-
-`GPUS` holds GCP's GPU machines (A3 High: H100 80GB; A2 Standard: A100 40GB; A2 Ultra:
-A100 80GB; G2: L4) as `h100-8`, `a100-40gb-8`, `a100-80gb-8`, `l4-8` and so on, with
-the machine type (`a3-highgpu-8g`, also accepted as a name) and NVIDIA's datasheet
-figures. `find_preset` looks a name up in both tables; `python -m jaxinfer plan
---device=NAME` reads it. FLOP/s are dense (NVIDIA's headline tensor figures are
-sparse, twice these). List prices are left unset (None): no price in this table has
-been checked against GCP's price pages, so `plan` asks for `--price_per_hour`.
-
-Each chip also carries its interconnect (TPU ICI, NVLink, or PCIe for the L4) as
-published, bidirectional, per chip, and the latency of one collective step, for the
-tensor-parallel communication term of `sizing/layout.py`. The bandwidths are published;
-the TPU latencies are assumptions (no published figure), the GPU ones NCCL's own cost
-model (`src/graph/tuning.cc`: ring all-reduce, LL protocol).
-
-`chip_for_device_kind` maps the name JAX gives a device (`device.device_kind`: "TPU v5
-lite", "NVIDIA H100 80GB HBM3") to its chip, for the engine's peak FLOP/s (its MFU);
-the H200 is a chip there but no machine preset.
+"""Accelerator presets: GCP TPU slices (`ACCELERATORS`, by gcloud's `--accelerator-type`
+names, with libtpu's topology) and GPU machines (`GPUS`), each chip's published peaks,
+HBM and interconnect; `find_preset` and `chip_for_device_kind` look them up. Sources
+and assumptions: docs/cli.md#plan and docs/cli.md#choosing-a-dp-x-tp-layout.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""Choosing a layout: how many replicas (data parallel) of how many chips each (tensor
-parallel) to run a model on a device's chips, by the decode roofline with communication.
-
-`splits(cfg, acc, ...)` tries every DP x TP = the device's chips where TP splits the
-model (`sharding.check_split`; other sizes are left out) and, for each, plans one chip
-with the memory planner (`planner.plan`; the same plan on every chip: replicas are
-copies) and estimates a decode step of one replica:
-
-- batch per replica: min(max_num_seqs, the requests of max_model_len its KV pool holds);
-- memory: the chip's weight bytes read once plus its share of every request's KV at
-  max_model_len, over the chip's HBM bandwidth; compute: its FLOPs over the bf16 peak
-  (`MemoryPlan.decode_seconds`); the step takes the larger;
-- communication, added (a decode step's collectives sit between its matmuls, so they
-  do not overlap its weight reads): the collectives XLA puts in the tensor-parallel
-  step (tests/tpu_aot/test_tensor_parallel_compile.py counts them): two all-reduces a
-  layer of the float32 [batch, hidden] outputs of the row-parallel matmuls (o and down),
-  one more for the vocab-split embedding lookup, and one all-gather of the float32
-  [batch, vocab] logits; none at TP 1. A ring all-reduce over n chips sends 2(n - 1)/n
-  of its bytes in 2(n - 1) steps, an all-gather (n - 1)/n in n - 1 steps: bytes over the
-  chip's ring bandwidth plus the chip's latency per collective and per step
-  (`accelerators.Chip`; which of those figures are assumptions is said there).
-
-Tokens/s of the device = DP x batch / step time. A split whose weights and one request
-of max_model_len do not fit a chip is listed as not fitting and never recommended;
-`recommend` picks the most tokens/s, the larger DP on a tie (fewer collectives).
+"""Choosing a layout: `splits` estimates every DP x TP way of running a model on a
+device's chips by the decode roofline plus tensor-parallel communication, and
+`recommend` picks the most tokens/s. See docs/cli.md#choosing-a-dp-x-tp-layout.
 """
 
 from __future__ import annotations
