@@ -1,7 +1,5 @@
-"""jaxinfer: LLM inference on JAX. Public names only.
-
-They load lazily, so host-side modules (`jaxinfer.engine.core.scheduler`, ...) can be
-imported, and unit-tested, without importing jax.
+"""jaxinfer: LLM inference on JAX. Public names only, loaded lazily, so host-side modules
+can be imported and unit-tested without importing jax (docs/architecture.md#2-layout).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The public Python API: `LLM(model=..., **engine settings)`, `generate`, `generate_stream`,
-`chat`.
-
-`generate` runs every prompt through the continuous-batching engine and returns
-one RequestOutput per prompt, in order; `generate_stream` yields each prompt's
-output as it changes, with `outputs[i].delta_text` / `delta_token_ids` holding
-what the last step added. Every request is checked before any work starts;
-prompts given no SamplingParams get the checkpoint's generation_config.json
-defaults (vLLM's generation_config="auto"). `LLM` is a face: it sets JAX's
-process-wide compilation cache (`compilation_cache_dir`) before making its
-engine.
+"""The public Python API: `LLM(model=..., **engine settings)`, `generate`,
+`generate_stream`, `chat`. `LLM` is a face over the engine; it also sets JAX's
+compilation cache. See docs/sampling.md#the-python-api.
 """
 
 from __future__ import annotations

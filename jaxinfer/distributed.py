@@ -1,55 +1,7 @@
-"""Multi-host: joining a job with `jax.distributed`, and the few one-off exchanges of
-its processes.
-
-One process per host owns that host's devices. `initialize(DistributedConfig)` joins
-the job, before anything starts a JAX backend: with `coordinator_address`,
-`num_processes` and `process_id` given (the CLI's flags), or with `detect_distributed`
-(JAX's own detection: Cloud TPU VM slices on GCE or GKE, Slurm, Open MPI); neither: a
-single process, nothing is initialized (never implicitly). Afterwards `jax.devices()`
-lists every host's devices in JAX's global order, and the tensor-parallel mesh
-(sharding.make_mesh) over the first `tensor_parallel_size` of them spans hosts.
-
-Scheduling: every process runs the same engine (scheduler, page pool, request seeds
-drawn from EngineConfig.seed) on the same requests, so each computes the same StepPlan
-and feeds the same host inputs to the same compiled step, whose packed output is
-replicated: each process reads identical tokens from its own devices. Chosen over
-process 0 deciding and broadcasting each step's plan because it puts no host-to-host
-exchange on the step's critical path and adds no second code path (the single-host
-engine is the multi-host one). Its price is that inputs must be identical, and a
-mismatch would desynchronize the processes' collectives into a hang or garbage; so
-`check_same` compares digests once, at the start: the served model, engine settings
-and page pool (loading.py), the batch input file (batch.py), the prompt and sampling
-(the CLI's generate). The server, whose requests reach process 0 only, runs the same
-engine on every process too: process 0 publishes what it added and aborted before each
-step, the others apply it before theirs (jaxinfer/engine/parallel/lockstep.py, over the
-coordination service's key-value store: jaxinfer/engine/parallel/channel.py; docs/serving.md,
-"Multi-host serving").
-
-Outputs: only process 0 (`is_primary`) writes result files and prints results; the
-others run every step and discard them. `broadcast_from_primary` hands process 0's
-view of the output file (what a resumed batch skips) to the others. From Python: call
-`initialize` before making the `LLM`, make the same calls on every process, and write
-only where `is_primary()`.
-
-Failure behaviour (jax 0.10.2's distributed runtime, measured on CPU with two
-processes; the timeouts are DistributedConfig's, JAX's defaults): processes that do not
-all join within `initialization_timeout_s` (300 s) abort in `initialize`
-(DEADLINE_EXCEEDED). Once running, each process heartbeats to the coordinator service in
-process 0. A process that dies makes its peers' next collective fail at once (gloo:
-"Connection reset by peer", a JaxRuntimeError out of the step), and each peer, exiting,
-waits in JAX's shutdown barrier; a host that vanishes without closing its connections
-is noticed by heartbeats alone. The coordinator declares a process dead after
-`heartbeat_timeout_s` (100 s) without a heartbeat and tells every other process, whose
-runtime terminates it ("Terminating process because the JAX distributed service
-detected fatal errors", SIGABRT, exit 134): with a 10 s heartbeat the survivor was gone
-7 s after `kill -9` of process 1. If the coordinator dies, the others' error polling
-fails and they terminate likewise: 0.3 s after `kill -9` of process 0. So a dead host
-stops the job with an error within about the heartbeat timeout, never a silent hang
-(tests/test_multihost.py kills one mid-run). Not covered for generate and batch: a
-process hung while alive keeps heartbeating, and its peers wait in the step's collective
-as long as XLA's collective timeouts allow. The server fails a step that runs past
-`heartbeat_timeout_s` itself and exits non-zero, as it does when a step raises
-(server/__init__.py, engine/parallel/lockstep.py's Watchdog).
+"""Multi-host: joining a job with `jax.distributed` (`initialize`), and the few one-off
+exchanges of its processes (`check_same`, `broadcast_from_primary`, `is_primary`).
+Why every process runs the same engine, and what happens when a host dies:
+docs/parallelism.md#multi-host-offline-jobs.
 """
 
 from __future__ import annotations
