@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
@@ -28,13 +27,10 @@ from jaxinfer.engine import checks, loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core import kv_groups
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
+from jaxinfer.engine.detokenize import TextState
+from jaxinfer.engine.metrics.clock import Sent, StepClock
 from jaxinfer.engine.metrics.summary import Metrics
-from jaxinfer.engine.output import (
-    TextState,
-    copy_into,
-    output_logprobs,
-    record_prompt_scores,
-)
+from jaxinfer.engine.output import TokenTexts, copy_into, output_logprobs, record_prompt_scores
 from jaxinfer.engine.request import (
     CompletionOutput,
     PreparedRequest,
@@ -89,7 +85,7 @@ class Engine:
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
-        self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
+        self._token_text = TokenTexts(self.tokenizer)  # a token's text, for logprobs
         self.constraints = Constraints(  # structured outputs (engine/structured/grammar.py)
             self.model_dir if self.tokenizer else None,
             vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
@@ -97,8 +93,7 @@ class Engine:
         self.async_scheduling = config.async_scheduling
         self.metrics.async_scheduling = self.async_scheduling
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
-        self._device_free_at: float | None = None  # since when the device has had no step
-        self._last_ready = self._last_end = 0.0  # the last step read: done, recorded
+        self.clock = StepClock(self.metrics)  # the loop's timestamps (metrics/clock.py)
         if warm_up:
             self.warm_up()
 
@@ -198,7 +193,7 @@ class Engine:
                               group=request_id if params.n > 1 else "",
                               parent_id=request_id)
             self._arrivals += 1
-            self.metrics.latency.added(request.request_id, time.perf_counter())
+            self.clock.added(request.request_id)
             detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
             self._texts[request.request_id] = TextState(detokenizer, params.stop)
             self.constraints.add(request, prepared.grammar)
@@ -245,17 +240,12 @@ class Engine:
         """One device step. Returns the outputs of prompts that changed, with deltas:
         of the step dispatched now, or with `async_scheduling` of the one the previous
         call dispatched (this call's is read by the next)."""
-        started = time.perf_counter()
-        if self._in_flight is not None and self.runner.is_done(self._in_flight.step):
-            self._device_free_at = self._device_free_at or started
+        self.clock.schedule(device_done=self._in_flight is not None
+                            and self.runner.is_done(self._in_flight.step))
         read = []
-        if self._in_flight is not None and (
-                self.scheduler.held_back_by_tokens() or self._in_flight.plan.has_drafts
-                or self.speculation and self.speculation.may_speculate(self.scheduler.running)):
-            # Read it first when most running requests are constrained ones waiting for it
-            # (docs/structured_outputs.md), or it verified drafts, or this step may.
+        if self._reads_first():
             done, self._in_flight = self._in_flight, None
-            read = self._complete(done, started)
+            read = self._complete(done)
         plan = self.scheduler.schedule()
         if not plan.chunks and self._in_flight is None:
             if self.scheduler.has_unfinished() and not read:
@@ -263,17 +253,25 @@ class Engine:
                                    "(KV cache smaller than one request?)")
             return read
         compiles = self.compiles.begin()
-        dispatched = self._dispatch(plan, started) if plan.chunks else None
+        dispatched = self._dispatch(plan) if plan.chunks else None
         previous = dispatched
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, dispatched
-        outputs = read or (self._complete(previous, started) if previous is not None else [])
+        outputs = read or (self._complete(previous) if previous is not None else [])
         self._check_compiles(compiles)
         if not self.has_unfinished():
-            self._device_free_at = None  # idle for want of work: not a gap between steps
+            self.clock.idle()
         return outputs
 
-    def _dispatch(self, plan: StepPlan, started: float) -> _Dispatched:
+    def _reads_first(self) -> bool:
+        """Whether the step in flight is read before this call plans: most running
+        requests are constrained ones waiting for it (docs/structured_outputs.md), or it
+        verified drafts, or this step may."""
+        return self._in_flight is not None and bool(
+            self.scheduler.held_back_by_tokens() or self._in_flight.plan.has_drafts
+            or self.speculation and self.speculation.may_speculate(self.scheduler.running))
+
+    def _dispatch(self, plan: StepPlan) -> _Dispatched:
         """Add drafts (speculative decoding) and start the step on the device."""
         draft_probs, slots = None, 0
         if self.speculation is not None:
@@ -282,49 +280,48 @@ class Engine:
                 plan, draft_probs = self.speculation.add_drafts(self.scheduler, plan, slots)
             else:  # planned beside a step in flight: its last tokens are not read yet
                 self.speculation.skip(plan)
-        now = time.perf_counter()
-        if self._device_free_at is not None:
-            self.metrics.device_idle_seconds += now - self._device_free_at
-            self._device_free_at = None
+        sent = self.clock.dispatch()
         step = self.runner.dispatch(plan, draft_probs, self.constraints.rows(plan.chunks))
-        return _Dispatched(plan, step, slots, started, now, self.runner.last_step_bytes)
+        return _Dispatched(plan, step, slots, sent, self.runner.last_step_bytes)
 
-    def _complete(self, done: _Dispatched, started: float) -> list[RequestOutput]:
-        """Read a dispatched step back and move its requests on (`started`: this call's)."""
-        plan = done.plan
-        waited = time.perf_counter()
-        bucket, samples, prompt_scores = self.runner.collect(done.step)
-        ready = time.perf_counter()
-        if self._in_flight is None:
-            self._device_free_at = ready
-        record_prompt_scores(plan.chunks, prompt_scores, self._token_text)
-        dropped = [c.request.finished for c in plan.chunks]  # stopped: positions discarded
-        lengths = [len(c.request.output_token_ids) for c in plan.chunks]
-        for chunk in plan.chunks:
-            self.metrics.latency.scheduled(chunk.request.request_id, started)
-        sampled = [[s.token_id for s in chunk] for chunk in samples]
-        for request, why in self.constraints.failed(plan.chunks):  # a mask it could not fill
-            self.scheduler.finish(request, "error", why)
-        self.scheduler.update(plan, sampled)
-        for request, reason, why in self.constraints.advance(plan.chunks):
-            self.scheduler.finish(request, reason, why)  # its grammar complete, or failed
-        if self.speculation is not None:  # device time: from its start, after the last one
-            began, self._last_ready = max(done.dispatched, self._last_ready), ready
-            self.speculation.record(plan, sampled, done.slots, ready - began)
-        changed = self._record_tokens(plan, samples, lengths)
+    def _complete(self, done: _Dispatched) -> list[RequestOutput]:
+        """Read a dispatched step back: collect, update, sync; then count the step."""
+        self.clock.collect()
+        result = self.runner.collect(done.step)
+        self.clock.collected(nothing_in_flight=self._in_flight is None)
+        changed, lengths, dropped = self._update(done, result)
         outputs = [self._sync(rid) for rid in changed]
-        # a verify step read in a later call: timed from the last step's end (its proposal)
-        since = max(done.began, self._last_end) if plan.has_drafts else started
-        seconds = time.perf_counter() - since
-        self.metrics.record_host(seconds=seconds - (ready - waited), bytes_sent=done.bytes)
+        plan, bucket = done.plan, result.bucket
+        seconds = self.clock.synced(done.sent, verified=plan.has_drafts, bytes_sent=done.bytes)
         self.metrics.preemptions = self.scheduler.num_preemptions
         self.metrics.record_plan(
             plan.chunks, lengths, bucket.num_tokens, bucket.num_slots, seconds=seconds,
             dropped=dropped, pages_in_use=self.scheduler.pool.num_used,
             weight_bytes=self.memory_plan.weight_bytes,
             kv_bytes_per_token=self.memory_plan.kv_bytes_per_token)
-        self._last_end = time.perf_counter()
+        self.clock.recorded()
         return outputs
+
+    def _update(self, done: _Dispatched, result: runner_lib.StepResult
+                ) -> tuple[list[str], list[int], list[bool]]:
+        """Move the step's requests on by its results. Returns the prompts whose outputs
+        changed, each chunk's output count before the step, and whether its request had
+        stopped before the step was read (its positions discarded)."""
+        plan = done.plan
+        record_prompt_scores(plan.chunks, result.prompt_scores, self._token_text)
+        dropped = [c.request.finished for c in plan.chunks]
+        lengths = [len(c.request.output_token_ids) for c in plan.chunks]
+        self.clock.scheduled(c.request.request_id for c in plan.chunks)
+        sampled = [[s.token_id for s in chunk] for chunk in result.samples]
+        for request, why in self.constraints.failed(plan.chunks):  # a mask it could not fill
+            self.scheduler.finish(request, "error", why)
+        self.scheduler.update(plan, sampled)
+        for request, reason, why in self.constraints.advance(plan.chunks):
+            self.scheduler.finish(request, reason, why)  # its grammar complete, or failed
+        if self.speculation is not None:
+            self.speculation.record(plan, sampled, done.slots,
+                                    self.clock.device_seconds(done.sent))
+        return self._record_tokens(plan, result.samples, lengths), lengths, dropped
 
     def _check_compiles(self, span: runner_lib.CompileSpan) -> None:
         new = self.compiles.end(span)
@@ -341,13 +338,13 @@ class Engine:
         output counts before it), one at a time: a stop string ends the request at the
         token that completes it and drops the tokens after it."""
         changed: dict[str, None] = {}
-        now = time.perf_counter()
+        self.clock.update()
         for chunk, chunk_samples, before in zip(plan.chunks, samples, lengths, strict=True):
             request = chunk.request
             added = len(request.output_token_ids) - before
             if added <= 0:
                 continue
-            self.metrics.latency.tokens(request.request_id, added, now)
+            self.clock.tokens(request.request_id, added)
             text = self._texts[request.request_id]
             for index, sample in enumerate(chunk_samples[:added]):
                 if request.params.logprobs is not None:
@@ -362,19 +359,10 @@ class Engine:
             changed[request.parent_id] = None
         return list(changed)
 
-    def _token_text(self, token: int) -> str | None:
-        """A token's own text (special tokens kept), as vLLM's `decoded_token`."""
-        if self.tokenizer is None:
-            return None
-        if token not in self._token_texts:
-            self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return self._token_texts[token]
-
     def _sync(self, request_id: str) -> RequestOutput:
         """Copy the completions' state into the prompt's RequestOutput, with deltas."""
         def finished(request: Request) -> None:
-            self.metrics.latency.finish(request.request_id, request.finish_reason,
-                                        time.perf_counter())
+            self.clock.finished(request.request_id, request.finish_reason)
         return copy_into(self._outputs[request_id], self._requests[request_id],
                          self._texts, finished)
 
@@ -386,7 +374,6 @@ class _Dispatched:
     plan: StepPlan
     step: runner_lib.InFlight
     slots: int  # decode slots the speculation policy priced (0 without it)
-    began: float  # perf_counter() when the call of step() that planned it began
-    dispatched: float  # perf_counter() when it was sent
+    sent: Sent  # when it was planned and sent (metrics/clock.py)
     bytes: int  # host-to-device bytes it sent
 

@@ -1,10 +1,6 @@
-"""Generated text of one request: incremental detokenization and stop strings; and a
-prompt's RequestOutput brought up to date from its completions (`copy_into`).
-
-A stop string ends the request and is not part of its text. While streaming,
-the last `len(longest stop) - 1` characters are held back, since they may be
-the start of a stop string that the next tokens complete. Without a detokenizer
-(an engine made with `skip_tokenizer_init`) the text stays empty. Plain Python.
+"""A prompt's RequestOutput brought up to date from its completions (`copy_into`), and
+the logprob entries it carries, vLLM's dicts of Logprob (`output_logprobs`,
+`record_prompt_scores`) with each token's text (`TokenTexts`). Plain Python.
 """
 
 from __future__ import annotations
@@ -12,50 +8,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxinfer.engine.detokenize import TextState
 from jaxinfer.engine.request import Logprob, Request, RequestOutput
-from jaxinfer.text.tokenizer import IncrementalDetokenizer
+from jaxinfer.text.tokenizer import Tokenizer
 
 
-class TextState:
-    """The text of one completion as its tokens arrive."""
+class TokenTexts:
+    """Each token's own text (special tokens kept), as vLLM's `decoded_token`, decoded
+    once; None without a tokenizer."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None,
-                 stop: Sequence[str] = ()) -> None:
-        self._detokenizer = detokenizer
-        self._stop = tuple(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""  # all text so far, cut before a stop string once one appears
-        self._emitted = 0  # characters already handed out as deltas
-        self.stop_string: str | None = None
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Decode new tokens; looks for a stop string in the text they complete."""
-        if self.stop_string is not None or self._detokenizer is None:
-            return
-        before = len(self.text)
-        self.text += self._detokenizer.add(token_ids)
-        if not self._stop:
-            return
-        window = max(0, before - self._hold)
-        hits = [(self.text.find(s, window), s) for s in self._stop]
-        hits = [(at, s) for at, s in hits if at >= 0]
-        if hits:
-            at, self.stop_string = min(hits)
-            self.text = self.text[:at]
-
-    def finish(self) -> None:
-        """The request ended: take the text of any bytes the detokenizer held back."""
-        if self.stop_string is None and self._detokenizer is not None:
-            self.text += self._detokenizer.flush()
-
-    def delta(self, finished: bool) -> str:
-        """Text not handed out yet, holding back a possible stop-string prefix."""
-        end = len(self.text) if finished or self.stop_string else len(self.text) - self._hold
-        if end <= self._emitted:
-            return ""
-        out = self.text[self._emitted:end]
-        self._emitted = end
-        return out
+    def __call__(self, token: int) -> str | None:
+        if self._tokenizer is None:
+            return None
+        if token not in self._texts:
+            self._texts[token] = self._tokenizer.decode([token], skip_special_tokens=False)
+        return self._texts[token]
 
 
 def output_logprobs(sample: Any, k: int, greedy: bool,

@@ -1,10 +1,11 @@
 """Per-request latency histograms: queue time, time to first token, inter-token latency,
 end-to-end latency, and finished requests by reason. Plain Python.
 
-The engine stamps each completion (a `Request`) when it is added, first scheduled,
-gains tokens and finishes; `Latency` turns the stamps into histograms with
-vLLM's bucket boundaries, so the Prometheus exposition (jaxinfer/server/) and
-`llm.metrics()` read the same numbers. Times are `time.perf_counter()` seconds.
+The engine's step clock (clock.py) stamps each completion (a `Request`) when it is
+added, first scheduled, gains tokens and finishes; `Latency` turns the stamps into
+histograms with vLLM's bucket boundaries, so the Prometheus exposition
+(jaxinfer/server/) and `llm.metrics()` read the same numbers. Times are
+`time.perf_counter()` seconds.
 """
 
 from __future__ import annotations
