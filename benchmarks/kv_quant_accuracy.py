@@ -3,7 +3,7 @@ scales.
 
 Held-out windows of `--window` tokens from the corpus's held-out files
 (`jaxinfer.text.corpus.corpus_files()`, never trained on), tokenized with the demo tokenizer,
-are scored teacher-forced through the Runner's logits path (`Runner.logits`: one chunk
+are scored teacher-forced through a Runner's forward pass (`testing.logits`: one chunk
 per window, its K/V written to the cache, quantized for 8-bit KV, then attended) with
 kv_cache_dtype float32, int8 and fp8: mean NLL per predicted token and perplexity, and
 their relative change against float32.
