@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.config import families
+
 if TYPE_CHECKING:
     import jax
     import numpy as np
@@ -63,21 +65,22 @@ FAMILIES["gpt_oss"] = dict(
     sliding_window=12, swiglu_limit=0.4, rope_parameters={
         "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Each registered family (config/families/) has its tiny sizes above; the groups below
+# are the families the shared parity tests parametrize over.
+OWN_TESTS = ("gpt_oss",)  # its parity tests are its own (tests/model/test_gpt_oss.py)
+DENSE_FAMILIES = tuple(f for f in FAMILIES if not families.family(f).has_experts)
+MOE_FAMILIES = tuple(f for f in FAMILIES
+                     if families.family(f).has_experts and f not in OWN_TESTS)
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 def hf_config(family: str, **overrides: Any) -> Any:
-    """A tiny transformers config of `family`."""
+    """A tiny transformers config of `family` (transformers' config class of its
+    registered model_type)."""
     import transformers
 
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-               "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
-               "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}
     kwargs = TINY | FAMILIES[family] | overrides
-    return classes[family](**kwargs)
+    return transformers.AutoConfig.for_model(families.family(family).model_type, **kwargs)
 
 
 def make_hf_model(path: str | os.PathLike, family: str, *, seed: int = 0,

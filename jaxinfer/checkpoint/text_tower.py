@@ -9,7 +9,7 @@ import logging
 import pathlib
 from typing import Any
 
-from jaxinfer.config import gemma
+from jaxinfer.config import families
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def text_tower_tensors(hf: dict[str, Any], tensors: dict[str, Any],
                        root: pathlib.Path) -> dict[str, Any]:
     """`tensors` of the checkpoint at `root` (config.json dict `hf`) renamed to the text
     model's names, without the vision tensors; as they are for a text-only config."""
-    if gemma.text_tower_config(hf) is None:
+    if not families.wraps_text_model(hf):
         return tensors
     out, vision = {}, 0
     for name, tensor in tensors.items():

@@ -1,7 +1,8 @@
 """Every config as a frozen, kw-only, hashable dataclass, and TOML presets.
 
 `model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets), `moe.py` its
-experts (`MoEConfig`); `engine.py`:
+experts (`MoEConfig`), `rope.py` its RoPE scaling; `families/`: the model families we
+serve, one module each, and their registry; `engine.py`:
 how the engine runs (`EngineConfig`, `SpeculativeConfig`); `faces.py`: multi-host and
 the server (`DistributedConfig`, `ServerConfig`).
 """
@@ -23,17 +24,16 @@ from jaxinfer.config.faces import (
     DistributedConfig,
     ServerConfig,
 )
+from jaxinfer.config.families import ARCHITECTURES, MOE_ARCHITECTURES
 from jaxinfer.config.model import (
-    ARCHITECTURES,
     ATTENTION_IMPLS,
     PRESET_DIR,
-    ROPE_TYPES,
     ModelConfig,
-    RopeScaling,
     load_preset,
     preset_names,
 )
-from jaxinfer.config.moe import MOE_ARCHITECTURES, MoEConfig
+from jaxinfer.config.moe import MoEConfig
+from jaxinfer.config.rope import ROPE_TYPES, RopeScaling
 
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",

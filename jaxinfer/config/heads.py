@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxinfer.config.families import llama
 from jaxinfer.config.model import FINAL_NORMED, ModelConfig
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa")
@@ -246,10 +247,10 @@ def _layer_config(fields: dict[str, Any], target: ModelConfig) -> ModelConfig:
     if fields.get("attention_bias") or fields.get("mlp_bias"):
         raise ValueError("config.json attention_bias/mlp_bias=true is not supported in "
                          "a head's layer")
-    llama = {k: v for k, v in fields.items()
+    layer = {k: v for k, v in fields.items()
              if k not in ("architectures", "model_type", "tie_word_embeddings")}
-    llama |= {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
-    return ModelConfig.from_hf(llama)
+    layer |= {"architectures": [llama.FAMILY.architectures[0]], "num_hidden_layers": 1}
+    return ModelConfig.from_hf(layer)
 
 
 def head_to_hf(head: HeadConfig, target: ModelConfig) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The model's shape and numerics: `ModelConfig`, HF `config.json` reading, TOML presets.
 
-`ModelConfig.from_hf` reads the dict of an HF `config.json` for the decoder family we
-serve (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3's text tower:
-config/gemma.py, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE:
-config/moe.py); anything else is refused with a message naming the field.
+`ModelConfig.from_hf` reads the dict of an HF `config.json` of a family we serve: the
+fields every family reads alike here, the rest in the family's own module, looked up
+in the registry (config/families/); anything else is refused with a message naming the
+field. docs/architecture.md#model-families.
 """
 
 from __future__ import annotations
@@ -14,22 +14,11 @@ import pathlib
 import tomllib
 from typing import Any
 
-from jaxinfer.config import gemma, gpt_oss
-from jaxinfer.config.moe import MoEConfig, moe_from_hf
+from jaxinfer.config import families
+from jaxinfer.config.families.base import pattern_layer_types
+from jaxinfer.config.moe import MoEConfig
+from jaxinfer.config.rope import RopeScaling, YarnScaling, rope_to_hf, scaling_of
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "GptOssForCausalLM": "gpt_oss",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-}
-ROPE_TYPES = ("default", "llama3", "linear")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
@@ -39,41 +28,10 @@ PRESET_DIR = importlib.resources.files("jaxinfer.config") / "presets"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """Frequency scaling of RoPE: Llama-3's (`rope_type = "llama3"`, the factors below) or
-    linear position interpolation (`"linear"`: every frequency divided by `factor`)."""
-
-    rope_type: str = "llama3"
-    factor: float
-    low_freq_factor: float | None = None  # llama3 only, as the two below
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES[1:]:
-            raise ValueError(f"{self.rope_type=} must be one of {ROPE_TYPES[1:]}")
-        if self.factor <= 0:
-            raise ValueError(f"{self.factor=} must be > 0")
-        if self.rope_type == "llama3":
-            self._check_llama3()
-
-    def _check_llama3(self) -> None:
-        names = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [n for n in names if getattr(self, n) is None]
-        if missing:
-            raise ValueError(f"llama3 rope scaling lacks {missing}")
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"{self.high_freq_factor=} must be > {self.low_freq_factor=}")
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError(f"{self.original_max_position_embeddings=} must be > 0")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and numerics of one decoder-only transformer."""
 
-    architecture: str = "llama"
+    architecture: str = families.DEFAULT_ARCHITECTURE  # a family's name (config/families/)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,7 +40,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | gpt_oss.YarnScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -128,9 +86,7 @@ class ModelConfig:
     The engine sets it from the speculative heads' config; checkpoints never do."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES.values():
-            raise ValueError(
-                f"{self.architecture=} must be one of {sorted(ARCHITECTURES.values())}")
+        family = families.family(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -147,6 +103,9 @@ class ModelConfig:
         self._check_numerics()
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
+        if self.moe is not None and not family.has_experts:
+            raise ValueError(f"moe given for {self.architecture}, a family without experts")
+        family.check(self)
         if self.expert_parallel and self.moe is None:
             raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts "
                              f"model; {self.architecture} has no experts")
@@ -180,9 +139,6 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0 or None")
-        if self.architecture == "gemma3" and self.attn_logit_softcapping is not None:
-            raise ValueError(f"{self.attn_logit_softcapping=} must be None for gemma3 "
-                             "(transformers' Gemma 3 never applies it)")
 
     def attention_scale(self) -> float:
         """The factor on q.k scores: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim's."""
@@ -220,14 +176,11 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict that `from_hf` reads back to this config."""
-        arch = {v: k for k, v in ARCHITECTURES.items()}[self.architecture]
-        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            scaling = dataclasses.asdict(self.rope_scaling)
-            rope |= {k: v for k, v in scaling.items() if v is not None}
+        family = families.family(self.architecture)
+        rope = rope_to_hf(self.rope_theta, self.rope_scaling)
         out: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": gemma.MODEL_TYPES.get(self.architecture, self.architecture),
+            "architectures": [family.architectures[0]],
+            "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -242,48 +195,14 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.qkv_bias,
         }
-        if self.architecture in ("mistral", "mixtral"):
-            out["sliding_window"] = self.sliding_window
-        if self.moe is not None:
-            out |= self.moe.to_hf(self.architecture)
-        if self.architecture in gemma.GEMMA_ARCHITECTURES:
-            out |= gemma.gemma_to_hf(self, rope)
-        if self.architecture == gpt_oss.ARCHITECTURE:
-            out |= gpt_oss.to_hf(self)
-        return out
+        return out | family.to_hf(self, rope)
 
 
 def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    hf = gemma.text_tower_config(hf) or hf
-    archs = hf.get("architectures") or []
-    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-    model_type = gemma.ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type"),
-                                                      hf.get("model_type"))
-    if not archs and model_type in ARCHITECTURES.values():
-        known = [model_type]
-    if not known:
-        raise ValueError(
-            f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
-            f"supported: {sorted(ARCHITECTURES)}")
-    arch = known[0]
-    if arch in gemma.GEMMA_ARCHITECTURES:
-        return _common_fields(arch, hf) | gemma.gemma_fields_from_hf(arch, hf, _rope_from_hf)
-    if arch == gpt_oss.ARCHITECTURE:
-        hf = gpt_oss.with_defaults(hf)
-        return _common_fields(arch, hf) | gpt_oss.fields_from_hf(hf, _rope_from_hf) | {
-            "moe": moe_from_hf(arch, hf)}
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
-    theta, scaling = _rope_from_hf(hf)
-    return _common_fields(arch, hf) | {
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "qkv_bias": arch in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
-        "qk_norm": arch in ("qwen3", "qwen3_moe"),
-        "sliding_window": _sliding_window_from_hf(arch, hf),
-        "moe": moe_from_hf(arch, hf),
-    }
+    hf = families.text_model_config(hf)
+    family = families.family_of(hf)
+    hf = family.with_defaults(hf)
+    return _common_fields(family.name, hf) | family.from_hf(hf)
 
 
 def _common_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -303,44 +222,9 @@ def _common_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings",
-                                           arch in gemma.GEMMA_ARCHITECTURES)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
     }
-
-
-def _rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0
-                  ) -> tuple[float, RopeScaling | None]:
-    """Reads `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
-    params = {**legacy, **params}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "yarn":
-        return float(theta), gpt_oss.yarn_from_hf(params)
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"config.json rope_type={kind!r} is not supported; use one of "
-                         f"{ROPE_TYPES}")
-    if kind == "default":
-        return float(theta), None
-    names = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "rope_type"]
-    if kind == "linear":
-        names = ["factor"]
-    missing = [n for n in names if n not in params]
-    if missing:
-        raise ValueError(f"config.json {kind} rope scaling lacks {missing}")
-    return float(theta), RopeScaling(rope_type=kind, **{n: params[n] for n in names})
-
-
-def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
-    window = hf.get("sliding_window")
-    if arch in ("mistral", "mixtral"):
-        return window
-    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true (per-layer windows) is "
-                         "not supported for Qwen models")
-    return None
 
 
 def preset_names() -> list[str]:
@@ -359,14 +243,12 @@ def load_preset(name_or_path: str) -> ModelConfig:
     data = tomllib.loads(path.read_text())
     model = dict(data.get("model", data))
     if "rope_scaling" in model:
-        scaling = model["rope_scaling"]
-        yarn = scaling.get("rope_type") == "yarn"
-        model["rope_scaling"] = (gpt_oss.YarnScaling if yarn else RopeScaling)(**scaling)
+        model["rope_scaling"] = scaling_of(model["rope_scaling"])
     if "moe" in model:
         model["moe"] = MoEConfig(**model["moe"])
     if "layer_types" in model:
         model["layer_types"] = tuple(model["layer_types"])
     if "sliding_window_pattern" in model:  # HF's name: every n-th layer global
         every = model.pop("sliding_window_pattern")
-        model["layer_types"] = gemma.pattern_layer_types(model["num_layers"], every)
+        model["layer_types"] = pattern_layer_types(model["num_layers"], every)
     return ModelConfig(**model)

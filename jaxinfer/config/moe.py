@@ -1,16 +1,16 @@
-"""Mixture-of-experts shape and routing: `MoEConfig`, read from an HF `config.json`.
+"""Mixture-of-experts shape and routing: `MoEConfig`.
 
 A MoE layer replaces the MLP with `num_experts` expert MLPs of `intermediate_size`
 each and a float32 router; each token takes the `num_experts_per_tok` experts of
 highest softmax probability, weighted by those probabilities, renormalised to sum to 1
-when `norm_topk_prob` (Mixtral always; Qwen2-MoE and Qwen3-MoE as their config says).
-Qwen2-MoE adds a shared expert MLP of `shared_expert_intermediate_size` that every
-token takes, scaled by a sigmoid gate. Which layers are MoE: every
-`decoder_sparse_step`-th one, except `mlp_only_layers` (those keep a dense MLP of the
-model's `intermediate_size`). There is no capacity factor: no token is ever dropped.
-gpt-oss (config/gpt_oss.py) routes the other way round, softmax over the top-k of the
-router's logits (`routing = "topk_softmax"`, with a router bias), gives every expert
-biases, and runs a clamped SwiGLU (`activation = "clamped_swiglu"`).
+when `norm_topk_prob`. A shared expert MLP of `shared_expert_intermediate_size`
+(Qwen2-MoE's) is taken by every token, scaled by a sigmoid gate. Which layers are MoE:
+every `decoder_sparse_step`-th one, except `mlp_only_layers` (those keep a dense MLP of
+the model's `intermediate_size`). There is no capacity factor: no token is ever
+dropped. The other routing, softmax over the top-k of the router's logits
+(`routing = "topk_softmax"`, with a router bias), gives every expert biases and runs a
+clamped SwiGLU (`activation = "clamped_swiglu"`): gpt-oss's. Each family reads its
+experts from config.json in its own module (config/families/); docs/moe.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 ROUTINGS = ("softmax_topk", "topk_softmax")  # softmax then top-k, or top-k logits softmaxed
 ACTIVATIONS = ("swiglu", "clamped_swiglu")  # silu(g) * u; gpt-oss's (u + 1) * g * sigmoid(a g)
 
@@ -65,51 +64,14 @@ class MoEConfig:
         return (layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    def to_hf(self, architecture: str) -> dict[str, Any]:
-        """The config.json fields `moe_from_hf` reads back to this config."""
-        if architecture == "gpt_oss":
-            return {"num_local_experts": self.num_experts,
-                    "num_experts_per_tok": self.num_experts_per_tok,
-                    "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
-        if architecture == "mixtral":
-            return {"num_local_experts": self.num_experts,
-                    "num_experts_per_tok": self.num_experts_per_tok}
-        out = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-               "moe_intermediate_size": self.intermediate_size,
-               "norm_topk_prob": self.norm_topk_prob,
-               "decoder_sparse_step": self.decoder_sparse_step,
-               "mlp_only_layers": list(self.mlp_only_layers)}
-        if architecture == "qwen2_moe":
-            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        return out
 
-
-def moe_from_hf(architecture: str, hf: dict[str, Any]) -> MoEConfig | None:
-    """The MoEConfig of a config.json dict; None for a dense architecture."""
-    if architecture not in MOE_ARCHITECTURES:
-        return None
+def experts_from_hf(hf: dict[str, Any], family: str) -> tuple[int, int]:
+    """(num_experts, num_experts_per_tok) of a `family` model's config.json, which names
+    the first `num_local_experts` or `num_experts`; errors name the field."""
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if not experts:
-        raise ValueError(f"config.json of a {architecture} model has no 'num_experts' "
+        raise ValueError(f"config.json of a {family} model has no 'num_experts' "
                          "(or 'num_local_experts')")
     if "num_experts_per_tok" not in hf:
         raise ValueError("config.json has no 'num_experts_per_tok'")
-    if architecture == "gpt_oss":  # experts of `intermediate_size`, every layer
-        return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
-                         intermediate_size=hf["intermediate_size"], routing="topk_softmax",
-                         router_bias=True, expert_bias=True, activation="clamped_swiglu",
-                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
-    if architecture == "mixtral":  # experts of `intermediate_size`, always renormalised
-        return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
-                         intermediate_size=hf["intermediate_size"])
-    if "moe_intermediate_size" not in hf:
-        raise ValueError(f"config.json of a {architecture} model has no "
-                         "'moe_intermediate_size'")
-    shared = hf.get("shared_expert_intermediate_size", 0) if architecture == "qwen2_moe" else 0
-    return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
-                     intermediate_size=hf["moe_intermediate_size"],
-                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                     shared_expert_intermediate_size=shared or 0,
-                     decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-                     mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+    return experts, hf["num_experts_per_tok"]

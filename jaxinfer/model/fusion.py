@@ -83,11 +83,11 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     """A layer with HF's separate parts (weights [in, out]) -> the fused layer of the
     params pytree: each fused row of the parameter table built from its parts."""
     out = dict(layer)
-    for param in params_table.LAYER:
+    for param in params_table.layer_rows(cfg):
         keys = [part.key for part in param.parts]
         if param.layout in params_table.SWAPPED and keys[0] in out:
             out[param.key] = from_hf_experts(out.pop(keys[0]), param.layout)
-        if param.fused and keys[0] in out:  # rows of other families share the key
+        if param.fused and keys[0] in out:
             parts = [out.pop(key) for key in keys]
             if param.layout == "qkv":
                 out[param.key] = fuse_qkv(*parts, cfg)
@@ -102,9 +102,7 @@ def fuse_layer(layer: dict, cfg: ModelConfig) -> dict:
 def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
     """The inverse of `fuse_layer`."""
     out = dict(layer)
-    # rows of other families share keys ("we_gate_up"): only cfg's own rows apply
-    rows = [p for p in params_table.LAYER if any(p.when(cfg, i) for i in range(cfg.num_layers))]
-    for param in rows:
+    for param in params_table.layer_rows(cfg):
         if param.layout in params_table.SWAPPED and param.key in out:
             out[param.parts[0].key] = to_hf_experts(out.pop(param.key), param.layout)
         if param.fused and param.key in out:

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def inv_freq(head_dim: int, theta: float, scaling: object) -> np.ndarray:
-    """f32[H/2] for a `config.gpt_oss.YarnScaling`."""
+    """f32[H/2] for a `config.rope.YarnScaling`."""
     dim, base = head_dim, theta
     old_len = scaling.original_max_position_embeddings
 

@@ -12,7 +12,7 @@ from jaxinfer import checkpoint, testing
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import transformer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3") + testing.GEMMA_FAMILIES
+FAMILIES = testing.DENSE_FAMILIES
 PAGE_SIZE = 8
 PAGES = [5, 2, 11, 7, 1, 9, 3, 14]  # out of order, 64 slots
 TOL = 1e-4
