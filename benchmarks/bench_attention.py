@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer.pallas import kv_layout, reference
+from jaxinfer.pallas import AttentionSettings, kv_layout, reference
 from jaxinfer.pallas.dispatch import ragged_paged_attention, resolve_impl
 
 flags.DEFINE_list("requests", ["1", "4", "16", "64"], "decode batch sizes")
@@ -86,8 +86,8 @@ def bytes_read(num_requests: int, context: int, itemsize: int) -> int:
 
 
 def time_rows(impl: str, dtype: jnp.dtype, bandwidth: float) -> list[dict]:
-    attend = jax.jit(lambda *a: ragged_paged_attention(
-        *a, sm_scale=FLAGS.head_dim ** -0.5, impl=impl))
+    settings = AttentionSettings(sm_scale=FLAGS.head_dim ** -0.5, impl=impl)
+    attend = jax.jit(lambda *a: ragged_paged_attention(*a, settings))
     rows = []
     for num_requests in map(int, FLAGS.requests):
         for context in map(int, FLAGS.contexts):

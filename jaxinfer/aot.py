@@ -23,6 +23,7 @@ from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
+from jaxinfer.pallas import AttentionSettings
 from jaxinfer.sizing import accelerators, planner
 
 # The entry's 5-D parameters: the KV pages (named kv_cache_* on one chip, param.* under
@@ -160,11 +161,11 @@ def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Buc
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
     kernel (the compiler's exception in place of a bucket it refused); `group_windows`:
     the KV page groups of `kv` (the plan's, `group_windows(plan)`)."""
-    tpu_cfg = dataclasses.replace(served, attention_impl="tpu", attention_interpret=False)
     # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
     # running in one process, once in four runs of the TPU compile suite.
-    return runner.compile_steps_for(tpu_cfg, params, kv, buckets, page_size=s.page_size,
-                                    max_model_len=s.max_model_len, mesh=mesh, threads=1,
+    return runner.compile_steps_for(served, params, kv, buckets, page_size=s.page_size,
+                                    max_model_len=s.max_model_len, mesh=mesh,
+                                    attention=AttentionSettings(impl="tpu"), threads=1,
                                     group_windows=group_windows)
 
 

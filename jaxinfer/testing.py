@@ -180,6 +180,7 @@ def logits(runner: Runner, chunks: Sequence[Chunk]) -> np.ndarray:
     total = sum(len(c.token_ids) for c in chunks)
     token_ids, md = build_metadata(chunks, page_size=runner.page_size,
                                    pages_per_seq=runner.pages_per_seq, all_logits=True,
+                                   attention=runner.attention,
                                    num_tokens=next_power_of_two(total, 8),
                                    num_slots=next_power_of_two(len(chunks)))
     with jax.set_mesh(runner.mesh):

@@ -20,6 +20,7 @@ from jaxinfer.checkpoint import shard_source
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
+from jaxinfer.pallas import AttentionSettings
 
 SPLITS = [(2, True), (4, True), (8, True), (2, False), (4, False)]  # (devices, EP)
 CHUNKS = [Chunk(list(range(3, 40)), 0, [1, 2, 3, 4, 5]), Chunk([7, 8, 9], 0, [6])]
@@ -36,12 +37,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _runner(model_dir, tp: int, ep: bool = False, **kw: object) -> Runner:
-    cfg = dataclasses.replace(checkpoint.load_config(model_dir), attention_impl="reference",
-                              expert_parallel=ep)
+    cfg = dataclasses.replace(checkpoint.load_config(model_dir), expert_parallel=ep)
     mesh = sharding.make_mesh(tp)
     params = checkpoint.load_params(model_dir, cfg, mesh=mesh, **kw)
     return Runner(sharding.served_config(cfg, tp), params, num_pages=16, page_size=8,
-                  max_model_len=64, mesh=mesh,
+                  max_model_len=64, mesh=mesh, attention=AttentionSettings(impl="reference"),
                   buckets=BucketSet(max_num_batched_tokens=16, max_num_seqs=4))
 
 

@@ -24,6 +24,7 @@ from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
 from jaxinfer.model.params_table import param_partition_specs
+from jaxinfer.pallas import AttentionSettings
 
 TP_FAMILIES = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),
                "qwen2": dict(num_attention_heads=8, num_key_value_heads=1),
@@ -42,11 +43,11 @@ def tp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _runner(model_dir, tp: int, **kw: object) -> Runner:
-    cfg = dataclasses.replace(checkpoint.load_config(model_dir), attention_impl="reference")
+    cfg = checkpoint.load_config(model_dir)
     mesh = sharding.make_mesh(tp)
     params = checkpoint.load_params(model_dir, cfg, mesh=mesh, **kw)
     return Runner(sharding.served_config(cfg, tp), params, num_pages=16, page_size=8,
-                  max_model_len=64, mesh=mesh,
+                  max_model_len=64, mesh=mesh, attention=AttentionSettings(impl="reference"),
                   buckets=BucketSet(max_num_batched_tokens=16, max_num_seqs=4))
 
 
@@ -176,8 +177,6 @@ def test_pallas_kernels_run_per_device_in_shard_map(tp_dirs, impl):
     logits of the reference on one device."""
     want = testing.logits(_runner(tp_dirs["llama"], 1), CHUNKS)
     runner = _runner(tp_dirs["llama"], 2)
-    runner = Runner(dataclasses.replace(runner.cfg, attention_impl=impl,
-                                        attention_interpret=True),
-                    runner.params, num_pages=16, page_size=8, max_model_len=64,
-                    mesh=runner.mesh)
+    runner = Runner(runner.cfg, runner.params, num_pages=16, page_size=8, max_model_len=64,
+                    mesh=runner.mesh, attention=AttentionSettings(impl=impl, interpret=True))
     np.testing.assert_allclose(testing.logits(runner, CHUNKS), want, atol=1e-5)

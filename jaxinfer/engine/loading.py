@@ -37,6 +37,7 @@ from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.spec_decode import loading as spec_loading
 from jaxinfer.engine.spec_decode.speculation import Speculation
 from jaxinfer.model import quantization, sharding
+from jaxinfer.pallas import AttentionSettings
 from jaxinfer.sizing import planner
 from jaxinfer.text.tokenizer import Tokenizer, eos_token_ids_from_configs, read_json
 
@@ -54,7 +55,7 @@ class LoadedModel:
     """Everything `load` read and built for one engine."""
 
     model_dir: pathlib.Path
-    model_config: ModelConfig  # as the checkpoint says (the runner's copy has attention_impl)
+    model_config: ModelConfig  # as the checkpoint says
     tokenizer: Tokenizer | None  # None with skip_tokenizer_init
     eos_token_ids: frozenset[int]
     default_params: SamplingParams  # SamplingParams() with generation_config.json's values
@@ -107,7 +108,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         served, params, mesh=mesh, num_pages=group_pages, page_size=config.page_size,
         group_windows=tuple(group.window for group in memory_plan.page_groups),
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
-        buckets=buckets, attention_impl=config.attention_impl,
+        buckets=buckets, attention=AttentionSettings(impl=config.attention_impl),
         enable_prompt_logprobs=config.enable_prompt_logprobs,
         uses_draft_probs=parts.proposes_with_model)
     speculation = spec and spec_loading.make_speculation(

@@ -24,6 +24,8 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, layers, sharding
 from jaxinfer.pallas import (
+    DEFAULT_SETTINGS,
+    AttentionSettings,
     kv_layout,
     kv_quant,
     ragged_paged_attention,
@@ -67,6 +69,10 @@ class AttentionMetadata:
     group_page_indices: jax.Array | None = None
     group_windows: tuple[int | None, ...] = dataclasses.field(  # each group's (page_group)
         default=(None,), metadata={"static": True})
+    # The attention settings the engine chose (the kernel: impl, interpret), static;
+    # `attention_block` adds each layer's scale, window, soft cap and heads.
+    attention: AttentionSettings = dataclasses.field(
+        default=DEFAULT_SETTINGS, metadata={"static": True})
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer of `window` attends with: its page group's pages."""
@@ -233,19 +239,18 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
                                                        v, md.slot_mapping)
         query_dtype = jnp.float32
     else:
-        compiled_tpu = (resolve_impl(cfg.attention_impl) == "tpu"
-                        and not cfg.attention_interpret)
+        compiled_tpu = (resolve_impl(md.attention.impl) == "tpu"
+                        and not md.attention.interpret)
         pages = reference.write_kv_pages(kv_pages, k, v, md.slot_mapping,
                                          word_rows=compiled_tpu)
         stored_bits = pages.dtype == reference.BF16_STORAGE
         query_dtype = jnp.float32 if stored_bits else pages.dtype
+    settings = dataclasses.replace(
+        md.attention, sm_scale=cfg.attention_scale(), sliding_window=window,
+        soft_cap=cfg.attn_logit_softcapping, num_kv_heads=num_kv_heads, max_q_len=max_q_len)
     out = ragged_paged_attention(
         q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-        md.num_seqs, sm_scale=cfg.attention_scale(), sliding_window=window,
-        soft_cap=cfg.attn_logit_softcapping,
-        num_kv_heads=num_kv_heads, impl=cfg.attention_impl,
-        interpret=cfg.attention_interpret, max_q_len=max_q_len, kv_scales=kv_scales,
-        sinks=sinks)
+        md.num_seqs, settings, kv_scales=kv_scales, sinks=sinks)
     return out, pages if kv_scales is None else QuantizedPages(pages, kv_scales)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 from jaxinfer.model.sampler import SamplingInputs
 from jaxinfer.model.step import StepInputs
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings
 
 
 @jax.tree_util.register_dataclass
@@ -214,10 +215,12 @@ def _write_pages(page_table: jax.Array, writes: jax.Array) -> jax.Array:
                                                                      mode="drop")
 
 
-def expand(state: BatchState, delta: StepDelta, *, page_size: int
+def expand(state: BatchState, delta: StepDelta, *, page_size: int,
+           attention: AttentionSettings = DEFAULT_SETTINGS
            ) -> tuple[BatchState, StepInputs]:
-    """The step's full inputs from the state and the delta; the state with the delta's
-    pages and fed tokens written."""
+    """The step's full inputs from the state and the delta (`attention`: the engine's
+    attention settings, AttentionMetadata.attention); the state with the delta's pages
+    and fed tokens written."""
     page_table = _write_pages(state.page_table, delta.page_writes)
     slots, positions = delta.token_slots, delta.positions
     token_ids = jnp.where(delta.token_ids >= 0, delta.token_ids, state.last_token[slots])
@@ -232,7 +235,7 @@ def expand(state: BatchState, delta: StepDelta, *, page_size: int
         logits_indices=delta.logits_indices,
         group_slot_mapping=slot_mapping if several else None,
         group_page_indices=page_indices if several else None,
-        group_windows=state.group_windows)
+        group_windows=state.group_windows, attention=attention)
     state = dataclasses.replace(state, page_table=page_table, history=history)
     sampling = _sampling(state, delta, positions[delta.logits_indices])
     return state, StepInputs(token_ids=token_ids, md=md, sampling=sampling,
@@ -266,18 +269,19 @@ def record_samples(state: BatchState, delta: StepDelta, packed: jax.Array) -> Ba
         state, last_token=state.last_token.at[delta.sample_slots].set(tokens, mode="drop"))
 
 
-def stateful(step_fn: Callable[..., tuple], *, page_size: int, routing: bool = False
-             ) -> Callable[..., tuple]:
+def stateful(step_fn: Callable[..., tuple], *, page_size: int, routing: bool = False,
+             attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable[..., tuple]:
     """A model step `(params, kv_cache, inputs, *extra, token_mask) -> (kv_cache, packed,
     *more)` as the runner compiles it: `(params, kv_cache, state, delta, token_mask,
     *extra) -> (kv_cache, state, packed, *more)`; `token_mask` i32[S, W] is each
     request row's allowed-token bits (structured outputs; all ones where unconstrained).
     `routing`: the step returns a MoE model's routing counts last, which are added to
-    `state.expert_tokens` (never sent to the host per step)."""
+    `state.expert_tokens` (never sent to the host per step). `attention`: the engine's
+    attention settings (impl, interpret), which the step's metadata carries."""
 
     def run(params: dict, kv_cache: KVCache, state: BatchState, delta: StepDelta,
             token_mask: jax.Array, *extra: jax.Array) -> tuple:
-        state, inputs = expand(state, delta, page_size=page_size)
+        state, inputs = expand(state, delta, page_size=page_size, attention=attention)
         kv_cache, packed, *more = step_fn(params, kv_cache, inputs, *extra,
                                           token_mask=token_mask)
         if routing:

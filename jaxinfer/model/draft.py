@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import rejection, sampler, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings
 
 
 @jax.tree_util.register_dataclass
@@ -27,6 +28,8 @@ class DraftInputs:
     num_seqs: jax.Array  # i32[1]: slots in use
     sampling: sampler.SamplingInputs  # S rows: history up to and including the last token
     num_steps: jax.Array  # i32[]: draft forwards to run, k + 1 <= K + 1
+    attention: AttentionSettings = dataclasses.field(  # the engine's (AttentionMetadata's)
+        default=DEFAULT_SETTINGS, metadata={"static": True})
 
 
 def propose(params: transformer.Params, kv_cache: KVCache, inputs: DraftInputs, *,
@@ -73,7 +76,7 @@ def step_metadata(inputs: DraftInputs, step: jax.Array, *, page_size: int,
         kv_lens=jnp.where(real, jnp.minimum(pos + 1, pages_per_seq * page_size), 0),
         cu_q_lens=jnp.minimum(jnp.arange(num_slots + 1, dtype=jnp.int32),
                               inputs.num_seqs[0]),
-        num_seqs=inputs.num_seqs, logits_indices=slots)
+        num_seqs=inputs.num_seqs, logits_indices=slots, attention=inputs.attention)
 
 
 def fit_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:

@@ -1,7 +1,8 @@
 """Ragged paged attention: the one entry point, static input validation, dispatch.
 
 `ragged_paged_attention(...)` keeps the contract of JAX's
-`ref_ragged_paged_attention` and picks an implementation with `impl`:
+`ref_ragged_paged_attention`, its static settings in one `AttentionSettings`
+(settings.py), and picks an implementation with `settings.impl`:
 "tpu" (Mosaic kernel, `rpa_tpu.py`), "gpu" (Triton kernel, `rpa_gpu.py`),
 "reference" (`reference.py`, pure jnp), or "auto" (the kernel of the default
 backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
@@ -12,7 +13,7 @@ when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
 read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
 token and head (`kv_quant.py`). `sinks` f32[N] adds one learned logit per query head
 to the softmax denominator (gpt-oss's attention sinks): the head's weights over its keys
-sum to less than one, the rest going to a value of zero.
+sum to less than one, the rest going to a value of zero. docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.pallas import kv_layout, kv_quant, reference
+from jaxinfer.pallas.settings import DEFAULT_SETTINGS, IMPLS, AttentionSettings
 
-IMPLS = ("auto", "tpu", "gpu", "reference")
 KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
              reference.BF16_STORAGE)  # the last: bf16 bits, reference only
 QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -35,18 +36,13 @@ def validate_inputs(
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
+    settings: AttentionSettings = DEFAULT_SETTINGS,
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_heads: int | None = None,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]
     sinks: jax.Array | None = None,  # f32[N]
 ) -> None:
     """Trace-time checks of shapes, dtypes and settings; errors name the argument."""
+    num_kv_heads = settings.num_kv_heads
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
     if queries.dtype not in QUERY_DTYPES:
@@ -56,9 +52,7 @@ def validate_inputs(
                          f"{[jnp.dtype(d).name for d in KV_DTYPES]}")
     _validate_layout(queries, kv_pages, num_kv_heads)
     _validate_metadata(kv_lens, page_indices, cu_q_lens, num_seqs)
-    _validate_settings(kv_pages.dtype, sm_scale=sm_scale, sliding_window=sliding_window,
-                       soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
-                       v_scale=v_scale, per_token=kv_scales is not None)
+    _validate_settings(kv_pages.dtype, settings, per_token=kv_scales is not None)
     if kv_scales is not None:
         _validate_kv_scales(kv_pages, kv_scales,
                             num_kv_heads or kv_layout.padded_heads(
@@ -133,21 +127,19 @@ def _validate_metadata(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: j
         raise ValueError(f"num_seqs must be [1], got shape {num_seqs.shape}")
 
 
-def _validate_settings(kv_dtype: jnp.dtype, *, sm_scale: float, sliding_window: int | None,
-                       soft_cap: float | None, mask_value: float | None,
-                       k_scale: float | None, v_scale: float | None,
+def _validate_settings(kv_dtype: jnp.dtype, settings: AttentionSettings,
                        per_token: bool = False) -> None:
+    sm_scale, window = settings.sm_scale, settings.sliding_window
     if not isinstance(sm_scale, int | float) or sm_scale <= 0:
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive number")
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or sliding_window <= 0):
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap={soft_cap!r} must be > 0 or None")
-    if mask_value is not None and not mask_value < 0:
-        raise ValueError(f"mask_value={mask_value!r} must be negative or None")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"sliding_window={window!r} must be a positive int or None")
+    if settings.soft_cap is not None and not settings.soft_cap > 0:
+        raise ValueError(f"soft_cap={settings.soft_cap!r} must be > 0 or None")
+    if settings.mask_value is not None and not settings.mask_value < 0:
+        raise ValueError(f"mask_value={settings.mask_value!r} must be negative or None")
     quantized = kv_dtype in (jnp.int8, jnp.float8_e4m3fn)
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, scale in (("k_scale", settings.k_scale), ("v_scale", settings.v_scale)):
         if scale is not None and not scale > 0:
             raise ValueError(f"{name}={scale!r} must be > 0 or None")
         if per_token and scale is not None:
@@ -174,39 +166,29 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
+    settings: AttentionSettings = DEFAULT_SETTINGS,
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_heads: int | None = None,
-    impl: str = "auto",
-    interpret: bool = False,
-    max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head, 8-bit pages
     sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (see module doc).
-    `max_q_len`: a static promise that no request has more query tokens (decode
-    buckets: 1, speculative verify buckets: k + 1); the reference then attends slot by
-    slot alone (the kernels need no hint)."""
-    settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
-                    num_kv_heads=num_kv_heads, kv_scales=kv_scales, sinks=sinks)
-    args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    validate_inputs(*args, **settings)
-    chosen = resolve_impl(impl)
+    `settings.max_q_len`: a static promise that no request has more query tokens
+    (decode buckets: 1, speculative verify buckets: k + 1); the reference then attends
+    slot by slot alone (the kernels need no hint)."""
+    args = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, settings)
+    arrays = dict(kv_scales=kv_scales, sinks=sinks)
+    validate_inputs(*args, **arrays)
+    chosen = resolve_impl(settings.impl)
     if kv_pages.dtype == reference.BF16_STORAGE and chosen != "reference":
         raise ValueError(f"kv_pages dtype uint16 (bfloat16 bits, the CPU storage) is read "
-                         f"by the reference only, not impl={impl!r}: give bfloat16 pages")
+                         f"by the reference only, not impl={settings.impl!r}: give bfloat16 "
+                         "pages")
     if chosen == "reference":
-        return reference.ragged_paged_attention(*args, **settings, max_q_len=max_q_len)
+        return reference.ragged_paged_attention(*args, **arrays)
     if chosen == "tpu":
         from jaxinfer.pallas import rpa_tpu
 
-        return rpa_tpu.ragged_paged_attention(*args, **settings, interpret=interpret)
+        return rpa_tpu.ragged_paged_attention(*args, **arrays)
     from jaxinfer.pallas import rpa_gpu
 
-    return rpa_gpu.ragged_paged_attention(*args, **settings, interpret=interpret)
+    return rpa_gpu.ragged_paged_attention(*args, **arrays)

@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxinfer.pallas import kv_layout
 from jaxinfer.pallas.row_sum import row_sum
+from jaxinfer.pallas.settings import DEFAULT_SETTINGS, AttentionSettings
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 GATHER_BYTES_PER_BLOCK = 64 * 1024 * 1024  # bound on KV gathered per token block
@@ -98,25 +99,19 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
+    settings: AttentionSettings = DEFAULT_SETTINGS,
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_heads: int | None = None,
-    max_q_len: int = 0,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head (kv_quant.py)
     sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over the paged KV of its own request. `max_q_len`
     (static): a promise that no request has more query tokens (decode buckets: 1;
     speculative verify buckets: k + 1), so each request slot gathers its KV once per
-    block for all its queries and the per-request loop is not compiled; 0: any mix."""
+    block for all its queries and the per-request loop is not compiled; 0: any mix.
+    `settings.impl` and `interpret` are the dispatcher's, unused here."""
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    num_kv_heads = settings.num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
     kv_pages = kv_layout.combined_view(kv_pages, head_dim)  # [P, K, C, H], C >= 2G
     num_slots, pages_per_seq = page_indices.shape
     token = jnp.arange(tokens, dtype=jnp.int32)
@@ -129,26 +124,29 @@ def ragged_paged_attention(
     pages_per_block = _pages_per_block(KV_BLOCK_TOKENS, page_size, pages_per_seq)
     padded = _round_up(pages_per_seq, pages_per_block)
     padded_rows = jnp.pad(page_indices, ((0, 0), (0, padded - pages_per_seq)))
-    settings = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-                    k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block,
-                    num_kv_heads=num_kv_heads, kv_scales=kv_scales, sinks=sinks)
+    mask_value = settings.mask_value
+    block = dict(sm_scale=settings.sm_scale, sliding_window=settings.sliding_window,
+                 soft_cap=settings.soft_cap,
+                 mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
+                 k_scale=settings.k_scale, v_scale=settings.v_scale,
+                 pages_per_block=pages_per_block, num_kv_heads=num_kv_heads,
+                 kv_scales=kv_scales, sinks=sinks)
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
     # KV once per block. Each path leaves the other's rows at zero.
-    if max_q_len:
-        return _attend_by_slots(queries, padded_rows, kv_lens, cu_q_lens, q_lens, max_q_len,
-                                kv_pages, **settings)
+    if settings.max_q_len:
+        return _attend_by_slots(queries, padded_rows, kv_lens, cu_q_lens, q_lens,
+                                settings.max_q_len, kv_pages, **block)
     prefix = min(num_slots, tokens)
     by_token = (q_lens == 1) & (cu_q_lens[:-1] < prefix)  # bool[S]
     mine = by_token[req[:prefix]]
     rows = padded_rows[req[:prefix]]  # i32[prefix, padded]
     out = _attend_by_tokens(queries[:prefix], rows, jnp.where(mine, kv_len[:prefix], 0),
-                            q_pos[:prefix], kv_pages, **settings)
+                            q_pos[:prefix], kv_pages, **block)
     out = jnp.pad(out, ((0, tokens - prefix), (0, 0), (0, 0)))
     return out + _attend_by_requests(queries, kv_pages, kv_lens, padded_rows, cu_q_lens,
-                                     jnp.where(by_token, 0, q_lens), **settings)
+                                     jnp.where(by_token, 0, q_lens), **block)
 
 
 def _attend_by_tokens(queries: jax.Array, rows: jax.Array, kv_len: jax.Array,

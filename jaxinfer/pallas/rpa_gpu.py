@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas.settings import DEFAULT_SETTINGS, AttentionSettings
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 META_FIELDS = 5  # per query block: request, first token, tokens, first q_pos, kv_len
@@ -267,24 +268,18 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
+    settings: AttentionSettings = DEFAULT_SETTINGS,
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_heads: int | None = None,
-    interpret: bool = False,
     tuning: GpuTuning | None = None,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
     sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
-    """Attention of each token over its own request's paged KV (see module doc)."""
+    """Attention of each token over its own request's paged KV (see module doc);
+    `settings.interpret` runs it in the Pallas interpreter."""
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
     slots, pages_per_seq = page_indices.shape
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    num_kv_heads = settings.num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
     kv_pages = kv_layout.combined_view(kv_pages, head_dim)  # [P, K, C, H], C >= 2G
     if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= {MIN_DOT_DIM} "
@@ -296,11 +291,12 @@ def ragged_paged_attention(
     group = num_heads // num_kv_heads
     heads = _next_pow2(group)
     bq = max(1, tuning.block_rows // heads)
+    k_scale, v_scale, mask_value = settings.k_scale, settings.v_scale, settings.mask_value
     st = _Static(bq=bq, heads=heads, block_kv=tuning.block_kv, k_splits=tuning.k_splits,
                  page_size=page_size, pages_per_seq=pages_per_seq,
-                 scale=sm_scale * (1.0 if k_scale is None else k_scale),
-                 v_scale=1.0 if v_scale is None else v_scale, sliding_window=sliding_window,
-                 soft_cap=soft_cap,
+                 scale=settings.sm_scale * (1.0 if k_scale is None else k_scale),
+                 v_scale=1.0 if v_scale is None else v_scale,
+                 sliding_window=settings.sliding_window, soft_cap=settings.soft_cap,
                  mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
                  scaled=kv_scales is not None, sinks=sinks is not None)
     q = queries.reshape(tokens, num_kv_heads, group, head_dim)
@@ -310,7 +306,8 @@ def ragged_paged_attention(
     kv = (kv_pages,) if kv_scales is None else (kv_pages, kv_scales)
     if sinks is not None:
         kv += (_sink_rows(sinks, num_kv_heads, heads, bq),)
-    out = _call(meta, page_indices, q, *kv, st=st, tuning=tuning, interpret=interpret)
+    out = _call(meta, page_indices, q, *kv, st=st, tuning=tuning,
+                interpret=settings.interpret)
     return out[:, :, :group].reshape(tokens, num_heads, head_dim)
 
 

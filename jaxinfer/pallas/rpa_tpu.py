@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.pallas import kv_layout, rpa_tpu_kernel
 from jaxinfer.pallas.rpa_tpu_kernel import PassConfig
+from jaxinfer.pallas.settings import DEFAULT_SETTINGS, AttentionSettings
 
 # --- Tuning (block sizes only; nothing below assumes particular values) ---------------
 PREFILL_QUERY_ROWS = 128  # target query rows (tokens x R heads) per prefill block
@@ -70,37 +71,32 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
+    settings: AttentionSettings = DEFAULT_SETTINGS,
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_heads: int | None = None,
-    interpret: bool | pltpu.InterpretParams = False,
     kv_scales: jax.Array | None = None,  # f32[P, K, 2G]: per token and head
     sinks: jax.Array | None = None,  # f32[N]: a softmax sink logit per query head
 ) -> jax.Array:  # f[T, N, H]
     """Attention of each token over its own request's paged KV (inputs pre-validated).
 
-    `num_kv_heads` defaults to every combined head of the pages (W * packing / 2).
-    `interpret=True` runs in the TPU interpreter with out-of-bounds reads raising; an
-    `InterpretParams` is used as given (e.g. with `detect_races=True`).
+    `settings.num_kv_heads` defaults to every combined head of the pages (W * packing /
+    2). `settings.interpret=True` runs in the TPU interpreter with out-of-bounds reads
+    raising; an `InterpretParams` is used as given (e.g. with `detect_races=True`).
     """
     tokens, num_heads, head_dim = queries.shape
     page_size = kv_pages.shape[1]
-    num_kv_heads = num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
+    num_kv_heads = settings.num_kv_heads or kv_layout.padded_heads(kv_pages, head_dim) // 2
     heads_per_kv = num_heads // num_kv_heads
     per_program = heads_per_program(kv_pages, head_dim)
     programs = -(-num_kv_heads // per_program)
     pages_per_seq = page_indices.shape[1]
     q_block, pages_per_block = block_sizes(heads_per_kv, page_size, pages_per_seq)
+    mask_value = settings.mask_value
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else max(mask_value, _F32_LOWEST)
     common = dict(heads_per_kv=heads_per_kv, page_size=page_size,
                   pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-                  sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-                  mask_value=float(mask_value), k_scale=k_scale, v_scale=v_scale,
+                  sm_scale=float(settings.sm_scale), sliding_window=settings.sliding_window,
+                  soft_cap=settings.soft_cap, mask_value=float(mask_value),
+                  k_scale=settings.k_scale, v_scale=settings.v_scale,
                   heads_per_program=per_program,
                   words_per_program=max(1, 2 // _per_word(kv_pages, head_dim)),
                   scaled=kv_scales is not None, sinks=sinks is not None)
@@ -118,7 +114,7 @@ def ragged_paged_attention(
     for decode in (False, True):
         cfg = PassConfig(decode=decode, q_block=1 if decode else q_block, **common)
         out = _attention_pass(cfg, scalars, grouped, kv_pages, kv_scales, out, tokens=tokens,
-                              interpret=interpret)
+                              interpret=settings.interpret)
     out = out[:tokens, :num_kv_heads]
     return out.reshape(tokens, num_heads, head_dim)
 

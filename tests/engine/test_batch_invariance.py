@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model import layers
-from jaxinfer.pallas import kv_layout, reference
+from jaxinfer.pallas import AttentionSettings, kv_layout, reference
 from jaxinfer.text.corpus import corpus_files, read_texts
 from jaxinfer.text.tokenizer import Tokenizer
 
@@ -45,14 +45,14 @@ def test_decode_attention_of_a_request_is_the_same_for_any_batch():
     table = jnp.asarray(1 + np.arange(slots * pages_per_seq, dtype=np.int32).reshape(
         slots, pages_per_seq))
     kv_lens = jnp.asarray(rng.integers(20, pages_per_seq * page_size, slots), jnp.int32)
-    attend = jax.jit(reference.ragged_paged_attention, static_argnames=("max_q_len",))
+    attend = jax.jit(reference.ragged_paged_attention, static_argnums=6)
 
     def first_row(requests: int, tokens: int, max_q_len: int) -> np.ndarray:
         cu = np.minimum(np.arange(slots + 1), requests).astype(np.int32)
         q = jnp.pad(queries[:requests], ((0, tokens - requests), (0, 0), (0, 0)))
         lens = jnp.where(jnp.arange(slots) < requests, kv_lens, 0)
         out = attend(q, pages, lens, table, jnp.asarray(cu), jnp.array([requests], jnp.int32),
-                     sm_scale=0.125, max_q_len=max_q_len)
+                     AttentionSettings(sm_scale=0.125, max_q_len=max_q_len))
         return np.asarray(out[0])
 
     alone = first_row(1, 2, 1)

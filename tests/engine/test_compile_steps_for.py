@@ -4,7 +4,6 @@ topologies). Needs 4 CPU devices (tests/conftest.py gives 8)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -18,24 +17,25 @@ from jaxinfer.engine.runner import compile_steps_for
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
+from jaxinfer.pallas import AttentionSettings
 
 TP, PAGES = 4, 33
+REFERENCE = AttentionSettings(impl="reference")
 GATHERED = re.compile(r"= (\w+\[[\d,]+\])\S* all-gather(?:-start)?\(")
 
 
 def test_compile_steps_for_splits_the_step_over_a_mesh():
     if jax.device_count() < TP:
         pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
-    cfg = sharding.served_config(ModelConfig(
+    cfg = sharding.served_config(ModelConfig(  # 2 KV heads copied to one a device
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32,
-        attention_impl="reference"), TP)  # 2 KV heads copied to one a device
+        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32), TP)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=16, shards=TP)
     buckets = [Bucket(1, 1, True), Bucket(16, 4, False)]
     compiled = compile_steps_for(cfg, params, kv, buckets, page_size=16, max_model_len=128,
-                                 mesh=sharding.make_mesh(TP))
+                                 mesh=sharding.make_mesh(TP), attention=REFERENCE)
     for bucket, step in zip(buckets, compiled, strict=True):
         assert not isinstance(step, Exception), step
         text = step.as_text()
@@ -54,9 +54,9 @@ def test_compile_steps_for_needs_the_targets_kernel_and_the_served_model():
                       head_dim=32)
     mesh = sharding.make_mesh(1)
     with pytest.raises(ValueError, match="not 'auto'"):
-        compile_steps_for(cfg, {}, [], [], page_size=16, max_model_len=128, mesh=mesh)
+        compile_steps_for(cfg, {}, [], [], page_size=16, max_model_len=128, mesh=mesh,
+                          attention=AttentionSettings())
     if jax.device_count() >= TP:
         with pytest.raises(ValueError, match="served_config"):
-            compile_steps_for(dataclasses.replace(cfg, attention_impl="reference"), {}, [],
-                              [], page_size=16, max_model_len=128,
-                              mesh=sharding.make_mesh(TP))
+            compile_steps_for(cfg, {}, [], [], page_size=16, max_model_len=128,
+                              mesh=sharding.make_mesh(TP), attention=REFERENCE)

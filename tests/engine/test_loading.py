@@ -82,7 +82,7 @@ def test_attention_impl_is_the_engines_choice_not_the_checkpoints(hf_model_dirs,
     (model / "config.json").write_text(json.dumps(hf))
     assert checkpoint.load_config(model).attention_impl == "auto"  # never read from it
     engine = Engine(model, EngineConfig(**SMALL, attention_impl="reference"), warm_up=False)
-    assert engine.runner.cfg.attention_impl == "reference"
+    assert engine.runner.attention.impl == "reference"
     assert engine.model_config.attention_impl == "auto"
     with pytest.raises(ValueError, match="attention_impl='cuda' must be one of"):
         EngineConfig(attention_impl="cuda")

@@ -31,6 +31,7 @@ from jaxinfer.model import moe, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
 from jaxinfer.model.quantization import quantize_params
+from jaxinfer.pallas import AttentionSettings
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TP, PAGES, PAGE_SIZE, MAX_LEN = 4, 33, 16, 128
@@ -39,7 +40,8 @@ BUCKETS = (Bucket(4, 4, True), Bucket(16, 4, False))
 
 def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
             kv_dtype: str = "bfloat16") -> jax.export.Exported:
-    """The step of `cfg` (the served model) for `bucket`, bf16, exported for CUDA."""
+    """The step of `cfg` (the served model) for `bucket`, bf16, with the GPU kernel,
+    exported for CUDA."""
     mesh = sharding.make_mesh(TP)
     params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization, kv_dtype=kv_dtype)
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
@@ -48,7 +50,8 @@ def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
         shapes = jax.eval_shape(functools.partial(quantize_params, mode=quantization), shapes)
     kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=kv_dtype,
                        backend="gpu", shards=TP)
-    step = jax.jit(step_function(cfg, page_size=PAGE_SIZE, decode_only=bucket.decode),
+    step = jax.jit(step_function(cfg, page_size=PAGE_SIZE, decode_only=bucket.decode,
+                                 attention=AttentionSettings(impl="gpu")),
                    in_shardings=(params_sh, kv_sh, whole, whole, whole),
                    out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     inputs = input_spec(bucket, page_size=PAGE_SIZE)
@@ -70,8 +73,7 @@ def test_step_with_gpu_kernel_in_shard_map_exports_for_cuda(num_kv_heads, bucket
         pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
     cfg = sharding.served_config(ModelConfig(
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_layers=2, num_heads=8, num_kv_heads=num_kv_heads, head_dim=32,
-        attention_impl="gpu"), TP)
+        num_layers=2, num_heads=8, num_kv_heads=num_kv_heads, head_dim=32), TP)
     exported = _export(cfg, bucket)
     text = exported.mlir_module()
     assert exported.platforms == ("cuda",) and exported.nr_devices == TP
@@ -98,7 +100,7 @@ def test_quantized_step_exports_for_cuda(mode, weight):
         pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
     cfg = sharding.served_config(ModelConfig(
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="gpu"), TP)
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32), TP)
     text = _export(cfg, BUCKETS[0], quantization=mode).mlir_module()
     assert f"tensor<512x128x{weight}>" in text  # wqkv values [O, I]: (8 + 2 x 4) x 32 rows
     assert f"tensor<256x128x{weight}>" in text  # the LM head's quantized copy [V, D]
@@ -115,7 +117,7 @@ def test_step_with_8bit_kv_and_scales_exports_for_cuda(kv_dtype, stored):
         pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
     cfg = sharding.served_config(ModelConfig(
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
-        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="gpu"), TP)
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32), TP)
     exported = _export(cfg, BUCKETS[1], kv_dtype=kv_dtype)
     text = exported.mlir_module()
     assert text.count(TRITON_CALL) == cfg.num_layers
@@ -136,7 +138,7 @@ def test_int4_step_exports_for_cuda():
         pytest.skip(f"needs {TP} devices (tests/conftest.py sets jax_num_cpu_devices)")
     cfg = sharding.served_config(ModelConfig(
         architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=512,
-        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, attention_impl="gpu"), TP)
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64), TP)
     text = _export(cfg, BUCKETS[0], quantization="int4").mlir_module()
     assert "tensor<64x1024xui8>" in text  # wqkv: 128 rows packed two a byte, 16 x 64 cols
     assert "tensor<2x1x1024xbf16>" in text  # its step and offset: one group of 128 rows
@@ -160,7 +162,7 @@ def test_moe_step_exports_for_cuda_with_grouped_experts(expert_parallel):
     cfg = sharding.served_config(ModelConfig(
         architecture="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
         num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, qk_norm=True,
-        attention_impl="gpu", expert_parallel=expert_parallel,
+        expert_parallel=expert_parallel,
         moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64)), TP)
     for bucket in BUCKETS:
         text = _export(cfg, bucket).mlir_module()

@@ -11,6 +11,7 @@ import torch
 from jaxinfer import checkpoint, testing
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import transformer
+from jaxinfer.pallas import AttentionSettings
 
 FAMILIES = testing.DENSE_FAMILIES
 PAGE_SIZE = 8
@@ -98,13 +99,11 @@ def test_forward_bfloat16_close_to_float32(hf_model_dirs, hf_models):
 
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_forward_through_pallas_kernel_matches_transformers(impl, hf_model_dirs, hf_models):
-    """The model runs the chosen kernel (interpret mode) via one config field."""
-    import dataclasses
-
+    """The model runs the chosen kernel (interpret mode): the runner's attention settings."""
     cfg = checkpoint.load_config(hf_model_dirs["qwen3"])
-    cfg = dataclasses.replace(cfg, attention_impl=impl, attention_interpret=True)
     runner = Runner(cfg, checkpoint.load_params(hf_model_dirs["qwen3"], cfg), num_pages=8,
-                    page_size=PAGE_SIZE, max_model_len=32)
+                    page_size=PAGE_SIZE, max_model_len=32,
+                    attention=AttentionSettings(impl=impl, interpret=True))
     ids = _prompt(8, 12)
     first = testing.logits(runner, [Chunk(ids[:10].tolist(), 0, [3, 5])])
     second = testing.logits(runner, [Chunk(ids[10:].tolist(), 10, [3, 5])])

@@ -9,10 +9,12 @@ combined heads of 8-bit pages hold 99, which no kernel may read).
 `ref_ragged_paged_attention`; `as_pages(combined)` lays [P, K, C, H] pages out in
 the packed layout. `check(out, ref, real, dtype)` compares real rows
 with the tolerance of `TOL[dtype]` and checks padding rows are finite.
-`make_sinks(num_heads)` gives attention sinks f32[N]; `dense_attention(args, ...)` is
-plain float64 numpy attention over float pages that follows transformers'
-`eager_attention_forward` of gpt-oss for sinks (the sink joins the logits, the max and
-the softmax, then its column is dropped).
+`split_settings(settings, **more)` splits a case's settings dict (JAX's keywords, and
+our `kv_scales` and `sinks` arrays) into the `AttentionSettings` and the array keywords
+our functions take. `make_sinks(num_heads)` gives attention sinks f32[N];
+`dense_attention(args, ...)` is plain float64 numpy attention over float pages that
+follows transformers' `eager_attention_forward` of gpt-oss for sinks (the sink joins
+the logits, the max and the softmax, then its column is dropped).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.pallas import kv_layout
+from jaxinfer.pallas import AttentionSettings, kv_layout
 
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 
@@ -65,6 +67,16 @@ def make_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=32, page_size=1
     return (jnp.asarray(queries, dtype), jnp.asarray(kv_pages, kv_dtype).reshape(shape),
             jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens, jnp.int32),
             jnp.array([len(seq_lens)], jnp.int32))
+
+
+ARRAYS = ("kv_scales", "sinks")  # keyword arrays beside the static AttentionSettings
+
+
+def split_settings(settings, **more):
+    """(AttentionSettings of the static entries of `settings` and `more`, the arrays)."""
+    merged = {**settings, **more}
+    return (AttentionSettings(**{k: v for k, v in merged.items() if k not in ARRAYS}),
+            {k: v for k, v in merged.items() if k in ARRAYS})
 
 
 def combined(args):

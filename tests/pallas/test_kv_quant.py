@@ -11,7 +11,7 @@ import pytest
 from cases import SCENARIOS, as_pages, check, make_scaled_case
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import kv_layout, kv_quant
+from jaxinfer.pallas import AttentionSettings, kv_layout, kv_quant
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 KV_DTYPES = [jnp.int8, jnp.float8_e4m3fn]
@@ -78,8 +78,9 @@ def test_fp8_pages_read_back_within_three_mantissa_bits():
 
 def _run(args, kv_scales, impl, num_kv_heads):
     def attend(*a, kv_scales):
-        return ragged_paged_attention(*a, sm_scale=0.2, impl=impl, interpret=True,
-                                      kv_scales=kv_scales, num_kv_heads=num_kv_heads)
+        return ragged_paged_attention(*a, AttentionSettings(
+            sm_scale=0.2, impl=impl, interpret=True, num_kv_heads=num_kv_heads),
+            kv_scales=kv_scales)
 
     return jax.jit(attend)(*args, kv_scales=kv_scales)
 
@@ -105,8 +106,8 @@ def test_kernels_read_per_token_scales(impl, kv_dtype, scenario, heads):
         seq_lens, kv_dtype=kv_dtype, num_heads=num_heads, num_kv_heads=num_kv_heads)
     out = _run(quantized, kv_scales, impl, num_kv_heads)
     real = sum(q for q, _ in seq_lens)
-    float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.2,
-                                                                impl="reference"))
+    float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, AttentionSettings(
+        sm_scale=0.2, impl="reference")))
     check(out, float_attention(*dequantized), real, jnp.float32)
     if impl == "reference" and kv_dtype == jnp.float8_e4m3fn:  # the slow case: JAX's, eager
         combined = (dequantized[0], kv_layout.combined_view(dequantized[1],
@@ -130,16 +131,16 @@ def test_kv_scales_validation_names_the_problem(change, message):
     quantized, kv_scales, _ = _case()
     args, kv_scales = change(quantized, kv_scales)
     with pytest.raises(ValueError, match=message):
-        ragged_paged_attention(*args, kv_scales=kv_scales, impl="reference")
+        ragged_paged_attention(*args, AttentionSettings(impl="reference"), kv_scales=kv_scales)
 
 
 def test_scalar_scales_and_kv_scales_exclude_each_other():
     quantized, kv_scales, _ = _case()
     with pytest.raises(ValueError, match="k_scale=0.1 and kv_scales exclude each other"):
-        ragged_paged_attention(*quantized, kv_scales=kv_scales, k_scale=0.1,
-                               impl="reference")
+        ragged_paged_attention(*quantized, AttentionSettings(k_scale=0.1, impl="reference"),
+                               kv_scales=kv_scales)
     with pytest.raises(ValueError, match=r"k_scale \(or kv_scales\) is required for int8"):
-        ragged_paged_attention(*quantized, impl="reference")
+        ragged_paged_attention(*quantized, AttentionSettings(impl="reference"))
 
 
 def test_names_of_8bit_kv_dtypes():
@@ -161,9 +162,10 @@ def test_tpu_kernel_scale_copies_have_no_dma_races(monkeypatch):
     seq_lens = SCENARIOS["prefix_hit"]
     quantized, kv_scales, dequantized = make_scaled_case(seq_lens, kv_dtype=jnp.int8)
     out = rpa_tpu.ragged_paged_attention(
-        *quantized, sm_scale=0.2, kv_scales=kv_scales,
-        interpret=pltpu.InterpretParams(detect_races=True))
+        *quantized, AttentionSettings(sm_scale=0.2,
+                                      interpret=pltpu.InterpretParams(detect_races=True)),
+        kv_scales=kv_scales)
     assert not mosaic_interpret.races.races_found
-    float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.2,
-                                                                impl="reference"))
+    float_attention = jax.jit(lambda *a: ragged_paged_attention(*a, AttentionSettings(
+        sm_scale=0.2, impl="reference")))
     check(out, float_attention(*dequantized), sum(q for q, _ in seq_lens), jnp.float32)

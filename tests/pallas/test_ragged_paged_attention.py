@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from cases import SCENARIOS, check, make_case
 
-from jaxinfer.pallas import ragged_paged_attention, reference, resolve_impl
+from jaxinfer.pallas import AttentionSettings, ragged_paged_attention, reference, resolve_impl
 
 
 def _args(**layout):
@@ -18,18 +18,19 @@ def test_auto_is_reference_on_cpu():
     assert jax.default_backend() == "cpu"
     assert resolve_impl("auto") == "reference"
     args = _args()
-    out = ragged_paged_attention(*args, sm_scale=0.2)
-    check(out, reference.ragged_paged_attention(*args, sm_scale=0.2), 19, jnp.float32)
+    settings = AttentionSettings(sm_scale=0.2)
+    out = ragged_paged_attention(*args, settings)
+    check(out, reference.ragged_paged_attention(*args, settings), 19, jnp.float32)
 
 
 def test_kernels_need_interpret_on_cpu():
     with pytest.raises(Exception, match="(?i)interpret"):
-        jax.block_until_ready(ragged_paged_attention(*_args(), impl="gpu"))
+        jax.block_until_ready(ragged_paged_attention(*_args(), AttentionSettings(impl="gpu")))
 
 
 def test_unknown_impl_is_named():
     with pytest.raises(ValueError, match="impl='cuda' must be one of"):
-        ragged_paged_attention(*_args(), impl="cuda")
+        ragged_paged_attention(*_args(), AttentionSettings(impl="cuda"))
 
 
 def _replace(index, value):
@@ -69,14 +70,14 @@ def test_validator_names_the_argument(index, value, message):
 ])
 def test_validator_names_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
-        ragged_paged_attention(*_args(), **settings)
+        ragged_paged_attention(*_args(), AttentionSettings(**settings))
 
 
 def test_validator_checks_num_kv_heads_against_the_words():
     match = (r"num_kv_heads=3 and head_dim=32 need \[W, packing, L\] = \(6, 1, 32\) for "
              r"float32 pages \(kv_layout.py\), kv_pages has \(1, 1, 128\)")
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(*_args(), num_kv_heads=3)
+        ragged_paged_attention(*_args(), AttentionSettings(num_kv_heads=3))
 
 
 @pytest.mark.parametrize("sinks, message", [
@@ -104,3 +105,18 @@ def test_package_exports_the_function_not_the_module():
 
     assert callable(pallas.ragged_paged_attention)
     assert pallas.ragged_paged_attention is dispatch.ragged_paged_attention
+
+
+def test_settings_are_one_hashable_record():
+    """jit can take the record as a static argument: equal settings, one compilation."""
+    settings = AttentionSettings(sm_scale=0.2, sliding_window=9, soft_cap=20.0)
+    assert settings == AttentionSettings(soft_cap=20.0, sliding_window=9, sm_scale=0.2)
+    assert hash(settings) == hash(AttentionSettings(sm_scale=0.2, sliding_window=9,
+                                                    soft_cap=20.0))
+    attend = jax.jit(ragged_paged_attention, static_argnums=6)
+    args = _args()
+    check(attend(*args, settings), reference.ragged_paged_attention(*args, settings), 19,
+          jnp.float32)
+    assert attend._cache_size() == 1
+    attend(*args, AttentionSettings(sm_scale=0.2, sliding_window=9, soft_cap=20.0))
+    assert attend._cache_size() == 1

@@ -9,13 +9,14 @@ import pytest
 from cases import SCENARIOS, TOL, as_pages, check, combined, dense_attention, make_case, make_sinks
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import kv_layout, reference
+from jaxinfer.pallas import AttentionSettings, kv_layout, reference
 
 
 def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, **layout):
     settings = settings or {}
     args = make_case(seq_lens, dtype=dtype, kv_dtype=kv_dtype, **layout)
-    ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
+    ours = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, AttentionSettings(**settings)))(*args)
     theirs = ref_ragged_paged_attention(*combined(args), **settings)
     real = sum(q for q, _ in seq_lens)
     check(ours, theirs, real, dtype)
@@ -54,9 +55,11 @@ def test_reference_skips_padded_heads_of_8bit_pages():
     layout = dict(num_heads=6, num_kv_heads=3)
     q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8, **layout)
     assert kv.shape[2:4] == (2, 4)
-    run = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings, num_kv_heads=3))
+    run = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, AttentionSettings(**settings, num_kv_heads=3)))
     unpadded = as_pages(kv_layout.combined_view(kv, q.shape[2])[:, :, :6].astype(jnp.float32))
-    expected = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(
+    expected = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, AttentionSettings(**settings)))(
         q, unpadded, *meta)
     np.testing.assert_allclose(run(q, kv, *meta), expected, rtol=1e-6, atol=1e-6)
 
@@ -116,7 +119,8 @@ def test_write_kv_pages_word_rows_is_the_same_write(dtype, shape, num_kv_heads):
 def test_reference_bf16_bits_in_uint16_pages_equal_bf16_pages(name):
     q, kv, *meta = make_case(SCENARIOS[name], kv_dtype=jnp.bfloat16)
     bits = jax.lax.bitcast_convert_type(kv, reference.BF16_STORAGE)
-    run = jax.jit(lambda q, kv, *m: reference.ragged_paged_attention(q, kv, *m, sm_scale=0.2))
+    run = jax.jit(lambda q, kv, *m: reference.ragged_paged_attention(
+        q, kv, *m, AttentionSettings(sm_scale=0.2)))
     stored = run(q, bits, *meta)
     np.testing.assert_array_equal(np.asarray(stored), np.asarray(run(q, kv, *meta)))
     theirs = ref_ragged_paged_attention(*combined((q, kv.astype(jnp.float32), *meta)),
@@ -148,7 +152,7 @@ def test_reference_per_token_matches_jax_reference(dtype, name):
     max_q_len = max(q for q, _ in seq_lens)
     args = make_case(seq_lens, dtype=dtype, pad_tokens=2, pad_seqs=2)
     ours = jax.jit(lambda *a: reference.ragged_paged_attention(
-        *a, sm_scale=32 ** -0.5, max_q_len=max_q_len))(*args)
+        *a, AttentionSettings(sm_scale=32 ** -0.5, max_q_len=max_q_len)))(*args)
     theirs = ref_ragged_paged_attention(*combined(args), sm_scale=32 ** -0.5)
     real = sum(q for q, _ in seq_lens)
     check(ours, theirs, real, dtype)
@@ -181,7 +185,8 @@ def test_reference_sinks_follow_transformers(name, setting):
     seq_lens, settings = SCENARIOS[name], SINK_SETTINGS[setting]
     args = make_case(seq_lens)
     sinks = make_sinks(args[0].shape[1])
-    ours = jax.jit(lambda *a, s: reference.ragged_paged_attention(*a, **settings, sinks=s))(
+    ours = jax.jit(lambda *a, s: reference.ragged_paged_attention(
+        *a, AttentionSettings(**settings), sinks=s))(
         *args, s=sinks)
     real = sum(q for q, _ in seq_lens)
     check(ours, dense_attention(args, **settings, sinks=sinks), real, jnp.float32)
@@ -199,7 +204,7 @@ def test_omitting_the_sinks_is_caught():
                   dense_attention(args, **settings, sinks=sinks[::-1])[:20]):  # other heads'
         per_head = np.abs(with_sinks - wrong).max(axis=(0, 2))
         assert (per_head > 50 * TOL[jnp.dtype(jnp.float32)]).all()
-    ours = reference.ragged_paged_attention(*args, **settings, sinks=sinks)
+    ours = reference.ragged_paged_attention(*args, AttentionSettings(**settings), sinks=sinks)
     with pytest.raises(AssertionError):
         check(ours, dense_attention(args, **settings), 20, jnp.float32)
 
@@ -212,7 +217,7 @@ def test_reference_sinks_slot_by_slot(dtype):
     sinks = make_sinks(args[0].shape[1])
     settings = {"sm_scale": 32 ** -0.5, "sliding_window": 12}
     ours = jax.jit(lambda *a, s: reference.ragged_paged_attention(
-        *a, **settings, sinks=s, max_q_len=5))(*args, s=sinks)
+        *a, AttentionSettings(**settings, max_q_len=5), sinks=s))(*args, s=sinks)
     check(ours, dense_attention(args, **settings, sinks=sinks), 13, dtype)
     assert not np.asarray(ours[13:], np.float32).any()
 
@@ -223,7 +228,8 @@ def test_reference_sinks_with_8bit_pages():
     settings = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
     q, kv, *meta = make_case(SCENARIOS["mixed"], kv_dtype=jnp.int8)
     sinks = make_sinks(q.shape[1])
-    ours = reference.ragged_paged_attention(q, kv, *meta, **settings, sinks=sinks)
+    ours = reference.ragged_paged_attention(q, kv, *meta, AttentionSettings(**settings),
+                                            sinks=sinks)
     dequantized = as_pages(kv_layout.combined_view(kv, q.shape[2]).astype(jnp.float32) / 32)
     check(ours, dense_attention((q, dequantized, *meta), sm_scale=0.2, sinks=sinks), 20,
           jnp.float32)

@@ -7,14 +7,16 @@ unless it needs a hand-picked tuning, and is compared with both the jnp twin
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, combined, make_case, make_sinks
+from cases import SCENARIOS, check, combined, make_case, make_sinks, split_settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import kv_layout, reference, rpa_gpu
+from jaxinfer.pallas import AttentionSettings, kv_layout, reference, rpa_gpu
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -28,15 +30,17 @@ def _run_case(seq_lens, dtype=jnp.float32, kv_dtype=None, settings=None, tuning=
     real = sum(q for q, _ in seq_lens)
     if nan_padding:  # garbage in padding queries must not reach real rows
         args = (args[0].at[real:].set(jnp.nan), *args[1:])
+    static, arrays = split_settings(settings)
+    gpu = dataclasses.replace(static, impl="gpu", interpret=True)
     if tuning is None:
         def kernel(*a):
-            return ragged_paged_attention(*a, **settings, impl="gpu", interpret=True)
+            return ragged_paged_attention(*a, gpu, **arrays)
     else:
         def kernel(*a):
-            return rpa_gpu.ragged_paged_attention(*a, **settings, interpret=True, tuning=tuning)
+            return rpa_gpu.ragged_paged_attention(*a, gpu, **arrays, tuning=tuning)
     out = jax.jit(kernel)(*args)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
-    ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
+    ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, static, **arrays))(*args)
     check(out, ours, real, dtype)
     if "sinks" not in settings:  # JAX's has none (ours is held to the dense formula)
         check(out, _jax_reference(args, settings), real, dtype)
@@ -174,7 +178,8 @@ def test_rpa_gpu_partial_block_writes_only_its_own_rows(monkeypatch, k_splits):
     combine = rpa_gpu._combine
     monkeypatch.setattr(rpa_gpu, "_combine", lambda *a: partials.extend(a[:3]) or combine(*a))
     args = make_case(SCENARIOS["mixed"])
-    out = np.asarray(ragged_paged_attention(*args, impl="gpu", interpret=True))
+    out = np.asarray(ragged_paged_attention(*args, AttentionSettings(impl="gpu",
+                                                                     interpret=True)))
     ref = reference.ragged_paged_attention(*args)
     np.testing.assert_allclose(out[14:19], ref[14:19], atol=2e-5, rtol=2e-5)
     assert len(partials) == (0 if k_splits == 1 else 3)  # split partials: acc, m, l
@@ -196,7 +201,7 @@ def test_rpa_gpu_block_table_covers_each_token_once():
 def test_rpa_gpu_rejects_bad_head_dim_and_tuning():
     args = make_case(SCENARIOS["decode_only"], head_dim=48)
     with pytest.raises(ValueError, match="head_dim=48 must be a power of two"):
-        ragged_paged_attention(*args, impl="gpu", interpret=True)
+        ragged_paged_attention(*args, AttentionSettings(impl="gpu", interpret=True))
     with pytest.raises(ValueError, match="block_rows=8 must be >= 16"):
         rpa_gpu.GpuTuning(block_rows=8)
     with pytest.raises(ValueError, match="k_splits=3 must be a positive power of two"):
@@ -215,8 +220,8 @@ def _export_text(tokens, slots, dtype, kv_dtype, *, num_heads=32, num_kv_heads=8
 
     def attend(*args):
         *args, sink_logits = args if sinks else (*args, None)
-        return ragged_paged_attention(*args, sm_scale=head_dim ** -0.5, impl="gpu",
-                                      sinks=sink_logits, **scales)
+        return ragged_paged_attention(*args, AttentionSettings(
+            sm_scale=head_dim ** -0.5, impl="gpu", **scales), sinks=sink_logits)
 
     exported = jax.export.export(
         jax.jit(attend), platforms=["cuda"],

@@ -8,11 +8,13 @@ inputs, including NaN-filled unused pages, padding tokens and padding requests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, make_case, make_sinks
+from cases import SCENARIOS, make_case, make_sinks, split_settings
 
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
@@ -28,8 +30,11 @@ GPU_TOL = {jnp.dtype(jnp.float32): 1e-3, jnp.dtype(jnp.bfloat16): 2e-2}
 
 def _run(seq_lens, settings, **layout):
     args = make_case(seq_lens, **layout)
-    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="gpu"))
-    reference = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="reference"))
+    static, arrays = split_settings(settings)
+    kernel = jax.jit(lambda *a: ragged_paged_attention(
+        *a, dataclasses.replace(static, impl="gpu"), **arrays))
+    reference = jax.jit(lambda *a: ragged_paged_attention(
+        *a, dataclasses.replace(static, impl="reference"), **arrays))
     out = np.asarray(kernel(*args), np.float32)
     assert out.shape == args[0].shape
     assert np.isfinite(out).all(), "NaN or inf in the output"

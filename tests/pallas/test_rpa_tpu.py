@@ -7,16 +7,26 @@ small: the TPU interpreter is about 100x slower than the HLO one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCENARIOS, check, combined, make_case, make_scaled_case, make_sinks
+from cases import (
+    SCENARIOS,
+    check,
+    combined,
+    make_case,
+    make_scaled_case,
+    make_sinks,
+    split_settings,
+)
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from jaxinfer.pallas import kv_layout, reference, rpa_tpu
+from jaxinfer.pallas import AttentionSettings, kv_layout, reference, rpa_tpu
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 QUANT = {"k_scale": 1 / 32, "v_scale": 1 / 32, "sm_scale": 0.2}
@@ -34,15 +44,16 @@ def small_blocks(monkeypatch):
 
 
 def _kernel(args, settings):
-    run = jax.jit(lambda *a: ragged_paged_attention(*a, **settings, impl="tpu",
-                                                    interpret=True))
+    static, arrays = split_settings(settings, impl="tpu", interpret=True)
+    run = jax.jit(lambda *a: ragged_paged_attention(*a, static, **arrays))
     return run(*args)
 
 
 def _references(args, settings):
     """Our jnp reference, and JAX's when the pages hold no padded heads and there are no
     sinks (JAX's has none; ours is held to the dense formula in test_reference.py)."""
-    ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **settings))(*args)
+    static, arrays = split_settings(settings)
+    ours = jax.jit(lambda *a: reference.ragged_paged_attention(*a, static, **arrays))(*args)
     if "num_kv_heads" in settings or "sinks" in settings:
         return (ours,)
     return ours, ref_ragged_paged_attention(*combined(args), **settings)
@@ -156,11 +167,12 @@ def test_rpa_tpu_sinks_with_8bit_pages_two_heads_per_program():
 def test_rpa_tpu_sinks_with_per_token_scales(small_blocks):
     quantized, kv_scales, _ = make_scaled_case(SCENARIOS["prefix_hit"], kv_dtype=jnp.int8)
     sinks = make_sinks(8)
-    settings = {"sm_scale": 0.2, "sliding_window": 30, "sinks": sinks}
-    out = jax.jit(lambda *a, s: ragged_paged_attention(*a, **settings, kv_scales=s,
-                                                      impl="tpu", interpret=True))(
+    settings = AttentionSettings(sm_scale=0.2, sliding_window=30)
+    tpu = dataclasses.replace(settings, impl="tpu", interpret=True)
+    out = jax.jit(lambda *a, s: ragged_paged_attention(*a, tpu, kv_scales=s, sinks=sinks))(
         *quantized, s=kv_scales)
-    ref = reference.ragged_paged_attention(*quantized, **settings, kv_scales=kv_scales)
+    ref = reference.ragged_paged_attention(*quantized, settings, kv_scales=kv_scales,
+                                           sinks=sinks)
     check(out, ref, sum(q for q, _ in SCENARIOS["prefix_hit"]), jnp.float32)
 
 
@@ -215,10 +227,10 @@ def test_rpa_tpu_no_dma_races(small_blocks):
     copies and the reads of the VMEM slots."""
     seq_lens = SCENARIOS["mixed"]
     args = make_case(seq_lens)
-    out = rpa_tpu.ragged_paged_attention(
-        *args, sm_scale=0.2, interpret=pltpu.InterpretParams(detect_races=True))
+    out = rpa_tpu.ragged_paged_attention(*args, AttentionSettings(
+        sm_scale=0.2, interpret=pltpu.InterpretParams(detect_races=True)))
     assert not mosaic_interpret.races.races_found
-    check(out, reference.ragged_paged_attention(*args, sm_scale=0.2),
+    check(out, reference.ragged_paged_attention(*args, AttentionSettings(sm_scale=0.2)),
           sum(q for q, _ in seq_lens), jnp.float32)
 
 
@@ -258,8 +270,8 @@ def test_rpa_tpu_exports_for_tpu(dtype, kv_dtype, sinks):
 
     def attend(*args):
         *args, sink_logits = args if sinks else (*args, None)
-        return ragged_paged_attention(*args, **settings, sinks=sink_logits, impl="tpu",
-                                      interpret=False)
+        return ragged_paged_attention(*args, AttentionSettings(**settings, impl="tpu"),
+                                      sinks=sink_logits)
 
     exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(*shapes)
     text = exported.mlir_module()

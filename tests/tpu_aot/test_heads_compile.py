@@ -68,11 +68,13 @@ from jaxinfer.engine.runner.programs import (
 from jaxinfer.model import draft as draft_model
 from jaxinfer.model import eagle, sharding
 from jaxinfer.model.attention import feature_dtype, kv_cache_shardings, kv_cache_spec
+from jaxinfer.pallas import AttentionSettings
 from jaxinfer.sizing import accelerators, planner
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
                         max_num_batched_tokens=256, max_model_len=2048, page_size=16)
 Q = 5  # K + 1: four drafts
+TPU = AttentionSettings(impl="tpu")  # the compiled Mosaic kernel
 FEATURE_LAYERS = (1, 2, 3)
 DRAFT_SLOTS = 8
 GB = 1e9
@@ -127,12 +129,9 @@ def _setup() -> dict:
     params, kv_plain = aot.step_specs(target, plan, SETTINGS, 1)
     _, kv_keeping = aot.step_specs(keeping, plan, SETTINGS, 1)
     mesh = sharding.make_mesh(1, aot.target_devices(acc))
-    tpu = dict(attention_impl="tpu", attention_interpret=False)
     return dict(target=target, keeping=keeping, head=head, head_params=head_params, acc=acc,
                 plan=plan, params=params, kv_plain=kv_plain, kv_keeping=kv_keeping,
-                mesh=mesh, tpu_keeping=dataclasses.replace(keeping, **tpu),
-                tpu_head=dataclasses.replace(head, layer=dataclasses.replace(
-                    head.layer, **tpu)))
+                mesh=mesh)
 
 
 def _memory(name: str, compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -193,7 +192,7 @@ def test_feature_keeping_steps_compile_with_the_mosaic_kernel():
     # features scattered into the store): the store is never copied.
     assert kept["temp"] < plain["temp"] + 0.01 * store_bytes
 
-    cfg, mesh = s["tpu_keeping"], s["mesh"]
+    cfg, mesh = keeping, s["mesh"]
     param_sh, kv_sh, whole = step_shardings(cfg, mesh, kv_dtype=SETTINGS.kv_dtype)
     bucket = _buckets().verify()[-1]  # 32 slots x Q
     inputs = on_shardings(input_spec(bucket, page_size=SETTINGS.page_size, num_positions=Q),
@@ -202,7 +201,7 @@ def test_feature_keeping_steps_compile_with_the_mosaic_kernel():
                                     max_model_len=SETTINGS.max_model_len), whole)
     probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
                                  sharding=whole)
-    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size),
+    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size, attention=TPU),
                      in_shardings=(param_sh, kv_sh, whole, whole, whole, whole),
                      out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     mask = on_shardings(mask_spec(bucket, cfg.vocab_size), whole)
@@ -255,7 +254,7 @@ def test_eagle3_drafter_steps_compile_in_one_call():
     or of the store (read only, 5.74 GB here), anywhere; temporaries 0.009 GB (until
     2026-11-26: 0.963 GB, a copy of the pages into the kernel's layout every step)."""
     s = _setup()
-    plan, head, mesh = s["plan"], s["tpu_head"], s["mesh"]
+    plan, head, mesh = s["plan"], s["head"], s["mesh"]
     param_sh, _, whole = step_shardings(s["target"], mesh)
     head_kv = kv_cache_spec(head.layer, num_pages=plan.num_pages,
                             page_size=SETTINGS.page_size, dtype=SETTINGS.kv_dtype,
@@ -276,9 +275,10 @@ def test_eagle3_drafter_steps_compile_in_one_call():
         sampling=sampling_inputs([], num_rows=bucket.num_slots,
                                  history_width=SETTINGS.max_model_len,
                                  eos_token_ids=frozenset()),
-        num_steps=np.array(1, np.int32))
+        num_steps=np.array(1, np.int32), attention=TPU)
     first = build_metadata([], page_size=SETTINGS.page_size, pages_per_seq=pages_per_seq,
-                           num_tokens=bucket.num_slots * Q, num_slots=bucket.num_slots)
+                           num_tokens=bucket.num_slots * Q, num_slots=bucket.num_slots,
+                           attention=TPU)
     first, inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         np.shape(x), np.asarray(x).dtype, sharding=whole), (first, specs))
     propose = jax.jit(functools.partial(

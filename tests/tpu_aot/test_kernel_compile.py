@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from pairwise import covers_all_pairs, pairwise
 
-from jaxinfer.pallas import kv_layout, kv_quant
+from jaxinfer.pallas import AttentionSettings, kv_layout, kv_quant
 from jaxinfer.pallas.dispatch import ragged_paged_attention
 
 MATRIX = {
@@ -76,16 +76,17 @@ def compile_kernel(case: dict, chip, per_token_scales: bool = False, sinks: bool
         scales = {}
     if sinks:
         specs.append(((num_heads,), jnp.float32))
+    settings = AttentionSettings(
+        sm_scale=head_dim ** -0.5, sliding_window=case["sliding_window"],
+        soft_cap=case["soft_cap"], num_kv_heads=num_kv_heads, impl="tpu", **scales)
 
     def attend(*args):
+        arrays = {}
         if sinks:
-            *args, scales["sinks"] = args
+            *args, arrays["sinks"] = args
         if per_token_scales:
-            *args, kv_scales = args
-            scales["kv_scales"] = kv_scales
-        return ragged_paged_attention(
-            *args, sm_scale=head_dim ** -0.5, sliding_window=case["sliding_window"],
-            soft_cap=case["soft_cap"], num_kv_heads=num_kv_heads, impl="tpu", **scales)
+            *args, arrays["kv_scales"] = args
+        return ragged_paged_attention(*args, settings, **arrays)
 
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
     compiled = jax.jit(attend, in_shardings=sharding, out_shardings=sharding).lower(

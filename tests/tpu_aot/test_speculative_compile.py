@@ -31,11 +31,13 @@ from jaxinfer.engine.runner.programs import (
 )
 from jaxinfer.model import draft as draft_model
 from jaxinfer.model import sharding
+from jaxinfer.pallas import AttentionSettings
 from jaxinfer.sizing import accelerators
 
 SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
                         max_num_batched_tokens=256, max_model_len=2048, page_size=16)
 Q = 5
+TPU = AttentionSettings(impl="tpu")  # the compiled Mosaic kernel
 
 
 def _setup(num_layers=None, **settings):
@@ -47,9 +49,8 @@ def _setup(num_layers=None, **settings):
     plan = aot.plan_for(cfg, acc, chosen)
     params, kv = aot.step_specs(cfg, plan, chosen, 1)
     mesh = sharding.make_mesh(1, aot.target_devices(acc))
-    tpu_cfg = dataclasses.replace(cfg, attention_impl="tpu", attention_interpret=False)
-    param_sh, kv_sh, whole = step_shardings(tpu_cfg, mesh, kv_dtype="bfloat16")
-    return tpu_cfg, on_shardings(params, param_sh), on_shardings(kv, kv_sh), mesh, (
+    param_sh, kv_sh, whole = step_shardings(cfg, mesh, kv_dtype="bfloat16")
+    return cfg, on_shardings(params, param_sh), on_shardings(kv, kv_sh), mesh, (
         param_sh, kv_sh, whole)
 
 
@@ -64,7 +65,7 @@ def test_verify_step_compiles_with_the_mosaic_kernel(which):
                                     max_model_len=SETTINGS.max_model_len), whole)
     probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
                                  sharding=whole)
-    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size),
+    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size, attention=TPU),
                      in_shardings=(param_sh, kv_sh, whole, whole, whole, whole),
                      out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     mask = on_shardings(mask_spec(bucket, cfg.vocab_size), whole)
@@ -95,7 +96,7 @@ def test_draft_model_steps_compile_in_one_call():
         num_seqs=np.zeros(1, np.int32),
         sampling=sampling_inputs([], num_rows=slots, history_width=SETTINGS.max_model_len,
                                  eos_token_ids=frozenset()),
-        num_steps=np.array(1, np.int32))
+        num_steps=np.array(1, np.int32), attention=TPU)
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                          sharding=whole), specs)
     propose = jax.jit(functools.partial(

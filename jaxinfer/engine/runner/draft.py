@@ -18,7 +18,6 @@ Which requests to catch up and what the draft has computed is the host's
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from jaxinfer.model import draft as draft_model
 from jaxinfer.model import sharding
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import init_kv_cache
-from jaxinfer.pallas import kv_quant
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings, kv_quant
 
 
 class DraftRunner:
@@ -50,9 +49,9 @@ class DraftRunner:
                  page_size: int, max_model_len: int, buckets: BucketSet,
                  num_positions: int, vocab_size: int, kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
-                 attention_impl: str | None = None) -> None:
-        cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
+                 attention: AttentionSettings = DEFAULT_SETTINGS) -> None:
         self.cfg, self.mesh, self.buckets = cfg, mesh, buckets
+        self.attention = attention  # the engine's attention kernel (impl, interpret)
         self.page_size, self.max_model_len = page_size, max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.num_positions = num_positions  # K + 1
@@ -98,7 +97,8 @@ class DraftRunner:
                 else:
                     token_ids, md = build_metadata(
                         [], page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
+                        attention=self.attention)
                     lowered = self._prefill.lower(self.params, self.kv_cache,
                                                   *_specs((token_ids, md)))
             self._compiled[bucket] = lowered.compile()
@@ -118,7 +118,8 @@ class DraftRunner:
         bucket = self.buckets.pick(num_tokens, len(chunks))
         token_ids, md = build_metadata(chunks, page_size=self.page_size,
                                        pages_per_seq=self.pages_per_seq,
-                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                                       num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
+                                       attention=self.attention)
         self.kv_cache = self._compile(bucket)(self.params, self.kv_cache, token_ids, md)
 
     def propose(self, requests: Sequence[Request], num_steps: int
@@ -155,7 +156,7 @@ class DraftRunner:
         return propose_inputs(requests, bucket, num_steps, shift=0,
                               pages_per_seq=self.pages_per_seq,
                               max_model_len=self.max_model_len,
-                              eos_token_ids=self.eos_token_ids)
+                              eos_token_ids=self.eos_token_ids, attention=self.attention)
 
     def _propose_spec(self, bucket: Bucket) -> draft_model.DraftInputs:
         return _specs(self._propose_inputs([], bucket, 1))

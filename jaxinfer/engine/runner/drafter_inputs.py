@@ -18,6 +18,7 @@ from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner.inputs import Chunk, SampleRow, sampling_inputs
 from jaxinfer.model.draft import DraftInputs
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings
 
 
 def catch_up_calls(segments: Sequence[tuple[Request, int, int]], *, shift: int,
@@ -43,10 +44,12 @@ def catch_up_calls(segments: Sequence[tuple[Request, int, int]], *, shift: int,
 
 def propose_inputs(requests: Sequence[Request], bucket: Bucket, num_steps: int, *,
                    shift: int, pages_per_seq: int, max_model_len: int,
-                   eos_token_ids: frozenset[int]) -> DraftInputs:
+                   eos_token_ids: frozenset[int],
+                   attention: AttentionSettings = DEFAULT_SETTINGS) -> DraftInputs:
     """Slot s: the request's last token at the position the drafter's first step runs
     (its own for a draft model, the one before for a head: `shift`), its page table and
-    sampling settings (the history up to the last token)."""
+    sampling settings (the history up to the last token); the drafter attends with the
+    engine's `attention` settings (impl, interpret)."""
     slots = bucket.num_slots
     token_ids = np.zeros(bucket.num_tokens, np.int32)
     positions = np.zeros(slots, np.int32)
@@ -61,4 +64,4 @@ def propose_inputs(requests: Sequence[Request], bucket: Bucket, num_steps: int, 
                                eos_token_ids=eos_token_ids)
     return DraftInputs(token_ids=token_ids, positions=positions, page_indices=page_indices,
                        num_seqs=np.array([len(requests)], np.int32), sampling=sampling,
-                       num_steps=np.array(num_steps, np.int32))
+                       num_steps=np.array(num_steps, np.int32), attention=attention)

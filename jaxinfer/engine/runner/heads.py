@@ -28,7 +28,6 @@ sampling stays exact whatever the heads propose.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from jaxinfer.engine.runner.drafter_inputs import catch_up_calls, propose_inputs
 from jaxinfer.engine.runner.inputs import Chunk, build_metadata
 from jaxinfer.model import eagle, medusa, sharding
 from jaxinfer.model.attention import init_kv_cache, kv_cache_shardings
-from jaxinfer.pallas import kv_quant
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings, kv_quant
 
 
 class HeadRunner:
@@ -58,11 +57,9 @@ class HeadRunner:
                  num_pages: int, page_size: int, max_model_len: int, buckets: BucketSet,
                  num_positions: int, vocab_size: int, kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
-                 attention_impl: str | None = None) -> None:
-        if head.layer is not None:
-            head = dataclasses.replace(head, layer=dataclasses.replace(
-                head.layer, attention_impl=attention_impl or head.layer.attention_impl))
+                 attention: AttentionSettings = DEFAULT_SETTINGS) -> None:
         self.head, self.target, self.mesh, self.buckets = head, target, mesh, buckets
+        self.attention = attention  # the engine's attention kernel (impl, interpret)
         self.page_size, self.max_model_len = page_size, max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.num_positions = num_positions  # K + 1
@@ -148,7 +145,8 @@ class HeadRunner:
                 else:
                     token_ids, md = build_metadata(
                         [], page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                        num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
+                        attention=self.attention)
                     lowered = self._prefill.lower(self.params, shared, self.kv_cache, store,
                                                   *_specs((token_ids, md)))
             self._compiled[bucket] = lowered.compile()
@@ -166,7 +164,8 @@ class HeadRunner:
             bucket = self.buckets.pick(used, len(chunks))
             token_ids, md = build_metadata(
                 chunks, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-                num_tokens=bucket.num_tokens, num_slots=bucket.num_slots)
+                num_tokens=bucket.num_tokens, num_slots=bucket.num_slots,
+                attention=self.attention)
             self.kv_cache = self._compile(bucket)(self.params, self._shared(), self.kv_cache,
                                                   self._store(), token_ids, md)
 
@@ -230,14 +229,15 @@ class HeadRunner:
         inputs = propose_inputs(requests, bucket, num_drafts, shift=1,
                                 pages_per_seq=self.pages_per_seq,
                                 max_model_len=self.max_model_len,
-                                eos_token_ids=self.eos_token_ids)
+                                eos_token_ids=self.eos_token_ids, attention=self.attention)
         if not self.has_cache:
             return (inputs,)
         chunks = [Chunk(r.all_token_ids[start + 1:], start, r.page_ids[0], 1)
                   for r, start in zip(requests, starts, strict=True)]
         first_ids, first_md = build_metadata(
             chunks, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-            num_tokens=bucket.num_slots * self.num_positions, num_slots=bucket.num_slots)
+            num_tokens=bucket.num_slots * self.num_positions, num_slots=bucket.num_slots,
+            attention=self.attention)
         return first_ids, first_md, inputs
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from jaxinfer.engine.request import MAX_LOGIT_BIAS, Request, SamplingParams
 from jaxinfer.model.attention import AttentionMetadata
 from jaxinfer.model.sampler import SamplingInputs
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings
 
 STOP_WIDTH = 16  # stop ids per request row, masked while min_tokens is not reached
 BIAS_WIDTH = MAX_LOGIT_BIAS  # logit_bias pairs a slot's row holds on the device
@@ -44,8 +45,10 @@ class SampleRow:
 
 def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: int,
                    num_tokens: int, num_slots: int, all_logits: bool = False,
-                   num_positions: int = 1) -> tuple[np.ndarray, AttentionMetadata]:
-    """Token ids and attention metadata (numpy) for chunks padded to a bucket.
+                   num_positions: int = 1, attention: AttentionSettings = DEFAULT_SETTINGS
+                   ) -> tuple[np.ndarray, AttentionMetadata]:
+    """Token ids and attention metadata (numpy) for chunks padded to a bucket, attended
+    with the engine's `attention` settings (impl, interpret).
 
     Logits rows: every token with `all_logits`, else `num_positions` per slot, position
     q of slot i at row i * num_positions + q: the chunk's q-th sampled token, token 0
@@ -79,7 +82,8 @@ def build_metadata(chunks: Sequence[Chunk], *, page_size: int, pages_per_seq: in
             else _sampled_rows(chunks, cu_q_lens, num_slots, num_positions))
     md = AttentionMetadata(positions=positions, slot_mapping=slot_mapping,
                            page_indices=page_indices, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-                           num_seqs=np.array([len(chunks)], np.int32), logits_indices=rows)
+                           num_seqs=np.array([len(chunks)], np.int32), logits_indices=rows,
+                           attention=attention)
     return token_ids, md
 
 

@@ -36,35 +36,38 @@ from jaxinfer.model.attention import (
     QuantizedPages,
     kv_cache_shardings,
 )
-from jaxinfer.pallas import kv_quant
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings, kv_quant
 
 COMPILE_THREADS = 2  # buckets compiled at once during warm-up
 
 
-def step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False
-                  ) -> Callable:
+def step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False,
+                  attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
     """The step the runner compiles: (params, kv_cache, state, delta) -> (kv_cache,
-    state, packed); `decode_only` for decode buckets (one token per request)."""
+    state, packed); `decode_only` for decode buckets (one token per request);
+    `attention`: the engine's attention kernel (impl, interpret)."""
     return batch_state.stateful(functools.partial(
         model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS, decode_only=decode_only),
-        page_size=page_size, routing=cfg.moe is not None)
+        page_size=page_size, routing=cfg.moe is not None, attention=attention)
 
 
-def score_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
+def score_step_function(cfg: ModelConfig, *, page_size: int,
+                        attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
     """The scoring variant the runner compiles per mixed bucket with
     `enable_prompt_logprobs`: (params, kv_cache, state, delta, score_inputs) ->
     (kv_cache, state, packed samples, packed scores)."""
     return batch_state.stateful(functools.partial(
         model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
-        routing=cfg.moe is not None)
+        routing=cfg.moe is not None, attention=attention)
 
 
-def verify_step_function(cfg: ModelConfig, *, page_size: int) -> Callable:
+def verify_step_function(cfg: ModelConfig, *, page_size: int,
+                         attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
     """The step of a verify bucket: (params, kv_cache, state, delta[, draft_probs]) ->
     (kv_cache, state, packed)."""
     return batch_state.stateful(functools.partial(
         model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
-        routing=cfg.moe is not None)
+        routing=cfg.moe is not None, attention=attention)
 
 
 def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
@@ -123,7 +126,8 @@ def _specs(tree: object) -> object:
 
 def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
-                      mesh: Mesh, threads: int = COMPILE_THREADS,
+                      mesh: Mesh, attention: AttentionSettings,
+                      threads: int = COMPILE_THREADS,
                       group_windows: tuple[int | None, ...] = (None,)
                       ) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the devices of `mesh` from specs alone
@@ -133,11 +137,11 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     head, inputs and the packed output replicated (the specs' own shardings are replaced).
     `cfg` is the served model (`sharding.served_config`). Lowering is serial, under the
     mesh (tracing is not thread-safe); compiles run on `threads` threads.
-    `cfg.attention_impl` must name the target's kernel: "auto" would read this host's
+    `attention.impl` must name the target's kernel: "auto" would read this host's
     default backend. `group_windows`: the KV page groups of `kv_cache` (kv_cache_spec's),
     whose page tables the state and deltas carry."""
-    if cfg.attention_impl == "auto":
-        raise ValueError("compile_steps_for needs cfg.attention_impl set for the target "
+    if attention.impl == "auto":
+        raise ValueError("compile_steps_for needs attention.impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
     shards = mesh.shape[sharding.MODEL_AXIS]
     if cfg.num_kv_heads % shards:
@@ -149,7 +153,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
-    steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode),
+    steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode,
+                                           attention=attention),
                              in_shardings=(param_shardings, kv_shardings, whole, whole,
                                            whole),
                              out_shardings=(kv_shardings, whole, whole),

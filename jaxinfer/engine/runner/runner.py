@@ -31,7 +31,6 @@ replicated sharding, and `np.asarray` of the replicated output reads its copy.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import threading
@@ -72,7 +71,7 @@ from jaxinfer.engine.runner.token_masks import TokenMasks
 from jaxinfer.model import batch_state, moe, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model.attention import init_kv_cache
-from jaxinfer.pallas import kv_quant
+from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings, kv_quant
 
 log = logging.getLogger(__name__)
 __all__ = ["InFlight", "PromptScores", "Runner", "Sample", "StepResult", "quantize_at_load"]
@@ -104,13 +103,15 @@ class Runner:
                  max_model_len: int, buckets: BucketSet | None = None,
                  kv_dtype: str = "float32",
                  eos_token_ids: frozenset[int] = frozenset(),
-                 attention_impl: str | None = None, mesh: Mesh | None = None,
+                 attention: AttentionSettings = DEFAULT_SETTINGS,
+                 mesh: Mesh | None = None,
                  enable_prompt_logprobs: bool = False, uses_draft_probs: bool = False,
                  group_windows: typing.Sequence[int | None] = (None,)) -> None:
         """`num_pages`: the pages of each KV page group (engine/core/kv_groups.py), whose
-        layers' windows are `group_windows` (model/attention.py, `page_group`)."""
-        cfg = dataclasses.replace(cfg, attention_impl=attention_impl or cfg.attention_impl)
+        layers' windows are `group_windows` (model/attention.py, `page_group`);
+        `attention`: the attention kernel the engine chose (impl, interpret)."""
         self.cfg = cfg
+        self.attention = attention
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
         quantization = quantization_lib.mode_of(params)  # quantized at load, if at all
@@ -154,14 +155,14 @@ class Runner:
         step's delta and its token mask (token_masks.py); KV cache and state donated."""
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
-        self._steps = {decode: jax.jit(step_function(cfg, page_size=page_size,
-                                                     decode_only=decode),
+        common = dict(page_size=page_size, attention=self.attention)
+        self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode, **common),
                                        in_shardings=ins, out_shardings=outs,
                                        donate_argnums=(1, 2)) for decode in (False, True)}
-        self._score_step = jax.jit(score_step_function(cfg, page_size=page_size),
+        self._score_step = jax.jit(score_step_function(cfg, **common),
                                    in_shardings=ins + (whole,), out_shardings=outs + (whole,),
                                    donate_argnums=(1, 2))
-        self._verify = jax.jit(verify_step_function(cfg, page_size=page_size),
+        self._verify = jax.jit(verify_step_function(cfg, **common),
                                in_shardings=ins + (whole,) * self.uses_draft_probs,
                                out_shardings=outs, donate_argnums=(1, 2))
         self._admit = jax.jit(batch_state.admit, in_shardings=(whole, whole),

@@ -121,7 +121,7 @@ def make_speculation(config: EngineConfig, parts: SpecParts, target: object, *,
                   max_model_len=max_len, buckets=buckets,
                   num_positions=buckets.verify_positions, vocab_size=vocab_size,
                   kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
-                  attention_impl=config.attention_impl)
+                  attention=target.attention)
     proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
     if parts.draft is not None:
         proposer = DraftProposer(DraftRunner(
