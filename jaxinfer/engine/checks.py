@@ -1,6 +1,7 @@
 """A request's checks against the engine it is sent to: its prompt's token ids and the
 limits of its sampling parameters beyond SamplingParams' own. Plain Python; each error
-names the field, so the faces turn it into a 400."""
+names the field, so the faces turn it into a 400 (docs/sampling.md#sampling-parameters).
+"""
 
 from __future__ import annotations
 

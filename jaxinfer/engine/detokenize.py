@@ -1,10 +1,7 @@
-"""The text of one completion as its tokens arrive: incremental detokenization, stop
-strings, and the deltas a stream hands out (docs/sampling.md).
-
-A stop string ends the request and is not part of its text. While streaming,
-the last `len(longest stop) - 1` characters are held back, since they may be
-the start of a stop string that the next tokens complete. Without a detokenizer
-(an engine made with `skip_tokenizer_init`) the text stays empty. Plain Python.
+"""The text of one completion as its tokens arrive (`TextState`): incremental
+detokenization, stop strings cut (the possible start of one held back while streaming),
+and the deltas a stream hands out. Plain Python. See docs/sampling.md
+(#sampling-parameters, #checkpoints-without-a-tokenizer).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The engine loop the faces drive: add_request / step / abort / has_unfinished.
-
-The request lifecycle only: `loading.load` reads the checkpoint, sizes the KV pool and
-builds the runner; the engine owns the scheduler (with its page pools), the runner it
-was given, per-request text state and the metrics. One `step()` schedules, runs one
-device call, and returns a RequestOutput (with deltas) for every prompt that moved. With
-`async_scheduling` (the default) `step()` dispatches the step it plans, then reads back
-the one the previous call dispatched: the device runs step t + 1 while the host turns
-step t's tokens into outputs (docs/architecture.md, "The host loop"); with speculative
-decoding, a step that may verify drafts and any step after one that did are planned
-after the one before is read. Bad requests are refused in `add_request` with a specific
-error; the engine keeps serving the others. Never imports jax, numpy, the model or
-checkpoint (pyproject.toml's contract): it reaches the device through the runner
-package and `loading` only.
+"""The engine loop the faces drive: add_request / step / abort / has_unfinished. It owns
+the scheduler, the runner `loading.load` built, per-request text state and the metrics;
+one `step()` plans, dispatches and reads back (async: step t + 1 runs while step t's
+tokens become outputs). Imports no jax, numpy, model or checkpoint (an import contract).
+See docs/architecture.md (#one-step, #the-host-loop) and docs/sampling.md#the-python-api.
 """
 
 from __future__ import annotations

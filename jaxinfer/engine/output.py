@@ -1,6 +1,7 @@
 """A prompt's RequestOutput brought up to date from its completions (`copy_into`), and
 the logprob entries it carries, vLLM's dicts of Logprob (`output_logprobs`,
 `record_prompt_scores`) with each token's text (`TokenTexts`). Plain Python.
+See docs/sampling.md#the-python-api.
 """
 
 from __future__ import annotations
