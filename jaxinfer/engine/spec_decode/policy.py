@@ -1,31 +1,8 @@
-"""How far to speculate: the load-adaptive cost model of speculative decoding. Plain
-Python, no jax.
-
-The policy (load-adaptive, `adaptive=True`): a request with per-draft acceptance rate a
-that verifies k drafts emits E(a, k) = 1 + a + ... + a^k tokens a step (each draft
-counts only if the ones before it were accepted). A step over S slots costs t_decode(S)
-without speculation, t_verify(S) + t_draft(S, k) with it (the verify bucket is padded to
-K + 1 tokens a request whatever k is; t_draft is the proposer's call: a draft model's k
-+ 1 steps, EAGLE's k, Medusa's heads; 0 for n-gram lookup). The policy takes the k (0 =
-no speculation) with the most expected tokens per second. The times are the runner's
-own, measured: seeded at warm-up by running each bucket, then the median of the last
-`WINDOW` steps of each kind (a median: one step slowed by the rest of the machine must
-not switch the policy for long). An option not taken for `EXPLORE_EVERY` steps is
-measured again: while speculating, a plain decode step always (an estimate too slow from
-a noisy moment must not keep the engine speculating at a loss, and a decode step costs
-nothing more); while decoding, a verify step only if its estimate is within
-`EXPLORE_WITHIN` of decoding's rate (such a step can cost a model drafter's catch-up
-over every token it skipped, and a wrong guess here only forgoes a gain), or, for n-gram
-lookup (free proposals), whatever its estimate while fewer than `TRUSTED_DRAFTS` drafts
-have been verified (the prior rate is a guess). Acceptance is counted per request, with
-the engine's running rate (starting at `PRIOR_ACCEPTANCE`) as a prior worth
-`PRIOR_WEIGHT` drafts. Where even a verify step with every draft accepted (K + 1 tokens
-a request) would not beat a decode step, nothing is proposed at all (`may_pay`), and
-n-gram lookups run only where k drafts for every request could pay (`worth_proposing`):
-a batch-bound engine pays a comparison a step. So when the batch is compute-bound
-(verifying K + 1 tokens a request costs nearly K + 1 decode steps) speculation is off,
-and with low acceptance the draft model runs fewer steps. `adaptive=False` always
-speculates with k = K.
+"""How far to speculate: the load-adaptive cost model (`Policy`). From measured step times
+per bucket and each request's acceptance it picks the k (0 = no speculation) with the
+most expected tokens per second, re-measures options not taken, and skips proposing
+where no k could pay; `adaptive=False` always takes k = K. Plain Python, no jax.
+See docs/speculative_decoding.md#the-load-adaptive-policy.
 """
 
 from __future__ import annotations

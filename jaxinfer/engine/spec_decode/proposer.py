@@ -1,39 +1,8 @@
-"""Speculative proposals: the draft tokens a step verifies. Plain Python, no jax.
-
-- `NgramProposer` (vLLM's "ngram", prompt lookup): no model. The request's last n
-  tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`, the longest match
-  wins) are looked up among its earlier tokens, prompt and output; the tokens that
-  followed their latest earlier occurrence are proposed. Each request keeps an index
-  from n-gram to its latest start, extended by the tokens added since the last lookup,
-  so a proposal costs O(new tokens), not a scan of the context. When the match is so
-  recent that what followed runs into the present, the copy goes on over the tokens it
-  has just proposed (a repeating pattern is proposed for all k).
-- `DraftProposer`: a small model with the target's tokenizer, run by its own runner
-  (engine/runner/draft.py, given here, never imported) over the target's page ids: its
-  KV cache has the same pages, so prefix caching and preemption move both caches'
-  entries together. The draft follows each request lazily: before it proposes, it
-  computes (`catch_up`) every token it has not seen but the last, prompt chunks
-  included; then one compiled call runs k + 1 draft steps (the last one only writes
-  the K/V of the k-th draft) and returns the drafts and their probabilities on device,
-  which the target's verify step takes as they are. After verification the draft has
-  valid K/V exactly up to the accepted tokens, the target's computed length. A request
-  that was preempted, or started on cached pages, starts over (writing the same K/V
-  into a shared page again is harmless: a page holds the same tokens for every owner).
-- `HeadProposer` (vLLM's "eagle", "eagle3", "medusa"): heads on the target's own hidden
-  features (engine/runner/heads.py). EAGLE's drafter at position t reads the target's
-  feature of t and the token after it, so it follows a request as a draft model does,
-  one position behind: the first step of its proposal call runs over every position it
-  has not seen up to the one preceding the last token (their features are in the
-  target's feature store, whichever step computed them, prompt chunks included; after
-  a verify step that is the accepted tokens, at most K + 1; a separate catch-up call
-  writes any further behind first), so after the call its K/V are valid up to that
-  position (the later steps' K/V, from its own features, are written over by the next
-  proposal's first step).
-  Medusa reads one feature and keeps nothing.
-
-Both model proposers keep, per request, how far their drafter's K/V are valid and the
-request's preemption count at the time: preemption frees a request's pages and
-recomputes it, so its count then reads 0 (`_DrafterProgress`).
+"""Speculative proposals, the draft tokens a step verifies: `NgramProposer` (prompt
+lookup), `DraftProposer` (a draft model's runner over the target's page ids) and
+`HeadProposer` (EAGLE / Medusa heads on the target's features). The model proposers
+follow each request lazily and track how far their drafter's K/V are valid
+(`_DrafterProgress`). Plain Python, no jax. See docs/speculative_decoding.md#proposers.
 """
 
 from __future__ import annotations

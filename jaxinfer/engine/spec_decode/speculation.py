@@ -1,19 +1,8 @@
-"""Speculative decoding on the host: when to speculate, how far, and what it achieved.
-Plain Python, no jax.
-
-`Speculation.add_drafts(scheduler, plan)` runs between scheduling and the device step.
-Only a step whose every chunk is a decode (one token, the request's last; no prompt
-chunk, no prompt scoring) speculates: such steps run in verify buckets (Q = K + 1
-positions a request, engine/core/buckets.py); a step with prompt chunks runs as it would
-without speculation. For the others the policy (`Policy`) picks k, drafts are asked of
-the proposer (engine/spec_decode/proposer.py), pages reserved for them (`Scheduler.reserve_drafts`,
-never preempting) and put in the chunks; the verify step's samples then decide
-(`Scheduler.update` keeps the accepted drafts and the target's token after them).
-`record()` feeds back what a step took and accepted.
-
-The policy (engine/spec_decode/policy.py) picks k from measured step times and acceptance.
-`disable_by_batch_size` (vLLM's) is a fixed cut-off checked first: no speculation in a
-step of that many requests or more.
+"""Speculative decoding on the host (`Speculation`): between scheduling and the device
+step, `add_drafts` asks the policy for k, the proposer for drafts and the scheduler for
+their pages (a step with prompt chunks or prompt scoring does not speculate); `record`
+feeds back what a step took and accepted. Plain Python, no jax.
+See docs/speculative_decoding.md (#a-speculative-step, #metrics).
 """
 
 from __future__ import annotations
