@@ -1,17 +1,8 @@
-"""Compiling and checking a constraint in a child process, under a time limit.
-
-llguidance's grammar compiler is native code that recurses over a grammar's nesting:
-a grammar nested deeply enough overflows its stack and kills the process it runs in,
-and turning a large GBNF grammar into Lark is pure Python that can run for minutes.
-So no constraint reaches the compiler in the engine's process before a child process
-(`python -m jaxinfer.engine.structured.compile_process`) has compiled it, built a matcher and
-computed its first mask, with `COMPILE_STACK_BYTES` of stack, within
-`COMPILE_TIMEOUT_S`. A child that crashes or runs out of time is a ValueError naming
-the field (the request's 400), and a fresh child serves the next constraint. The
-engine's process then builds its own matcher from the checked grammar on a thread with
-`NATIVE_STACK_BYTES` (engine/structured/grammar.py), eight times the child's stack: the same
-compile, with room to spare. Limits and where each step runs:
-docs/structured_outputs.md, "Limits".
+"""Compiling and checking a constraint in a child process (`python -m
+jaxinfer.engine.structured.compile_process`) with `COMPILE_STACK_BYTES` of stack, within
+`COMPILE_TIMEOUT_S`, before any compile in the engine's process: a crash or time-out is
+a ValueError naming the field, and a fresh child serves the next constraint.
+See docs/structured_outputs.md#limits.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Structured outputs on the host: a request's constraint (engine/structured/params.py) compiled
-into an llguidance grammar, and one matcher per constrained completion. No jax, no
-numpy: the step's bitmask is filled in the runner (runner/token_masks.py) from the
-matchers this module hands it.
-
-A constraint is checked when its request is prepared, off the engine thread: within the
-size limits here, then compiled in a child process (engine/structured/compile_process.py), then
-built into a matcher here on a thread with a large stack. That matcher is the
-constraint's prototype, cached by `StructuredOutputsParams.spec()`; each completion
-(n > 1: each of them) gets a copy of it, which shares its compiled grammar. A
-constraint that cannot be used is a ValueError naming the field
-("structured_outputs.json: ..."). A matcher consumes its completion's tokens once each,
-when the host reads them (`Constraints.advance`: a preempted request keeps its tokens,
-so its recompute consumes nothing again); a matcher that has stopped finishes its
-request with "stop", one in error with "error" (docs/structured_outputs.md).
+"""Structured outputs on the host: a request's constraint (params.py) compiled into an
+llguidance grammar (checked first by compile_process.py), its prototype matcher cached
+by `spec()`, and one matcher per constrained completion that consumes its tokens
+(`Constraints.advance`). No jax, no numpy: the runner fills the mask from these matchers.
+See docs/structured_outputs.md (#limits, #how-it-works).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """What a structured-output request asks for: `StructuredOutputsParams` (vLLM's class and
-field names) and OpenAI's `response_format` mapped onto it. Plain Python, no jax.
-
-Exactly one constraint per request:
-- `json`: a JSON schema (a dict, or its JSON text), the output one JSON value valid
-  under it; the schema `true` admits any value (kept as `{}`), `false` none (refused);
-- `regex`: the output matches the regular expression, whole;
-- `choice`: the output is one of the strings;
-- `grammar`: an EBNF (GBNF) or Lark grammar the output derives from its start rule;
-- `json_object`: any JSON object (OpenAI's `{"type": "json_object"}`).
-
-`spec()` is a canonical (kind, text) pair: the key compiled grammars are cached by. How a
-constraint is compiled and applied lives elsewhere (the engine's grammar module and
-the step's token mask); this module only checks the request's shape.
+field names, exactly one constraint: json, regex, choice, grammar, json_object) and
+OpenAI's `response_format` mapped onto it; `spec()` is the canonical (kind, text) key
+compiled grammars are cached by. Checks the request's shape only. Plain Python, no jax.
+See docs/structured_outputs.md (#using-it, #errors).
 """
 
 from __future__ import annotations
