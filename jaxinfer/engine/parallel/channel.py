@@ -1,31 +1,9 @@
 """The channel of a multi-host server: process 0 publishes, before each engine step, what
-it applied to its engine since the previous step; every other process reads it
-(jaxinfer/engine/parallel/lockstep.py writes and applies the messages).
-
-The channel is the key-value store of jax.distributed's coordination service, which
-runs in process 0 and which every process of the job is already connected to: message t
-is stored under `jaxinfer/lockstep/<t>`; a follower blocks on that key
-(`blocking_key_value_get_bytes`) until process 0 sets it. Chosen over the two others:
-
-- `multihost_utils.broadcast_one_to_all`: a device collective per step, which every
-  process must enter at the same point; it would put a second collective (and its
-  host-to-device copies, padded to a fixed size or preceded by a size broadcast) on
-  every step's critical path, and an idle server would have to keep calling it to learn
-  that nothing came.
-- a side socket from process 0 to the others: another port to open on every host (and
-  on a TPU slice's firewall), its own connection handling, and its own failure
-  detection, where the coordination service already has all three.
-
-The store is keyed by string (the step index), needs no extra port and no device
-collective, and fails loudly when process 0 dies (the call raises, or JAX's runtime
-terminates the process). Measured on 127.0.0.1 with two processes and a 2.9 kB message
-(benchmarks/bench_lockstep_channel.py, 500 steps; docs/serving.md, "Multi-host
-serving"): a publish takes 0.48 ms (median; p99 4.7 ms) and a waiting follower has the
-message 0.61 ms after process 0 began publishing it (p99 2.2 ms), where
-`broadcast_one_to_all` of the same bytes took 4.0 ms a step (p99 11.4 ms). Process 0
-deletes message t - KEEP when it publishes message t, so the store stays small;
-followers are never that far behind (each step's collective holds process 0 back until
-every process has run the step before it).
+it applied to its engine since the previous step (lockstep.py writes and applies the
+messages); every other process reads it. Message t is a key of jax.distributed's
+coordination-service store, `jaxinfer/lockstep/<t>`, on which a follower blocks; the
+oldest are deleted beyond `KEEP`. Why this store, and its measured cost:
+docs/serving.md#multi-host-serving ("The channel").
 """
 
 from __future__ import annotations

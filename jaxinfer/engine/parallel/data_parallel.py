@@ -1,21 +1,9 @@
-"""Data parallelism: `data_parallel_size` replicas of the model behind the Engine's face.
-
-Replica r is a whole `Engine` on row r of the ("data", "model") device mesh
-(model/sharding.py): its own params copy (read from the checkpoint once, then copied
-device to device), KV pool, scheduler, batch state and compiled steps. A request lives
-on one replica from `add_prepared` to `release`; the `Router` picks it
-(engine/parallel/routing.py). `step()` steps every replica with work, in turn: each step
-dispatches its next device step before reading back its last, so every replica's
-devices stay busy while the host serves the others. docs/architecture.md ("Data
-parallelism") says why one engine per replica and not one program over the whole mesh.
-
-Seeds: requests that give none get one drawn here from `EngineConfig.seed`, in the
-order they are added, as a single engine draws them, so a request samples the same
-tokens whichever replica runs it. Metrics: `metrics.summary()` gives totals over the
-replicas and each replica's own summary under "replicas" (metrics/merge.py).
-
-Multi-host jobs run one replica (data_parallel_size=1) over all their processes'
-devices: several replicas each spanning hosts are not built.
+"""Data parallelism: `data_parallel_size` replicas of the model behind the Engine's face
+(`DataParallelEngine`), replica r a whole `Engine` on row r of the ("data", "model")
+mesh. The `Router` (routing.py) puts each request on one replica; `step()` steps every
+replica with work in turn; seeds are drawn here in add order, as one engine draws them.
+See docs/parallelism.md#data-parallelism and
+docs/architecture.md#data-parallelism-one-engine-per-replica.
 """
 
 from __future__ import annotations

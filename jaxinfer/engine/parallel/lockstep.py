@@ -1,31 +1,9 @@
-"""Multi-host serving: one engine run in lockstep by every process of a jax.distributed
-job, fed by process 0.
-
-Requests reach process 0 only (it runs the HTTP server), yet every process must run the
-same engine on the same requests: the step is tensor parallel over all processes'
-devices, and each process computes the step's plan and host inputs itself
-(jaxinfer/distributed.py). So process 0's engine is wrapped in a `Leader`, which
-records each change made to the engine between steps (a request added with its
-PreparedRequest, priority and id; an abort) and, right before its t-th `step()`,
-publishes them as message t on the channel (jaxinfer/engine/parallel/channel.py). The other
-processes run `follow`: read message t, apply its operations in the same order, call
-`step()`, discard the outputs (releasing finished requests so nothing accumulates),
-read message t + 1. `close()` publishes a last message marked shutdown, after which
-the followers return.
-
-Identical state follows from identical operations in identical order: request seeds
-are drawn from EngineConfig.seed in add order, arrival numbers count adds, and the
-scheduler, page pool and prefix cache decide from their own state only (no wall time,
-no randomness). Two things would break it and are refused (`check_lockstep`): data
-parallelism (replicas fed by a router with its own state) and the load-adaptive
-speculation policy, which picks k from each process's own measured step times. The
-engine's async host loop changes nothing: message t is applied right before the t-th
-`step()` call on every process, whichever step that call dispatches or reads back.
-
-`Watchdog` turns a step that never returns (a collective waiting for a peer that is
-gone without closing its connections) into a call of `on_hang` after `timeout_s`. Plain
-Python: the channel is passed in (anything with `publish(step, bytes)` and
-`receive(step) -> bytes | None`), so this module imports no jax.
+"""Multi-host serving: one engine run in lockstep by every process, fed by process 0.
+Its `Leader` records each add and abort between steps and publishes them before the
+t-th `step()` (channel.py); `follow` applies them on the other processes in the same
+order and steps; `check_lockstep` refuses what would split their state; `Watchdog`
+fails a step that never returns. Plain Python: the channel is passed in, so no jax.
+See docs/serving.md#multi-host-serving.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Which data-parallel replica a request goes to (`load_balance_method`, SGLang's name).
-
-- `cache_aware` (the default), the rule of SGLang's router: each replica remembers the
-  leading full pages of the prompts sent to it (a chain of page hashes, least recently
-  used forgotten beyond what its KV pool holds); a request goes to the replica that
-  remembers the longest run of its leading pages, unless that replica is loaded more
-  than `balance_threshold` completions beyond the least loaded one; then, and when no
-  replica remembers any page, to the least loaded. Requests sharing a preamble so land
-  where its pages are cached, and a burst of them stays together (their pages are
-  remembered when routed, before any is computed), while a hot preamble cannot pile its
-  whole load on one replica.
-- `round_robin`: replicas in turn (the baseline the benchmark compares with).
-- `shortest_queue`: the least loaded.
-
-Load: completions waiting or running on the replica. Ties go to the lowest index. Plain
-Python: hashes are blake2b digests, the same in every process.
+"""Which data-parallel replica a request goes to (`Router`, `load_balance_method`,
+SGLang's name): `cache_aware` (the default: the replica remembering the longest run of
+the prompt's leading pages, unless it is loaded `balance_threshold` completions beyond
+the least loaded), `round_robin` or `shortest_queue`. Plain Python.
+See docs/parallelism.md#data-parallelism ("Routing").
 """
 
 from __future__ import annotations
