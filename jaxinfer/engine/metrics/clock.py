@@ -1,24 +1,8 @@
-"""The engine loop's step clock: the phases of one `Engine.step()` call stamped, and the
-intervals between them handed to the metrics. Plain Python.
-
-A call schedules, dispatches a step and reads one back: collect (wait for the device),
-update (the requests move on; their tokens join the outputs) and sync (their
-RequestOutputs brought up to date). With async scheduling the step read is the one the
-previous call dispatched, or, where the next plan depends on it, one read before this
-call schedules (docs/architecture.md, "The host loop"). Times are `time.perf_counter()`
-seconds. What the metrics get (summary.py, latency.py):
-
-- device idle: from when the host knew the device had no step (a call found the step in
-  flight done, or a read left none in flight) to the next dispatch; running out of work
-  is not a gap between steps;
-- a step's seconds: from the start of the call that reads it to the end of its sync; a
-  verify step read by a later call from the start of the call that planned it, or the
-  end of the last step recorded if later (its proposal ran in between);
-- the host's seconds: a step's seconds less the wait in collect;
-- speculation's device seconds of a step: from its dispatch, or the last read step's
-  results if later, to its results;
-- per completion: added, first scheduled (the start of the call that reads its first
-  step), tokens (update), finished.
+"""The engine loop's step clock (`StepClock`): the phases of one `Engine.step()` call
+stamped (schedule, dispatch, collect, update, sync) and the intervals between them handed
+to the metrics: device idle, a step's and the host's seconds, speculation's device
+seconds, each completion's latency stamps. Times are `time.perf_counter()` seconds.
+See docs/serving.md#token-counts-and-the-host-loop and docs/architecture.md#the-host-loop.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Per-request latency histograms: queue time, time to first token, inter-token latency,
-end-to-end latency, and finished requests by reason. Plain Python.
-
-The engine's step clock (clock.py) stamps each completion (a `Request`) when it is
-added, first scheduled, gains tokens and finishes; `Latency` turns the stamps into
-histograms with vLLM's bucket boundaries, so the Prometheus exposition
-(jaxinfer/server/) and `llm.metrics()` read the same numbers. Times are
-`time.perf_counter()` seconds.
+"""Per-request latency histograms (`Latency`): queue time, time to first token,
+inter-token latency, end-to-end latency, and finished requests by reason, with vLLM's
+bucket boundaries, from the stamps the step clock (clock.py) gives each completion, so
+`/metrics` and `llm.metrics()` read the same numbers. Plain Python.
+See docs/serving.md#metrics.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The metrics of data-parallel replicas, in total and each its own. Plain Python.
-
-`ReplicaMetrics.summary()` has the keys of one engine's `Metrics.summary()`, as totals:
-- counts (ints) are summed: tokens, steps, preemptions, compiles, bytes, FLOPs, pages;
-  lists of counts (per draft position, per expert) element by element;
-- rates (RATES) are summed: the replicas run at once, each on its own devices, each
-  rate over its own busy time; `step_seconds` is the busiest replica's;
-- other floats (means, fractions) are weighted by each replica's steps, the roofline
-  fraction by its busy seconds; MFU and the prefix-cache hit rate are recomputed from
-  the summed counts;
-- latency means come from the replicas' histograms added together;
-- flags, labels and per-device figures (KEPT) are replica 0's;
-- `replicas`: each replica's own summary, in replica order.
+"""The metrics of data-parallel replicas (`ReplicaMetrics`): totals under one engine's
+summary keys (counts and RATES summed, other means weighted, KEPT from replica 0, MFU
+and the hit rate recomputed, latency histograms added) and each replica's own summary
+under "replicas". Plain Python. See docs/parallelism.md#data-parallelism ("Metrics").
 """
 
 from __future__ import annotations
@@ -65,7 +56,7 @@ def _add(into: Histogram, other: Histogram) -> None:
 
 def merge_summaries(summaries: list[dict], prefix_stats: list[dict | None]
                     ) -> dict[str, object]:
-    """Totals over the replicas' summaries (see the module's docstring)."""
+    """Totals over the replicas' summaries (docs/parallelism.md#data-parallelism)."""
     steps = [s["steps"] for s in summaries]
     busy = [s["step_seconds"] for s in summaries]
     total = {}

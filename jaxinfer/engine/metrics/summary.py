@@ -1,37 +1,7 @@
-"""Engine counters and the summary `llm.metrics()` reports. Plain Python.
-
-The roofline: the bytes a step must read (all weights once, plus the K/V of
-every token attended) over the step's time, as a fraction of the machine's
-memory bandwidth measured at start-up.
-
-MFU (model FLOPs utilization): the FLOPs the step's real tokens need (`FlopCount`:
-padding and discarded positions excluded, the whole model over all its devices) over
-the step's time, as a fraction of the mesh's peak (one device's peak x devices: a known
-chip's published dense bf16 figure, int8 with w8a8, else a matmul rate measured at
-start-up). `bound` says which of the two the roofline model puts the work under: the
-steps' bytes at the bandwidth take longer than their FLOPs at the peak ("memory"), or
-not ("compute"). Both figures come from one source: a known chip's published bandwidth
-and peak (its ridge point; the bandwidth probe reads far below a GPU's), else the probe
-and the measured matmul, where it is `roofline_fraction >= mfu` on one device.
-
-Token counts, as vLLM's Prometheus counters count them. `generated_tokens`
-are the tokens appended to outputs (what the requests return; tokens cut by
-a stop are not). A request's prompt counts once, when its first token is
-sampled, split by source as vLLM's `prompt_tokens_by_source`: the tokens the
-device computed (`prompt_tokens`, "local_compute") and those the prefix cache
-served at admission (`prompt_tokens_cached`, "local_cache_hit"); their sum is
-vLLM's `prompt_tokens` (n x prompt length). Recomputation after a preemption
-is in neither: `computed_tokens` counts every token the device ran for a request
-still running. With asynchronous scheduling a request that stops (EOS, a stop token or
-string) is read one step late, and the position the next step computed for it is
-discarded: `discarded_tokens` counts those.
-
-The host loop: `host_ms_per_step` is the host's own time per step (scheduling, inputs,
-outputs: a step's wall time less the time spent waiting for the device),
-`device_idle_ms_per_step` the time the device had no step queued as the host sees it
-(from the moment the host knew the last step had finished to the next dispatch: a lower
-bound), `host_to_device_bytes_per_step` what each step sent (benchmarks/bench_host_loop.py
-measures the device's gap exactly).
+"""Engine counters (`Metrics`), model FLOPs per token (`FlopCount`), and the summary
+`llm.metrics()` reports: token counts as vLLM counts them, the host loop's figures, the
+roofline fraction, MFU and `bound`. Plain Python. See docs/serving.md (#metrics,
+#token-counts-and-the-host-loop, #roofline-fraction-and-mfu).
 """
 
 from __future__ import annotations
