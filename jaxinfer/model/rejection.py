@@ -1,25 +1,9 @@
 """Speculative verification on device: rejection sampling that keeps the target's
-distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
-
-Row r of a verify step is position q of a request; its proposal x (the draft fed right
-after the position, -1 for none) was drawn from the draft's distribution q_r. The
-target's distribution p_r is the plain sampler's after every setting of the row
-(penalties with the drafts before it in the history, the min_tokens ban, temperature,
-top-k, top-p, min-p; a greedy row's p is one-hot at its argmax). x is accepted with
-probability min(1, p(x) / q(x)); on rejection the row's token is drawn from the
-normalised max(0, p - q), which never yields x; a row without a proposal (the bonus
-position after all drafts, or a request without drafts) draws from p as the plain
-sampler does. The host keeps the leading accepted drafts and the token after them
-(engine/core/scheduler.py), so every token emitted is distributed as without speculation.
-For greedy rows all of this reduces to "accept while the draft equals the target's
-argmax", and the token of a greedy row is that argmax whatever was proposed.
-
-q comes two ways: a draft model's probabilities f32[R, V] (`draft_probs`), or none for
-proposals that are one token for sure (n-gram lookup; q one-hot at x, so x is accepted
-with probability p(x) and the residual is p without x). Each row draws its acceptance
-and its residual from its own key: fold_in(fold_in(key(seed), counter), stream), with
-streams apart from the plain draw's and from the draft model's (`DRAFT_STREAM`), so no
-uniform is used twice.
+distribution exactly (Leviathan et al. 2023; Chen et al. 2023), given a draft model's
+probabilities or certain proposals (n-gram lookup: none). Each row draws from its own
+key, fold_in(fold_in(key(seed), counter), stream), its streams apart from the plain
+draw's and the draft model's (`DRAFT_STREAM`), so no uniform is used twice.
+See docs/speculative_decoding.md#a-speculative-step.
 """
 
 from __future__ import annotations
