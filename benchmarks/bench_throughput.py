@@ -63,11 +63,13 @@ def workload() -> tuple[list[list[int]], list[int]]:
 
 def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outputs: list,
                  **settings: object) -> dict:
+    """`settings`: engine settings over the flags' (e.g. max_model_len)."""
     seqs = FLAGS.max_num_seqs if scheduler == "continuous" else FLAGS.static_batch
     started = time.perf_counter()
-    llm = LLM(model_dir, dtype=dtype, scheduler=scheduler, max_num_seqs=seqs,
-              max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-              compilation_cache_dir="", **settings)
+    llm = LLM(model_dir, **dict(dtype=dtype, scheduler=scheduler, max_num_seqs=seqs,
+                                max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                                max_model_len=MAX_MODEL_LEN, compilation_cache_dir="")
+              | settings)
     warm = time.perf_counter() - started
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
     started = time.perf_counter()
@@ -75,8 +77,9 @@ def run_jaxinfer(model_dir: str, dtype: str, scheduler: str, prompts: list, outp
     seconds = time.perf_counter() - started
     generated = sum(len(o.token_ids) for o in outs)
     metrics = llm.metrics()
-    return {"output_tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 1),
-            "generated_tokens": generated, "warmup_seconds": round(warm, 1),
+    return {"output_tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 3),
+            "generated_tokens": generated, "finished_requests": sum(o.finished for o in outs),
+            "warmup_seconds": round(warm, 1),
             "compile_seconds": round(metrics.get("warmup_seconds", 0.0), 1),
             "buckets": metrics["buckets"], "compiles_after_warmup":
             metrics["compiles_after_warmup"], "mean_requests_per_step":
@@ -107,9 +110,11 @@ def run_transformers(model_dir: str, dtype: str, prompts: list, outputs: list) -
             "generated_tokens": generated, "torch_threads": torch.get_num_threads()}
 
 
-def run_batch1(model_dir: str, dtype: str) -> dict:
-    llm = LLM(model_dir, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=64,
-              max_model_len=MAX_MODEL_LEN, compilation_cache_dir="")
+def run_batch1(model_dir: str, dtype: str, **settings: object) -> dict:
+    """`settings`: engine settings over these (e.g. compilation_cache_dir)."""
+    llm = LLM(model_dir, **dict(dtype=dtype, max_num_seqs=1, max_num_batched_tokens=64,
+                                max_model_len=MAX_MODEL_LEN, compilation_cache_dir="")
+              | settings)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     llm.generate([[1] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
     started = time.perf_counter()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # What a lent GPU machine (an H100 here) runs, in stages, from the repo root:
+#   bash tools/gpu_session.sh standing     # FIRST: the standing table (docs/benchmarks.md)
 #   bash tools/gpu_session.sh kernels      # Triton kernel on device vs reference, bench_attention
 #   bash tools/gpu_session.sh train        # the larger demo pair (corpus from .gpu/stdlib.tar.gz)
 #   bash tools/gpu_session.sh throughput   # engine tokens/s on a random Llama-3.1-8B shape, bf16
@@ -16,6 +17,21 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PY:-python3}
 log() { echo "== $(date +%T) $*"; }
+
+# The standing table: vLLM's random-data throughput workload, batch-1 decode against the
+# weight-read bound and the 128-request mixed run on a random Llama-3.1-8B shape in bf16,
+# each part under its own limit (535 s at most in all; about 5 minutes expected).
+# COMMIT names the commit measured where the checkout carries no .git.
+standing() {
+  log "standing table, random Llama-3.1-8B shape, bf16"
+  timeout "${STANDING_LIMIT:-560}" $PY benchmarks/bench_standing_table.py \
+    --preset=llama3.1-8b --dtype=bfloat16 --save_dtype=bfloat16 \
+    --num_prompts=1000 --input_len=256 --output_len=256 \
+    --max_num_seqs=256 --max_num_batched_tokens=8192 --compile_threads=8 \
+    --model_limit_s=120 --vllm_random_limit_s=240 --batch1_limit_s=75 --mixed128_limit_s=100 \
+    ${COMMIT:+--commit="$COMMIT"} > "$OUT/standing_table.json"
+  cat "$OUT/standing_table.json"
+}
 
 kernels() {
   log "device"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
