@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from jaxinfer.checkpoint import heads as heads_checkpoint
-from jaxinfer.config import load_preset
+from jaxinfer.config import ModelOptions, load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner import Runner, memory_bandwidth, tree_bytes
 from jaxinfer.engine.runner.heads import HeadRunner
@@ -50,12 +50,11 @@ PAGE_SIZE = 16
 
 
 def _target(cfg, feature_layers, buckets, num_pages):
-    served = dataclasses.replace(cfg, feature_layers=feature_layers)
-    params = jax.jit(functools.partial(transformer.init_params, served,
+    params = jax.jit(functools.partial(transformer.init_params, cfg,
                                        dtype=jnp.dtype(FLAGS.dtype)))(jax.random.key(0))
-    return Runner(served, params, num_pages=num_pages, page_size=PAGE_SIZE,
+    return Runner(cfg, params, num_pages=num_pages, page_size=PAGE_SIZE,
                   max_model_len=FLAGS.max_model_len, buckets=buckets, kv_dtype=FLAGS.dtype,
-                  uses_draft_probs=True)
+                  uses_draft_probs=True, options=ModelOptions(feature_layers=feature_layers))
 
 
 def _heads(method, cfg, runner, buckets, num_pages, **shape):

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, ModelOptions
 from jaxinfer.engine import runner
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.model import quantization, sharding
@@ -74,6 +74,7 @@ class Settings:
     quantized_head: bool = True  # False: the LM head stays float (checkpoint.quantized_head)
     hybrid_kv_cache: bool = True  # not EngineConfig.disable_hybrid_kv_cache_manager: a
     # model whose layers differ in attention compiles with a KV page group per kind
+    expert_parallel: bool = False  # EngineConfig.enable_expert_parallel: whole experts a chip
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -82,10 +83,10 @@ def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: S
     must split the model and fit the slice (ValueError); by default every chip of the
     slice when the model splits over them, else 1."""
     if s.tensor_parallel_size is not None:
-        sharding.validate(cfg, s.tensor_parallel_size, acc.chips)
+        sharding.validate(cfg, s.tensor_parallel_size, acc.chips, s.expert_parallel)
         return s.tensor_parallel_size, None
     try:
-        sharding.check_split(cfg, acc.chips)
+        sharding.check_split(cfg, acc.chips, s.expert_parallel)
     except ValueError as err:
         return 1, f"one chip: the model does not split over the slice's {acc.chips}: {err}"
     return acc.chips, None
@@ -109,7 +110,7 @@ def choose_layout(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
             raise ValueError(f"data_parallel_size={dp} must divide the slice's {acc.chips} "
                              "chips (or give tensor_parallel_size)")
         tp = acc.chips // dp
-    sharding.check_split(cfg, tp)
+    sharding.check_split(cfg, tp, s.expert_parallel)
     if dp * tp > acc.chips:
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs "
                          f"{dp * tp} chips; {acc.name} has {acc.chips}")
@@ -131,18 +132,26 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
                   tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
-                  quantized_head=s.quantized_head, hybrid_kv_cache=s.hybrid_kv_cache)
+                  quantized_head=s.quantized_head, hybrid_kv_cache=s.hybrid_kv_cache,
+                  expert_parallel=s.expert_parallel)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)
     return planner.plan(cfg, memory_bytes=budget, **common)
 
 
-def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int
-               ) -> tuple[Any, Any]:
+def model_options(s: Settings, feature_layers: tuple[int, ...] = ()) -> ModelOptions:
+    """The options the engine runs the model with under `s`, keeping `feature_layers`
+    for speculative heads."""
+    return ModelOptions(expert_parallel=s.expert_parallel, feature_layers=feature_layers)
+
+
+def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int,
+               feature_layers: tuple[int, ...] = ()) -> tuple[Any, Any]:
     """(params, kv_cache) of the served model as whole-array ShapeDtypeStructs in the
     TPU's storage dtypes; the KV pages hold each of `shards` chips' pool of each page
-    group's pages (compile_steps_for places them on the mesh)."""
+    group's pages (compile_steps_for places them on the mesh), then the feature store
+    of `feature_layers` if any."""
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
                           param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
     if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
@@ -150,23 +159,27 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
             quantization.quantize_params, mode=s.quantization, head=s.quantized_head), params)
     kv = kv_cache_spec(served, num_pages=[group.num_pages for group in plan.page_groups],
                        page_size=s.page_size, dtype=s.kv_dtype, backend="tpu", shards=shards,
-                       group_windows=group_windows(plan))
+                       group_windows=group_windows(plan),
+                       feature_size=model_options(s, feature_layers).feature_size(served))
     return params, kv
 
 
 def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
                     s: Settings, mesh: jax.sharding.Mesh,
-                    group_windows: tuple[int | None, ...] = (None,)
+                    group_windows: tuple[int | None, ...] = (None,),
+                    feature_layers: tuple[int, ...] = ()
                     ) -> list[jax.stages.Compiled | Exception]:
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
     kernel (the compiler's exception in place of a bucket it refused); `group_windows`:
-    the KV page groups of `kv` (the plan's, `group_windows(plan)`)."""
+    the KV page groups of `kv` (the plan's, `group_windows(plan)`); `feature_layers`:
+    the features `kv`'s store keeps (step_specs)."""
     # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
     # running in one process, once in four runs of the TPU compile suite.
     return runner.compile_steps_for(served, params, kv, buckets, page_size=s.page_size,
                                     max_model_len=s.max_model_len, mesh=mesh,
                                     attention=AttentionSettings(impl="tpu"), threads=1,
-                                    group_windows=group_windows)
+                                    group_windows=group_windows,
+                                    options=model_options(s, feature_layers))
 
 
 def group_windows(plan: planner.MemoryPlan) -> tuple[int | None, ...]:

@@ -206,7 +206,7 @@ def _forward(runner: Runner) -> jax.stages.Wrapped:
 
         whole, kv = sharding.replicated(runner.mesh), placed(runner.kv_cache)
         _FORWARDS[runner] = jax.jit(
-            functools.partial(transformer.forward, cfg=runner.cfg),
+            functools.partial(transformer.forward, cfg=runner.cfg, options=runner.options),
             in_shardings=(placed(runner.params), kv, whole, whole),
             out_shardings=(kv, whole), donate_argnums=(1,))
     return _FORWARDS[runner]

@@ -17,6 +17,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.checkpoint import shard_source
+from jaxinfer.config import ModelOptions
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import sharding
@@ -37,10 +38,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _runner(model_dir, tp: int, ep: bool = False, **kw: object) -> Runner:
-    cfg = dataclasses.replace(checkpoint.load_config(model_dir), expert_parallel=ep)
+    cfg = checkpoint.load_config(model_dir)
     mesh = sharding.make_mesh(tp)
-    params = checkpoint.load_params(model_dir, cfg, mesh=mesh, **kw)
+    params = checkpoint.load_params(model_dir, cfg, mesh=mesh, expert_parallel=ep, **kw)
     return Runner(sharding.served_config(cfg, tp), params, num_pages=16, page_size=8,
+                  options=ModelOptions(expert_parallel=ep),
                   max_model_len=64, mesh=mesh, attention=AttentionSettings(impl="reference"),
                   buckets=BucketSet(max_num_batched_tokens=16, max_num_seqs=4))
 
@@ -74,15 +76,14 @@ def test_each_device_holds_its_share_of_the_experts_and_reads_only_it(moe_dir, e
 
 
 def test_sizes_that_do_not_divide_are_refused(moe_dir):
-    cfg = dataclasses.replace(checkpoint.load_config(moe_dir), expert_parallel=True)
+    cfg = checkpoint.load_config(moe_dir)
     with pytest.raises(ValueError, match="must divide the 6 experts"):
         sharding.check_split(dataclasses.replace(
-            cfg, moe=dataclasses.replace(cfg.moe, num_experts=6)), 4)
-    odd = dataclasses.replace(cfg, expert_parallel=False,
-                              moe=dataclasses.replace(cfg.moe, intermediate_size=20))
+            cfg, moe=dataclasses.replace(cfg.moe, num_experts=6)), 4, expert_parallel=True)
+    odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, intermediate_size=20))
     with pytest.raises(ValueError, match=r"blocks of 20 \(moe_intermediate_size=20\)"):
         sharding.check_split(odd, 2)
-    sharding.check_split(dataclasses.replace(odd, expert_parallel=True), 2)  # whole experts
+    sharding.check_split(odd, 2, expert_parallel=True)  # whole experts
 
 
 def _collectives(runner: Runner, bucket: Bucket) -> list[tuple[str, str]]:

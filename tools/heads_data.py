@@ -2,7 +2,7 @@
 and the drafter's unrolled chains that training and the held-out acceptance share.
 
 The heads learn the target's behaviour, so every sequence here is run through the target
-once: its features (the residual streams the heads read, `ModelConfig.feature_layers`)
+once: its features (the residual streams the heads read, `ModelOptions.feature_layers`)
 are kept in host memory in bfloat16, and its next-token distribution at each position as
 its `TEACHER_TOP` likeliest ids and their probabilities (the soft labels).
 
@@ -27,7 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from jaxinfer import LLM, SamplingParams, checkpoint
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, ModelOptions
 from jaxinfer.config.heads import HeadConfig
 from jaxinfer.config.model import FINAL_NORMED
 from jaxinfer.model import eagle, layers, medusa, transformer
@@ -62,11 +62,9 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     return Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
 
 
-def load_target(model_dir: str, feature_layers: tuple[int, ...], dtype: str = "bfloat16"
-                ) -> tuple[ModelConfig, dict]:
-    """The target's config (keeping `feature_layers`) and params."""
+def load_target(model_dir: str, dtype: str = "bfloat16") -> tuple[ModelConfig, dict]:
+    """The target's config and params."""
     cfg = checkpoint.load_config(model_dir)
-    cfg = dataclasses.replace(cfg, feature_layers=tuple(feature_layers))
     return cfg, checkpoint.load_params(model_dir, cfg, dtype)
 
 
@@ -149,24 +147,29 @@ def continue_prompts(llm: LLM, prompts: list[list[int]], output_tokens: int,
                        for p, o in zip(prompts, outs, strict=True)], np.int32)
 
 
-def extract(cfg: ModelConfig, params: dict, tokens: np.ndarray, batch: int = 16) -> Features:
-    """The target's features and top-`TEACHER_TOP` distribution at every position of
-    every sequence (bfloat16 weights, as the engine serves it), on the host."""
+def extract(cfg: ModelConfig, params: dict, tokens: np.ndarray,
+            feature_layers: tuple[int, ...], batch: int = 16) -> Features:
+    """The target's features at `feature_layers` and top-`TEACHER_TOP` distribution at
+    every position of every sequence (bfloat16 weights, as the engine serves it), on
+    the host."""
+    options = ModelOptions(feature_layers=tuple(feature_layers))
+
     def run(p: dict, x: jax.Array) -> tuple[jax.Array, ...]:
-        logits, features = transformer.forward_dense(p, x, cfg=cfg, with_features=True)
+        logits, features = transformer.forward_dense(p, x, cfg=cfg, options=options,
+                                                      with_features=True)
         probs, ids = jax.lax.top_k(jax.nn.softmax(logits), TEACHER_TOP)
         return features.astype(jnp.bfloat16), ids, probs
 
     fn = jax.jit(run)
     n, t = tokens.shape
-    out = (np.empty((n, t, cfg.feature_size), jnp.bfloat16),
+    out = (np.empty((n, t, options.feature_size(cfg)), jnp.bfloat16),
            np.empty((n, t, TEACHER_TOP), np.int32), np.empty((n, t, TEACHER_TOP), np.float32))
     pad = (-n) % batch
     padded = np.concatenate([tokens, np.zeros((pad, t), np.int32)]) if pad else tokens
     for start in range(0, n, batch):
         for array, chunk in zip(out, fn(params, padded[start:start + batch]), strict=True):
             array[start:start + batch] = np.asarray(chunk)[:min(batch, n - start)]
-    return Features(tokens, out[0], tuple(cfg.feature_layers), cfg.hidden_size, *out[1:])
+    return Features(tokens, out[0], options.feature_layers, cfg.hidden_size, *out[1:])
 
 
 def target_logits(shared: dict, final_normed: jax.Array) -> jax.Array:

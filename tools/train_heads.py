@@ -31,7 +31,6 @@ chain of `--eval_k` drafts from the true prefix, stepping by accepted + 1; greed
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import pathlib
@@ -425,12 +424,12 @@ def main(argv: list[str]) -> None:
     train_seqs, held_seqs, data_report = load_sequences()
     layers_used = heads_data.union_layers(
         tuple(int(i) for i in FLAGS.eagle3_layers), (FINAL_NORMED,))
-    target, target_params = heads_data.load_target(FLAGS.target, layers_used)
+    target, target_params = heads_data.load_target(FLAGS.target)
     feature_started = time.time()
-    train = heads_data.extract(target, target_params, train_seqs)
-    held = {k: heads_data.extract(target, target_params, v) for k, v in held_seqs.items()}
+    train = heads_data.extract(target, target_params, train_seqs, layers_used)
+    held = {k: heads_data.extract(target, target_params, v, layers_used)
+            for k, v in held_seqs.items()}
     data_report["feature_seconds"] = round(time.time() - feature_started)
-    target = dataclasses.replace(target, feature_layers=())
     print(json.dumps({"data": data_report}), file=sys.stderr)
     results = {}
     for i, method in enumerate(FLAGS.methods):

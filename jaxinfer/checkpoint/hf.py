@@ -62,24 +62,25 @@ def read_hf_config(model_dir: str | os.PathLike) -> dict:
 
 
 def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
-                   mesh: Mesh | None = None, log: shard_source.ReadLog | None = None
-                   ) -> Params:
+                   mesh: Mesh | None = None, log: shard_source.ReadLog | None = None, *,
+                   expert_parallel: bool = False) -> Params:
     """Read safetensors tensors into our params pytree, checking names and shapes. Each
     leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
     gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
-    devices than KV heads. A compressed-tensors FP8 checkpoint's linear weights become
-    fp8 QuantizedWeights made of its float8 values and scales (compressed_tensors.py)."""
+    devices than KV heads, whole experts per device with `expert_parallel`. A
+    compressed-tensors FP8 checkpoint's linear weights become fp8 QuantizedWeights made
+    of its float8 values and scales (compressed_tensors.py)."""
     check_dtype(dtype)
     root = model_dir_path(model_dir)
     scheme = _scheme(read_hf_config(root), root / "config.json")
     tensors = _checked_tensors(root, cfg, scheme)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
-    sharding.validate(cfg, shards, mesh.size)
+    sharding.validate(cfg, shards, mesh.size, expert_parallel)
     served = sharding.served_config(cfg, shards)
     reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
     layouts = leaf_layouts(served)
-    specs = quantization.partition_specs(param_partition_specs(served, shards),
+    specs = quantization.partition_specs(param_partition_specs(served, shards, expert_parallel),
                                          scheme and compressed_tensors.MODE, head=False)
     target = np.dtype(jnp.dtype(dtype))
 

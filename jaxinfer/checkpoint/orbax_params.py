@@ -36,16 +36,19 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 
 def load_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
-                mesh: Mesh | None = None, log: shard_source.ReadLog | None = None) -> Params:
+                mesh: Mesh | None = None, log: shard_source.ReadLog | None = None, *,
+                expert_parallel: bool = False) -> Params:
     """Params from an orbax checkpoint if `params/` exists, else from safetensors;
     placed on `mesh` with the tensor-parallel shardings (each device receives only
-    its slice) in the served layout (`sharding.served_config`), or on the default device.
-    `log` records the bytes each safetensors read asked for."""
+    its slice; whole experts with `expert_parallel`) in the served layout
+    (`sharding.served_config`), or on the default device. `log` records the bytes each
+    safetensors read asked for."""
     root = model_dir_path(model_dir)
     mesh = mesh or sharding.make_mesh(1)
     if (root / "params").is_dir():
-        return restore_orbax(root / "params", cfg, dtype, mesh)
-    return load_hf_params(root, cfg, dtype, mesh, log)
+        return restore_orbax(root / "params", cfg, dtype, mesh,
+                             expert_parallel=expert_parallel)
+    return load_hf_params(root, cfg, dtype, mesh, log, expert_parallel=expert_parallel)
 
 
 def save_orbax(path: str | os.PathLike, params: Params) -> None:
@@ -58,7 +61,7 @@ def save_orbax(path: str | os.PathLike, params: Params) -> None:
 
 
 def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
-                  mesh: Mesh | None = None) -> Params:
+                  mesh: Mesh | None = None, *, expert_parallel: bool = False) -> Params:
     """Restore params saved by `save_orbax`, cast to `dtype`, checked against cfg, each
     leaf straight onto its shardings on `mesh` (default: one device). With fewer KV
     heads than devices, q/k/v leaves are restored whole on every device, then copied
@@ -68,9 +71,9 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
     check_dtype(dtype)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
-    sharding.validate(cfg, shards, mesh.size)
+    sharding.validate(cfg, shards, mesh.size, expert_parallel)
     served = sharding.served_config(cfg, shards)
-    specs = param_partition_specs(cfg, shards)
+    specs = param_partition_specs(cfg, shards, expert_parallel)
     mode = checkpoint_quantization(pathlib.Path(path).parent)
     if served != cfg and mode is not None:
         raise ValueError(f"{path}: a {mode} orbax checkpoint cannot be served on {shards} "
@@ -97,7 +100,8 @@ def restore_orbax(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float
         raise ValueError(f"{path}: orbax params do not match config.json ({e})") from None
     if served == cfg:
         return params
-    served_shardings = sharding.named(mesh, param_partition_specs(served, shards))
+    served_shardings = sharding.named(mesh, param_partition_specs(served, shards,
+                                                                  expert_parallel))
     copy = jax.jit(lambda p: p | {"layers": [fusion.replicate_kv_heads(layer, cfg, served)
                                              for layer in p["layers"]]},
                    out_shardings=served_shardings)

@@ -30,20 +30,20 @@ AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
 
 
 def _model_config() -> object:
-    """The ModelConfig of --model (a model directory or a preset), served with
+    """The ModelConfig of --model (a model directory or a preset), checked for
     --enable_expert_parallel."""
-    import dataclasses
     import pathlib
 
     from jaxinfer import checkpoint
-    from jaxinfer.config import load_preset
+    from jaxinfer.config import ModelOptions, load_preset
 
     model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
     cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
     try:
-        return dataclasses.replace(cfg, expert_parallel=FLAGS.enable_expert_parallel)
+        ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    return cfg
 
 
 def _model_dtype() -> str:
@@ -135,7 +135,7 @@ def _plan_layout(cfg: object, acc: accelerators.Accelerator | None,
         tp = FLAGS.tensor_parallel_size if tp_given else (chips or 1)
         dp = FLAGS.data_parallel_size if dp_given else max(1, (chips or tp) // tp)
     try:
-        planner.check_tensor_parallel(cfg, tp)
+        planner.check_tensor_parallel(cfg, tp, FLAGS.enable_expert_parallel)
     except ValueError as e:
         if tp_given or dp_given:
             raise
@@ -164,7 +164,7 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
                 page_size=settings.page_size,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 hybrid_kv_cache=not settings.disable_hybrid_kv_cache_manager,
-                bandwidth_gb_per_s=bandwidth,
+                bandwidth_gb_per_s=bandwidth, expert_parallel=FLAGS.enable_expert_parallel,
                 peak_flops_per_s=acc.chip.bf16_flops if acc else None,
                 draft=_draft_config(settings), **_plan_budget(settings, acc))
 
@@ -226,7 +226,8 @@ def aot() -> None:
         if FLAGS["tensor_parallel_size"].present else None,  # default: the slice's chips
         data_parallel_size=engine.data_parallel_size
         if FLAGS["data_parallel_size"].present else None,  # default: one replica
-        quantization=engine.quantization, quantized_head=_quantized_head())
+        quantization=engine.quantization, quantized_head=_quantized_head(),
+        expert_parallel=FLAGS.enable_expert_parallel)
     device = FLAGS.device or AOT_DEFAULTS["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)

@@ -1,10 +1,10 @@
 """Every config as a frozen, kw-only, hashable dataclass, and TOML presets.
 
-`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets), `moe.py` its
-experts (`MoEConfig`), `rope.py` its RoPE scaling; `families/`: the model families we
-serve, one module each, and their registry; `engine.py`:
-how the engine runs (`EngineConfig`, `SpeculativeConfig`); `faces.py`: multi-host and
-the server (`DistributedConfig`, `ServerConfig`).
+`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets) and what the
+engine chooses for it (`ModelOptions`), `moe.py` its experts (`MoEConfig`), `rope.py`
+its RoPE scaling; `families/`: the model families we serve, one module each, and their
+registry; `engine.py`: how the engine runs (`EngineConfig`, `SpeculativeConfig`);
+`faces.py`: multi-host and the server (`DistributedConfig`, `ServerConfig`).
 """
 
 from jaxinfer.config.engine import (
@@ -27,8 +27,10 @@ from jaxinfer.config.faces import (
 from jaxinfer.config.families import ARCHITECTURES, MOE_ARCHITECTURES
 from jaxinfer.config.model import (
     ATTENTION_IMPLS,
+    DEFAULT_OPTIONS,
     PRESET_DIR,
     ModelConfig,
+    ModelOptions,
     load_preset,
     preset_names,
 )
@@ -36,10 +38,10 @@ from jaxinfer.config.moe import MoEConfig
 from jaxinfer.config.rope import ROPE_TYPES, RopeScaling
 
 __all__ = [
-    "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DTYPES", "KV_CACHE_DTYPES",
-    "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PRESET_DIR", "QUANTIZATION_MODES",
-    "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS", "SPECULATIVE_METHODS", "TOOL_CALL_PARSERS",
-    "DistributedConfig",
-    "EngineConfig", "MoEConfig", "ModelConfig", "RopeScaling", "ServerConfig",
+    "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DEFAULT_OPTIONS", "DTYPES",
+    "KV_CACHE_DTYPES", "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PRESET_DIR",
+    "QUANTIZATION_MODES", "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS",
+    "SPECULATIVE_METHODS", "TOOL_CALL_PARSERS", "DistributedConfig", "EngineConfig",
+    "MoEConfig", "ModelConfig", "ModelOptions", "RopeScaling", "ServerConfig",
     "SpeculativeConfig", "load_preset", "preset_names",
 ]

@@ -22,7 +22,7 @@ Refused with a message: the speculators format (speculators_model_type), EAGLE-3
 use_aux_hidden_state false, HASS's add_para_norm, EAGLE-1's truncated vocabulary,
 attention biases, more than one drafter layer.
 
-Feature layers (the target's capture points, `ModelConfig.feature_layers`: entry i in
+Feature layers (the target's capture points, `ModelOptions.feature_layers`: entry i in
 [0, L] is the residual stream entering target layer i, L after the last layer,
 FINAL_NORMED the output after the final norm). EAGLE-1 and Medusa read FINAL_NORMED
 (vLLM and SGLang hand them the target's last hidden state, post-norm). EAGLE-3 reads

@@ -69,21 +69,10 @@ class ModelConfig:
     to everything (no window)."""
     max_position_embeddings: int = 2048
     moe: MoEConfig | None = None  # experts in place of the MLP (config/moe.py)
-    expert_parallel: bool = False
-    """Each device holds whole experts (E / tensor_parallel_size of them) instead of a
-    slice of every expert. The engine sets it from `EngineConfig.enable_expert_parallel`;
-    checkpoints never do."""
     attention_impl: str = "auto"
     """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
     it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
     attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
-    feature_layers: tuple[int, ...] = ()
-    """Hidden features the step keeps for speculative heads (EAGLE, Medusa): each entry
-    i in [0, num_layers] is the residual stream entering layer i (num_layers: after the
-    last one), FINAL_NORMED (-1) the last layer's output after the final norm (what the
-    LM head reads). When set, the KV cache has one more entry, the feature store
-    [pages * page_size, len * hidden_size], written at each computed token's KV slot.
-    The engine sets it from the speculative heads' config; checkpoints never do."""
 
     def __post_init__(self) -> None:
         family = families.family(self.architecture)
@@ -106,15 +95,8 @@ class ModelConfig:
         if self.moe is not None and not family.has_experts:
             raise ValueError(f"moe given for {self.architecture}, a family without experts")
         family.check(self)
-        if self.expert_parallel and self.moe is None:
-            raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts "
-                             f"model; {self.architecture} has no experts")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
-        bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= self.num_layers]
-        if bad:
-            raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "
-                             f"{self.num_layers}] for a {self.num_layers}-layer model")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -160,11 +142,6 @@ class ModelConfig:
         """The layers whose attention sees only the last `sliding_window` tokens."""
         return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
-    @property
-    def feature_size(self) -> int:
-        """Width of the features the step keeps per token (0: none kept)."""
-        return len(self.feature_layers) * self.hidden_size
-
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has experts in place of its MLP."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
@@ -196,6 +173,40 @@ class ModelConfig:
             "attention_bias": self.qkv_bias,
         }
         return out | family.to_hf(self, rope)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """How the engine runs a model, passed beside its `ModelConfig`: what the engine
+    chooses and no checkpoint says (hashable: jit takes it as a static argument)."""
+
+    expert_parallel: bool = False
+    """Each device holds whole experts (E / tensor_parallel_size of them) instead of a
+    slice of every expert; from `EngineConfig.enable_expert_parallel`."""
+    feature_layers: tuple[int, ...] = ()
+    """Hidden features the step keeps for speculative heads (EAGLE, Medusa): each entry
+    i in [0, num_layers] is the residual stream entering layer i (num_layers: after the
+    last one), FINAL_NORMED (-1) the last layer's output after the final norm (what the
+    LM head reads). When set, the KV cache has one more entry, the feature store
+    [pages * page_size, len * hidden_size], written at each computed token's KV slot.
+    From the speculative heads' config."""
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError, naming the field, unless these options suit `cfg`."""
+        if self.expert_parallel and cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts "
+                             f"model; {cfg.architecture} has no experts")
+        bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= cfg.num_layers]
+        if bad:
+            raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "
+                             f"{cfg.num_layers}] for a {cfg.num_layers}-layer model")
+
+    def feature_size(self, cfg: ModelConfig) -> int:
+        """Width of the features the step keeps per token (0: none kept)."""
+        return len(self.feature_layers) * cfg.hidden_size
+
+
+DEFAULT_OPTIONS = ModelOptions()  # a single request's engine: nothing split or kept
 
 
 def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

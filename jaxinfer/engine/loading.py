@@ -29,7 +29,7 @@ import jax
 
 from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig, ModelOptions
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.metrics.summary import FlopCount
@@ -73,8 +73,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     params (already quantized), copied device to device instead of reading the weights
     again (a draft model is read again)."""
     root = pathlib.Path(model_dir)
-    model_config = dataclasses.replace(checkpoint.load_config(root),
-                                       expert_parallel=config.enable_expert_parallel)
+    model_config = checkpoint.load_config(root)
+    ep = config.enable_expert_parallel
+    ModelOptions(expert_parallel=ep).check(model_config)
     tokenizer = load_tokenizer(root, skip=config.skip_tokenizer_init)
     eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
                      else eos_token_ids_from_configs(root))
@@ -82,22 +83,24 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     config = with_checkpoint_quantization(root, config)
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
-                                config.data_parallel_size, replica)
+                                config.data_parallel_size, replica, ep)
     parts = spec_loading.prepare(root, model_config, config, max_len)
-    served = parts.served_target(sharding.served_config(model_config,
-                                                        config.tensor_parallel_size))
+    options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers)
+    served = sharding.served_config(model_config, config.tensor_parallel_size)
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
                               draft=parts.plan_draft(served, config))
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
-                             config.quantization)
+                             config.quantization, expert_parallel=ep)
     group_pages = tuple(group.num_pages for group in memory_plan.page_groups)
     check_same_engine(served, config, max_len, group_pages)
-    params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh)
+    params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh,
+                                                   expert_parallel=ep)
     if config.quantization is not None and quantization.mode_of(params) is None:
         if config.quantization == "int4":  # activation-aware scales before rounding
             params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
-        params = runner_lib.quantize_at_load(params, served, mesh, config.quantization)
+        params = runner_lib.quantize_at_load(params, served, mesh, config.quantization,
+                                             options)
     spec = config.speculative_config
     buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs,
@@ -110,7 +113,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         max_model_len=max_len, kv_dtype=config.kv_dtype, eos_token_ids=eos_token_ids,
         buckets=buckets, attention=AttentionSettings(impl=config.attention_impl),
         enable_prompt_logprobs=config.enable_prompt_logprobs,
-        uses_draft_probs=parts.proposes_with_model)
+        uses_draft_probs=parts.proposes_with_model, options=options)
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,
@@ -210,6 +213,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   max_num_batched_tokens=config.max_num_batched_tokens,
                   hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
+                  expert_parallel=config.enable_expert_parallel,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,

@@ -102,13 +102,15 @@ def kv_storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
 
 def kv_cache_spec(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, backend: str | None = None,
-                  shards: int = 1, group_windows: Sequence[int | None] = (None,)) -> list:
+                  shards: int = 1, group_windows: Sequence[int | None] = (None,),
+                  feature_size: int = 0) -> list:
     """Shapes and storage dtypes of the cache's L layers, [P, K, W, packing, L] each
     (a `QuantizedPages` with scales f32[P, K, 2G] for 8-bit `dtype`, "int8" or "fp8");
     with `shards` devices on the model axis, W is each device's words (its G / shards
     heads, padded to whole words) times `shards`, so a split of W gives whole heads.
     `num_pages`: P of each KV page group (engine/core/kv_groups.py), whose windows are
-    `group_windows`; a layer has its `page_group`'s."""
+    `group_windows`; a layer has its `page_group`'s. `feature_size` > 0: then the feature
+    store the step keeps for speculative heads (ModelOptions.feature_size)."""
     num_pages = (num_pages,) if isinstance(num_pages, int) else tuple(num_pages)
     if len(num_pages) != len(group_windows):
         raise ValueError(f"{len(num_pages)} page counts for {len(group_windows)} groups")
@@ -126,8 +128,8 @@ def kv_cache_spec(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size
     groups = [layer(count) for count in num_pages]
     spec = [groups[page_group(cfg.layer_window(i), group_windows)]
             for i in range(cfg.num_layers)]
-    if cfg.feature_layers:  # the feature store (ModelConfig.feature_layers), by KV slot
-        spec.append(jax.ShapeDtypeStruct((num_pages[0] * page_size, cfg.feature_size),
+    if feature_size:  # the feature store (ModelOptions.feature_layers), by KV slot
+        spec.append(jax.ShapeDtypeStruct((num_pages[0] * page_size, feature_size),
                                          feature_dtype(dtype, backend)))
     return spec
 
@@ -169,14 +171,16 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
 
 def init_kv_cache(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size: int,
                   dtype: jnp.dtype | str = jnp.float32, shards: int = 1,
-                  group_windows: Sequence[int | None] = (None,)) -> KVCache:
+                  group_windows: Sequence[int | None] = (None,),
+                  feature_size: int = 0) -> KVCache:
     """Zeroed cache: L layers of [P, K, W, packing, L] in the storage dtype of `dtype`
     (with their scales for 8-bit KV; jit it with out_shardings to build a sharded cache
-    without a whole copy)."""
+    without a whole copy), and the feature store with `feature_size` (kv_cache_spec)."""
     return jax.tree.map(lambda spec: jnp.zeros(spec.shape, spec.dtype),
                         kv_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
                                       dtype=dtype, shards=shards,
-                                      group_windows=group_windows))
+                                      group_windows=group_windows,
+                                      feature_size=feature_size))
 
 
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,

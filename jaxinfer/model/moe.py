@@ -18,7 +18,7 @@ picked from static shapes so nothing recompiles whatever the routing:
   one batched matmul per projection, reading every expert, which a bucket of that many
   choices does anyway.
 
-Experts live on the model axis one of two ways (`ModelConfig.expert_parallel`): whole
+Experts live on the model axis one of two ways (`ModelOptions.expert_parallel`): whole
 experts per device (E / n each), or a slice of every expert as for a dense MLP
 (gate/up by whole row-block pairs of their outputs, down by its input columns).
 Either way each device computes its share for every token inside `shard_map` and one
@@ -73,17 +73,18 @@ def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig,
     return weights, experts.astype(jnp.int32)
 
 
-def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, with_experts: bool = False
-              ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The MoE MLP of x f32[..., D] (already normed) -> f32[..., D]; `with_experts`: and
-    each token's chosen experts i32[T, k]."""
+def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, expert_parallel: bool = False,
+              with_experts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The MoE MLP of x f32[..., D] (already normed) -> f32[..., D], its experts whole
+    per device with `expert_parallel` (ModelOptions); `with_experts`: and each token's
+    chosen experts i32[T, k]."""
     lead, d = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, d)
     weights, experts = route(x, layer["w_router"], cfg, layer.get("b_router"))
     gate_up = layer["we_gate_up"]
     if "be_gate_up" in layer:  # per-expert biases [E, 2F] and [E, D] (gpt-oss)
         gate_up = (gate_up, layer["be_gate_up"])
-    y = expert_mlps(x, gate_up, layer["we_down"], weights, experts, cfg)
+    y = expert_mlps(x, gate_up, layer["we_down"], weights, experts, cfg, expert_parallel)
     if "be_down" in layer:  # added once, after the devices' shares are summed
         y = y + jnp.einsum("tk,tkd->td", weights, layer["be_down"][experts].astype(
             jnp.float32))
@@ -103,18 +104,20 @@ def expert_counts(experts: jax.Array, num_tokens: jax.Array, num_experts: int
 
 
 def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                weights: jax.Array, experts: jax.Array, cfg: ModelConfig) -> jax.Array:
+                weights: jax.Array, experts: jax.Array, cfg: ModelConfig,
+                expert_parallel: bool = False) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D]; on a mesh, each
-    device its experts (or its slice of each) and one psum. `w_gate_up` may be a pair
-    (weights, biases [E, 2F]): the bias is added to the gate/up outputs."""
+    device its experts (`expert_parallel`) or its slice of each, and one psum.
+    `w_gate_up` may be a pair (weights, biases [E, 2F]): the bias is added to the
+    gate/up outputs."""
     shards = sharding.model_axis_size()
     glu = expert_glu.glu_of(cfg)
     local = functools.partial(_local_experts, glu=glu, shards=shards,
-                              expert_parallel=cfg.expert_parallel)
+                              expert_parallel=expert_parallel)
     if shards == 1:
         return local(x, w_gate_up, w_down, weights, experts)
     axis = sharding.MODEL_AXIS
-    if cfg.expert_parallel:
+    if expert_parallel:
         gate_up_spec = down_spec = P(axis, None, None)
     else:
         gate_up_spec, down_spec = P(None, axis, None), P(None, None, axis)

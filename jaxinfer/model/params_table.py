@@ -41,22 +41,21 @@ from jaxinfer.config.families.rows import hidden as _d
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (model/sharding.py)
 
 
-def spec(param: Param, cfg: ModelConfig, tensor_parallel_size: int = 1) -> P:
+def spec(param: Param, cfg: ModelConfig, tensor_parallel_size: int = 1,
+         expert_parallel: bool = False) -> P:
     """A leaf's PartitionSpec over the model axis. Experts, stored [E, out, in] as HF
     stores each (a decode step's gathered matvecs then read whole rows), split by
-    expert with `cfg.expert_parallel`, else inside each expert as a dense MLP: gate/up
-    by output rows, down by input columns."""
+    expert with `expert_parallel` (ModelOptions), else inside each expert as a dense
+    MLP: gate/up by output rows, down by input columns."""
     vocab = cfg.vocab_size % tensor_parallel_size == 0
     by_expert = P(MODEL_AXIS, None, None)
     return {"whole": P(), "columns": P(None, MODEL_AXIS), "rows": P(MODEL_AXIS, None),
             "vector": P(MODEL_AXIS),
             "vocab_rows": P(MODEL_AXIS, None) if vocab else P(),
             "vocab_columns": P(None, MODEL_AXIS) if vocab else P(),
-            "expert_outputs": by_expert if cfg.expert_parallel
-            else P(None, MODEL_AXIS, None),
-            "expert_inputs": by_expert if cfg.expert_parallel
-            else P(None, None, MODEL_AXIS),
-            "expert_vectors": P(MODEL_AXIS, None) if cfg.expert_parallel
+            "expert_outputs": by_expert if expert_parallel else P(None, MODEL_AXIS, None),
+            "expert_inputs": by_expert if expert_parallel else P(None, None, MODEL_AXIS),
+            "expert_vectors": P(MODEL_AXIS, None) if expert_parallel
             else P(None, MODEL_AXIS)}[param.split]
 
 
@@ -151,9 +150,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return _tree(cfg, lambda p: p.shape(cfg))
 
 
-def param_partition_specs(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict:
-    """The PartitionSpec of every parameter over the mesh's model axis."""
-    return _tree(cfg, lambda p: spec(p, cfg, tensor_parallel_size))
+def param_partition_specs(cfg: ModelConfig, tensor_parallel_size: int = 1,
+                          expert_parallel: bool = False) -> dict:
+    """The PartitionSpec of every parameter over the mesh's model axis (experts whole per
+    device with `expert_parallel`)."""
+    return _tree(cfg, lambda p: spec(p, cfg, tensor_parallel_size, expert_parallel))
 
 
 def hf_layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, Shape]:

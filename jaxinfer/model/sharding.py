@@ -19,19 +19,21 @@ from jaxinfer.model.params_table import MODEL_AXIS
 DATA_AXIS = "data"  # data-parallel replicas: rows of layout_mesh
 
 
-def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int) -> None:
+def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int,
+             expert_parallel: bool = False) -> None:
     """Raise ValueError, naming the numbers, unless the model splits over that many
     devices (`check_split`) and that many are present."""
-    check_split(cfg, tensor_parallel_size)
+    check_split(cfg, tensor_parallel_size, expert_parallel)
     if tensor_parallel_size > num_devices:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
                          f"{num_devices} device(s) present")
 
 
-def check_split(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+def check_split(cfg: ModelConfig, tensor_parallel_size: int,
+                expert_parallel: bool = False) -> None:
     """Raise ValueError, naming the numbers, unless the model splits over that many
     devices: query heads divisible, KV heads divisible or dividing, and whole gate/up
-    column blocks per device (model/fusion.py)."""
+    column blocks per device (model/fusion.py); with `expert_parallel`, whole experts."""
     n, heads, kv_heads = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive int")
@@ -44,11 +46,11 @@ def check_split(cfg: ModelConfig, tensor_parallel_size: int) -> None:
         _check_blocks(n, cfg.intermediate_size, "intermediate_size")
     if cfg.moe is None:
         return
-    if cfg.expert_parallel and cfg.moe.num_experts % n:
+    if expert_parallel and cfg.moe.num_experts % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the {cfg.moe.num_experts} "
                          "experts (enable_expert_parallel=True gives each device whole "
                          "experts)")
-    if not cfg.expert_parallel:
+    if not expert_parallel:
         _check_blocks(n, cfg.moe.intermediate_size, "moe_intermediate_size")
     if cfg.moe.shared_expert_intermediate_size:
         _check_blocks(n, cfg.moe.shared_expert_intermediate_size,

@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.model import rejection, sampler, scoring, sharding, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
@@ -61,29 +61,31 @@ class StepInputs:
 
 
 def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
-         cfg: ModelConfig, num_logprobs: int, decode_only: bool = False,
-         token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
+         cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, num_logprobs: int,
+         decode_only: bool = False, token_mask: jax.Array | None = None
+         ) -> tuple[KVCache, jax.Array]:
     """Forward, then sample each position; returns (kv_cache, i32[S, Q, 3 + 2k]).
     `decode_only`: every request has one token (a decode bucket; see transformer).
     `token_mask`: i32[S, W] allowed-token bits per request (structured outputs,
     `sampler.constrain`), applied at each of its positions; None: no constraint."""
     kv_cache, logits, *routed = transformer.forward(
-        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, max_q_len=int(decode_only),
-        routing=cfg.moe is not None)  # f32[S * Q, V]
+        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, options=options,
+        max_q_len=int(decode_only), routing=cfg.moe is not None)  # f32[S * Q, V]
     logits = sharding.replicate(logits)  # vocab-split LM head: whole rows to sample from
     return kv_cache, _sample_packed(logits, inputs, num_logprobs, token_mask), *routed
 
 
 def verify_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
-                draft_probs: jax.Array | None = None, *, cfg: ModelConfig, num_logprobs: int,
+                draft_probs: jax.Array | None = None, *, cfg: ModelConfig,
+                options: ModelOptions = DEFAULT_OPTIONS, num_logprobs: int,
                 token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """`step` with rejection sampling of each position's proposed token: returns
     (kv_cache, i32[S, Q, 3 + 2k]) whose token at a position is the proposal where
     accepted. draft_probs f32[S, Q, V]: q of each position's proposal; None: certain."""
     num_slots, num_positions = inputs.proposed_ids.shape
     kv_cache, logits, *routed = transformer.forward(
-        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, max_q_len=num_positions,
-        routing=cfg.moe is not None)  # f32[S * Q, V]
+        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, options=options,
+        max_q_len=num_positions, routing=cfg.moe is not None)  # f32[S * Q, V]
     logits = sharding.replicate(logits)
     if draft_probs is not None:
         draft_probs = draft_probs.reshape(num_slots * num_positions, -1)
@@ -101,7 +103,8 @@ def draft_prefill(params: transformer.Params, kv_cache: KVCache, token_ids: jax.
 
 
 def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
-               score_inputs: scoring.ScoreInputs, *, cfg: ModelConfig, num_logprobs: int,
+               score_inputs: scoring.ScoreInputs, *, cfg: ModelConfig,
+               options: ModelOptions = DEFAULT_OPTIONS, num_logprobs: int,
                token_mask: jax.Array | None = None) -> tuple[KVCache, jax.Array, jax.Array]:
     """`step` that also scores every token position (prompt logprobs): returns
     (kv_cache, i32[S, Q, 3 + 2k] samples, i32[T, 2 + 2k] scores, see model/scoring.py).
@@ -116,7 +119,7 @@ def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs
     every_token = dataclasses.replace(inputs.md, logits_indices=jnp.arange(
         num_tokens, dtype=jnp.int32))
     kv_cache, logits, *routed = transformer.forward(
-        params, kv_cache, inputs.token_ids, every_token, cfg=cfg,
+        params, kv_cache, inputs.token_ids, every_token, cfg=cfg, options=options,
         routing=cfg.moe is not None)  # f32[T, V]
     logits = sharding.replicate(logits)
     scores = scoring.pack(scoring.score(logits, score_inputs, num_logprobs=num_logprobs))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.config.model import FINAL_NORMED
 from jaxinfer.model import layers, moe, sharding
 from jaxinfer.model.attention import (
@@ -51,11 +51,13 @@ def forward(
     md: AttentionMetadata,
     *,
     cfg: ModelConfig,
+    options: ModelOptions = DEFAULT_OPTIONS,
     max_q_len: int = 0,
     routing: bool = False,
 ) -> tuple:
     """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]), and with
     `routing` the tokens each MoE layer sent to each expert, i32[L_moe, E].
+    `options`: the engine's (experts split by expert, features kept for heads).
     `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
     k + 1 in a verify bucket), so attention takes its slot-by-slot path alone."""
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
@@ -63,10 +65,10 @@ def forward(
                                       layers.rope_scale(cfg, kind))
              for kind in layers.rope_kinds(cfg)}  # once per step and kind, not per layer
     real_tokens = md.cu_q_lens[md.num_seqs[0]]
-    kv_cache, store = split_feature_store(kv_cache, cfg)
+    kv_cache, store = split_feature_store(kv_cache, options)
     new_cache, routed, captured = [], [], {}
     for index, (layer, kv_pages) in enumerate(zip(params["layers"], kv_cache, strict=True)):
-        if index in cfg.feature_layers:
+        if index in options.feature_layers:
             captured[index] = x
         h = layers.norm(x, layer["attn_norm"], cfg)
         attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg,
@@ -76,7 +78,8 @@ def forward(
         x = x + post_norm(layer, "post_attn_norm", attn, cfg)
         h = layers.norm(x, layer["mlp_norm"], cfg)
         if "w_router" in layer:
-            y, experts = moe.moe_block(layer, h, cfg, with_experts=True)
+            y, experts = moe.moe_block(layer, h, cfg, expert_parallel=options.expert_parallel,
+                                       with_experts=True)
             routed.append(moe.expert_counts(experts, real_tokens, cfg.moe.num_experts))
         else:
             y = layers.mlp(layer, h, cfg.hidden_act)
@@ -84,7 +87,7 @@ def forward(
         new_cache.append(kv_pages)
     if store is not None:
         captured[cfg.num_layers] = x
-        features = gather_features(captured, params, cfg)
+        features = gather_features(captured, params, cfg, options.feature_layers)
         new_cache.append(write_features(store, md.slot_mapping, features))
     logits = compute_logits(params, x[md.logits_indices], cfg)
     if not routing:
@@ -92,17 +95,17 @@ def forward(
     return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)
 
 
-def split_feature_store(kv_cache: KVCache, cfg: ModelConfig) -> tuple[KVCache, object]:
-    """(the layers' KV pages, the feature store or None): with `cfg.feature_layers` the
-    cache's last entry is the store, f[pages * page_size, feature_size]."""
-    if not cfg.feature_layers:
+def split_feature_store(kv_cache: KVCache, options: ModelOptions) -> tuple[KVCache, object]:
+    """(the layers' KV pages, the feature store or None): with `options.feature_layers`
+    the cache's last entry is the store, f[pages * page_size, feature_size]."""
+    if not options.feature_layers:
         return kv_cache, None
     return kv_cache[:-1], kv_cache[-1]
 
 
-def gather_features(captured: dict[int, jax.Array], params: Params, cfg: ModelConfig
-                    ) -> jax.Array:
-    """f32[..., feature_size]: the residual streams named by `cfg.feature_layers`
+def gather_features(captured: dict[int, jax.Array], params: Params, cfg: ModelConfig,
+                    feature_layers: tuple[int, ...]) -> jax.Array:
+    """f32[..., feature_size]: the residual streams named by `feature_layers`
     (`captured[i]`: the stream entering layer i, i = L after the last layer), in order;
     FINAL_NORMED is the last one after the final norm."""
     def one(index: int) -> jax.Array:
@@ -110,13 +113,14 @@ def gather_features(captured: dict[int, jax.Array], params: Params, cfg: ModelCo
             return layers.norm(captured[cfg.num_layers], params["final_norm"], cfg)
         return captured[index]
 
-    return jnp.concatenate([one(i).astype(jnp.float32) for i in cfg.feature_layers], -1)
+    return jnp.concatenate([one(i).astype(jnp.float32) for i in feature_layers], -1)
 
 
 def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig,
-                  with_features: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                  options: ModelOptions = DEFAULT_OPTIONS, with_features: bool = False
+                  ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V];
-    `with_features`: (logits, f32[B, T, feature_size]) of `cfg.feature_layers`."""
+    `with_features`: (logits, f32[B, T, feature_size]) of `options.feature_layers`."""
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)
     captured = {}
     for index, layer in enumerate(params["layers"]):
@@ -125,19 +129,21 @@ def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig,
         attn = dense_causal_attention(layer, h, cfg, cfg.layer_window(index),
                                       cfg.layer_rope(index))
         x = x + post_norm(layer, "post_attn_norm", attn, cfg)
-        y = mlp(layer, layers.norm(x, layer["mlp_norm"], cfg), cfg)
+        y = mlp(layer, layers.norm(x, layer["mlp_norm"], cfg), cfg, options.expert_parallel)
         x = x + post_norm(layer, "post_mlp_norm", y, cfg)
     if not with_features:
         return compute_logits(params, x, cfg)
     captured[cfg.num_layers] = x
-    return compute_logits(params, x, cfg), gather_features(captured, params, cfg)
+    return compute_logits(params, x, cfg), gather_features(captured, params, cfg,
+                                                           options.feature_layers)
 
 
-def mlp(layer: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def mlp(layer: Params, x: jax.Array, cfg: ModelConfig, expert_parallel: bool = False
+        ) -> jax.Array:
     """The layer's MLP: its experts in a MoE layer (model/moe.py), else dense SwiGLU or
     GeGLU."""
     if "w_router" in layer:
-        return moe.moe_block(layer, x, cfg)
+        return moe.moe_block(layer, x, cfg, expert_parallel=expert_parallel)
     return layers.mlp(layer, x, cfg.hidden_act)
 
 

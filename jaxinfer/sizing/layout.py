@@ -94,14 +94,16 @@ def communication_seconds(cfg: ModelConfig, chip: Chip, tp: int, batch: int) -> 
     return all_reduces * all_reduce_seconds(chip, tp, activations) + gather
 
 
-def tensor_parallel_sizes(cfg: ModelConfig, chips: int) -> list[int]:
-    """The TP sizes that divide `chips` and split the model (`sharding.check_split`)."""
+def tensor_parallel_sizes(cfg: ModelConfig, chips: int, expert_parallel: bool = False
+                          ) -> list[int]:
+    """The TP sizes that divide `chips` and split the model (`sharding.check_split`;
+    whole experts per chip with `expert_parallel`)."""
     sizes = []
     for tp in range(1, chips + 1):
         if chips % tp:
             continue
         try:
-            sharding.check_split(cfg, tp)
+            sharding.check_split(cfg, tp, expert_parallel)
         except ValueError:
             continue
         sizes.append(tp)
@@ -135,8 +137,9 @@ def evaluate(cfg: ModelConfig, acc: Accelerator, tp: int, dp: int | None = None,
 
 def splits(cfg: ModelConfig, acc: Accelerator, **plan_kwargs: object) -> list[Split]:
     """Every DP x TP = acc.chips with a valid TP, smallest TP first."""
+    expert_parallel = bool(plan_kwargs.get("expert_parallel", False))
     return [evaluate(cfg, acc, tp, **plan_kwargs)
-            for tp in tensor_parallel_sizes(cfg, acc.chips)]
+            for tp in tensor_parallel_sizes(cfg, acc.chips, expert_parallel)]
 
 
 def recommend(candidates: list[Split]) -> Split | None:

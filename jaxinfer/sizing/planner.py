@@ -48,10 +48,10 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     return total, total - experts + experts * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """ValueError naming the numbers unless `tp` devices can split the model
-    (sharding.check_split: heads, KV heads, gate/up blocks)."""
-    sharding.check_split(cfg, tp)
+    (sharding.check_split: heads, KV heads, gate/up blocks, whole experts)."""
+    sharding.check_split(cfg, tp, expert_parallel)
 
 
 def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
@@ -60,15 +60,15 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
     return sharding.served_config(cfg, tp).num_kv_heads // tp
 
 
-def _device_shapes(cfg: ModelConfig, tp: int
+def _device_shapes(cfg: ModelConfig, tp: int, expert_parallel: bool = False
                    ) -> list[tuple[str, tuple[int, ...], int, PartitionSpec]]:
     """(name, shape, elements on one device, spec) of every parameter, as the engine places
     them: the served model (KV heads copied when fewer than devices) split by the
-    parameter table (model/params_table.py)."""
+    parameter table (model/params_table.py), experts whole with `expert_parallel`."""
     served = sharding.served_config(cfg, tp)
     flat, _ = jax.tree_util.tree_flatten_with_path(
         param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(param_partition_specs(served, tp),
+    specs = jax.tree.leaves(param_partition_specs(served, tp, expert_parallel),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
     out = []
     for (path, shape), spec in zip(flat, specs, strict=True):
@@ -78,17 +78,19 @@ def _device_shapes(cfg: ModelConfig, tp: int
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
-                 quantization: str | None = None, quantized_head: bool = True) -> int:
+                 quantization: str | None = None, quantized_head: bool = True,
+                 expert_parallel: bool = False) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
     plus a float32 scale per output column held there, int4 half a byte plus its group
     scales (jaxinfer/model/quantization.py `quantized_bytes`; an int4 model's head is int8).
-    `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`)."""
-    check_tensor_parallel(cfg, tensor_parallel_size)
+    `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`);
+    `expert_parallel`: each device holds whole experts (ModelOptions)."""
+    check_tensor_parallel(cfg, tensor_parallel_size, expert_parallel)
     tp, total = tensor_parallel_size, 0
     head = quantization if quantized_head else None
-    for name, shape, n, spec in _device_shapes(cfg, tp):
+    for name, shape, n, spec in _device_shapes(cfg, tp, expert_parallel):
         if name in EXPERT_WEIGHTS:
             total += _expert_bytes(shape, n, spec, dtype, quantization, tp)
         elif quantization is not None and name in QUANTIZED_WEIGHTS:
@@ -114,11 +116,12 @@ def _expert_bytes(shape: tuple[int, ...], elements: int, spec: PartitionSpec, dt
 
 
 def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
-                        quantization: str | None = None) -> int:
+                        quantization: str | None = None, expert_parallel: bool = False
+                        ) -> int:
     """The expert stacks' bytes on one device (part of `weight_bytes`)."""
+    shapes = _device_shapes(cfg, tensor_parallel_size, expert_parallel)
     return sum(_expert_bytes(shape, n, spec, dtype, quantization, tensor_parallel_size)
-               for name, shape, n, spec in _device_shapes(cfg, tensor_parallel_size)
-               if name in EXPERT_WEIGHTS)
+               for name, shape, n, spec in shapes if name in EXPERT_WEIGHTS)
 
 
 def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
@@ -206,7 +209,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          quantization: str | None = None, quantized_head: bool = True,
          draft: ModelConfig | tuple[int, int] | None = None,
          max_num_batched_tokens: int = 512,
-         hybrid_kv_cache: bool = True) -> MemoryPlan:
+         hybrid_kv_cache: bool = True, expert_parallel: bool = False) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
@@ -216,8 +219,9 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     `bandwidth_gb_per_s` (GB/s, per device) for the decode roofline, None leaves it out;
     `peak_flops_per_s` adds the compute bound. `hybrid_kv_cache`: a model with both
     sliding-window and full-attention layers gives its sliding layers their own pages
-    (`page_groups`). Raises ValueError when not even one request of `max_model_len`
-    fits, saying how much would."""
+    (`page_groups`). `expert_parallel`: each device holds whole experts (ModelOptions).
+    Raises ValueError when not even one request of `max_model_len` fits, saying how
+    much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
     tp, num_devices = tensor_parallel_size, num_devices or tensor_parallel_size
@@ -225,7 +229,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
         raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head)
+    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)
@@ -251,16 +255,18 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
                       draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
-                      **_moe_fields(cfg, dtype, tp, quantization), **groups)
+                      **_moe_fields(cfg, dtype, tp, quantization, expert_parallel), **groups)
 
 
-def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None) -> dict:
+def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None,
+                expert_parallel: bool) -> dict:
     """MemoryPlan's parameter counts and, for a mixture of experts, its routing and the
     experts' bytes on one device."""
     total, active = param_counts(cfg)
     out = {"total_params": total, "active_params": active}
     if cfg.moe is None:
         return out
-    return out | {"expert_weight_bytes": expert_weight_bytes(cfg, dtype, tp, quantization),
+    return out | {"expert_weight_bytes": expert_weight_bytes(cfg, dtype, tp, quantization,
+                                                           expert_parallel),
                   "num_experts": cfg.moe.num_experts,
                   "experts_per_token": cfg.moe.num_experts_per_tok}

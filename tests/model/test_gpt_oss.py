@@ -182,11 +182,12 @@ def test_logits_on_two_devices_match_transformers(gpt_oss):
     ids = _prompt(1, 34)
     want = _hf_logits(model, ids)
     for ep in (True, False):
-        cfg = dataclasses.replace(checkpoint.load_config(path), expert_parallel=ep)
+        cfg = checkpoint.load_config(path)
         mesh = sharding.make_mesh(2)
-        params = checkpoint.load_params(path, cfg, mesh=mesh)
+        params = checkpoint.load_params(path, cfg, mesh=mesh, expert_parallel=ep)
         assert params["layers"][0]["sinks"].sharding.spec == P("model")
-        runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64, mesh=mesh)
+        runner = Runner(cfg, params, num_pages=16, page_size=8, max_model_len=64, mesh=mesh,
+                        options=config.ModelOptions(expert_parallel=ep))
         pages = [5, 2, 11, 7, 3]
         got = np.concatenate([testing.logits(runner, [Chunk(ids[:30], 0, pages)])] + [
             testing.logits(runner, [Chunk(ids[i:i + 1], i, pages)]) for i in range(30, 34)])

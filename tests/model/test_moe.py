@@ -3,7 +3,6 @@ dense reference (every expert for every token)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams, checkpoint, testing
-from jaxinfer.config import ModelConfig, MoEConfig
+from jaxinfer.config import ModelConfig, ModelOptions, MoEConfig
 from jaxinfer.engine.runner import Chunk, Runner
 from jaxinfer.model import fusion, moe, quantization, sharding, transformer
 
@@ -138,7 +137,7 @@ def test_generate_greedy_matches_transformers_with_batching(moe_llm, hf_models):
 def test_expert_parallel_needs_experts(hf_model_dirs):
     cfg = checkpoint.load_config(hf_model_dirs["llama"])
     with pytest.raises(ValueError, match="enable_expert_parallel=True needs a mixture"):
-        dataclasses.replace(cfg, expert_parallel=True)
+        ModelOptions(expert_parallel=True).check(cfg)
 
 
 @pytest.mark.parametrize("path", ["_gathered", "_grouped", "_all_experts"])
@@ -320,7 +319,7 @@ def test_per_expert_biases_on_every_path_and_split(tokens, shards, expert_parall
     moe_cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
     cfg = ModelConfig(architecture="qwen3_moe", vocab_size=32, hidden_size=16,
                       intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                      head_dim=8, moe=moe_cfg, expert_parallel=expert_parallel)
+                      head_dim=8, moe=moe_cfg)
     layer = _random_layer(cfg, 1)
     keys = jax.random.split(jax.random.key(6), 3)
     layer["be_gate_up"] = jax.random.normal(keys[0], (8, 64))
@@ -328,7 +327,8 @@ def test_per_expert_biases_on_every_path_and_split(tokens, shards, expert_parall
     x = np.asarray(jax.random.normal(keys[2], (tokens, 16)))
     mesh = sharding.make_mesh(shards)
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda l, x: moe.moe_block(l, x, cfg))(layer, jnp.asarray(x))
+        got = jax.jit(lambda l, x: moe.moe_block(l, x, cfg, expert_parallel=expert_parallel))(
+            layer, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(got), _biased_reference(layer, x, cfg),
                                rtol=1e-4, atol=1e-4)
     weights, experts = moe.route(jnp.asarray(x), layer["w_router"], cfg)  # TPU's path

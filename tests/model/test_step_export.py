@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.runner.programs import (
     input_spec,
@@ -39,11 +39,13 @@ BUCKETS = (Bucket(4, 4, True), Bucket(16, 4, False))
 
 
 def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
-            kv_dtype: str = "bfloat16") -> jax.export.Exported:
+            kv_dtype: str = "bfloat16", options: ModelOptions = DEFAULT_OPTIONS
+            ) -> jax.export.Exported:
     """The step of `cfg` (the served model) for `bucket`, bf16, with the GPU kernel,
     exported for CUDA."""
     mesh = sharding.make_mesh(TP)
-    params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization, kv_dtype=kv_dtype)
+    params_sh, kv_sh, whole = step_shardings(cfg, mesh, quantization, kv_dtype=kv_dtype,
+                                             options=options)
     shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     if quantization is not None:
@@ -51,7 +53,7 @@ def _export(cfg: ModelConfig, bucket: Bucket, quantization: str | None = None,
     kv = kv_cache_spec(cfg, num_pages=PAGES, page_size=PAGE_SIZE, dtype=kv_dtype,
                        backend="gpu", shards=TP)
     step = jax.jit(step_function(cfg, page_size=PAGE_SIZE, decode_only=bucket.decode,
-                                 attention=AttentionSettings(impl="gpu")),
+                                 attention=AttentionSettings(impl="gpu"), options=options),
                    in_shardings=(params_sh, kv_sh, whole, whole, whole),
                    out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     inputs = input_spec(bucket, page_size=PAGE_SIZE)
@@ -162,10 +164,10 @@ def test_moe_step_exports_for_cuda_with_grouped_experts(expert_parallel):
     cfg = sharding.served_config(ModelConfig(
         architecture="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=384,
         num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, qk_norm=True,
-        expert_parallel=expert_parallel,
         moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64)), TP)
+    options = ModelOptions(expert_parallel=expert_parallel)
     for bucket in BUCKETS:
-        text = _export(cfg, bucket).mlir_module()
+        text = _export(cfg, bucket, options=options).mlir_module()
         assert text.count("sdy.manual_computation") == 2 * cfg.num_layers
         ops = re.findall(r'stablehlo\.composite "chlo\.ragged_dot"', text)  # gate/up, down
         assert len(ops) == 2 * cfg.num_layers, (bucket, len(ops))

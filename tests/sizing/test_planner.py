@@ -300,9 +300,8 @@ def test_moe_decode_reads_the_experts_its_batch_chooses():
         128 * (1 - (120 / 128) ** 32))
     one = planner.plan(cfg, dtype="bfloat16", memory_bytes=40 * 10**9, max_model_len=4096,
                        tensor_parallel_size=2, bandwidth_gb_per_s=819)
-    ep = planner.plan(dataclasses.replace(cfg, expert_parallel=True), dtype="bfloat16",
-                      memory_bytes=40 * 10**9, max_model_len=4096, tensor_parallel_size=2,
-                      bandwidth_gb_per_s=819)
+    ep = planner.plan(cfg, dtype="bfloat16", memory_bytes=40 * 10**9, max_model_len=4096,
+                      tensor_parallel_size=2, bandwidth_gb_per_s=819, expert_parallel=True)
     assert ep.weight_bytes == one.weight_bytes  # E/2 whole experts, or half of each
     experts = one.expert_weight_bytes
     assert 0.9 * one.weight_bytes < experts < one.weight_bytes

@@ -53,7 +53,7 @@ import numpy as np
 
 from jaxinfer import aot
 from jaxinfer.checkpoint.heads import random_head
-from jaxinfer.config import load_preset
+from jaxinfer.config import ModelOptions, load_preset
 from jaxinfer.config.heads import TOP_IDS, HeadConfig, head_config
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.runner.inputs import build_metadata, sampling_inputs
@@ -76,6 +76,7 @@ SETTINGS = aot.Settings(dtype="bfloat16", kv_dtype="bfloat16", max_num_seqs=32,
 Q = 5  # K + 1: four drafts
 TPU = AttentionSettings(impl="tpu")  # the compiled Mosaic kernel
 FEATURE_LAYERS = (1, 2, 3)
+KEEPING = ModelOptions(feature_layers=FEATURE_LAYERS)  # the target beside the heads
 DRAFT_SLOTS = 8
 GB = 1e9
 # SafeAILab's EAGLE-3 config for Llama-3.1-8B (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B).
@@ -111,14 +112,13 @@ def nbytes(tree: object) -> int:
 @functools.cache
 def _setup() -> dict:
     target = dataclasses.replace(load_preset("llama3.1-8b"), num_layers=4)
-    keeping = dataclasses.replace(target, feature_layers=FEATURE_LAYERS)
     head = head_config(PUBLISHED, target)
     assert head.feature_layers == FEATURE_LAYERS and head.feature_size == 3 * 4096
     head_params = eagle3_param_specs(head, SETTINGS.dtype)
     acc = accelerators.get("v5e-1")
     # As the engine plans beside heads (spec_loading.plan_draft): their weights, and per
     # token their K/V and the target's kept features.
-    per_token = (keeping.feature_size * feature_dtype(SETTINGS.kv_dtype).itemsize
+    per_token = (KEEPING.feature_size(target) * feature_dtype(SETTINGS.kv_dtype).itemsize
                  + planner.kv_bytes_per_token(head.layer, SETTINGS.kv_dtype))
     plan = planner.plan(
         target, memory_bytes=int(acc.chip.usable_hbm_bytes * SETTINGS.gpu_memory_utilization),
@@ -127,9 +127,9 @@ def _setup() -> dict:
         max_num_batched_tokens=SETTINGS.max_num_batched_tokens,
         draft=(nbytes(head_params), per_token))
     params, kv_plain = aot.step_specs(target, plan, SETTINGS, 1)
-    _, kv_keeping = aot.step_specs(keeping, plan, SETTINGS, 1)
+    _, kv_keeping = aot.step_specs(target, plan, SETTINGS, 1, FEATURE_LAYERS)
     mesh = sharding.make_mesh(1, aot.target_devices(acc))
-    return dict(target=target, keeping=keeping, head=head, head_params=head_params, acc=acc,
+    return dict(target=target, head=head, head_params=head_params, acc=acc,
                 plan=plan, params=params, kv_plain=kv_plain, kv_keeping=kv_keeping,
                 mesh=mesh)
 
@@ -170,17 +170,19 @@ def test_feature_keeping_steps_compile_with_the_mosaic_kernel():
     step keeping features: the store is an argument (donated, aliased to the output), it
     adds its own bytes and almost no temporaries."""
     s = _setup()
-    plan, keeping, store = s["plan"], s["keeping"], s["kv_keeping"][-1]
-    assert store.shape == (plan.num_pages * SETTINGS.page_size, keeping.feature_size)
+    plan, target, store = s["plan"], s["target"], s["kv_keeping"][-1]
+    assert store.shape == (plan.num_pages * SETTINGS.page_size, KEEPING.feature_size(target))
     assert store.dtype == jnp.bfloat16
     store_bytes = nbytes(store)
     decode = _buckets().decode()[-1]  # the 32-slot decode bucket
     rows = {}
-    for name, cfg, kv in (("decode step, no features", s["target"], s["kv_plain"]),
-                          ("decode step, keeping features", keeping, s["kv_keeping"])):
-        [compiled] = aot.compile_buckets(cfg, s["params"], kv, [decode], SETTINGS, s["mesh"])
+    for name, features, kv in (("decode step, no features", (), s["kv_plain"]),
+                               ("decode step, keeping features", FEATURE_LAYERS,
+                                s["kv_keeping"])):
+        [compiled] = aot.compile_buckets(target, s["params"], kv, [decode], SETTINGS,
+                                         s["mesh"], feature_layers=features)
         assert not isinstance(compiled, Exception), compiled
-        assert compiled.as_text().count("tpu_custom_call") == 2 * cfg.num_layers
+        assert compiled.as_text().count("tpu_custom_call") == 2 * target.num_layers
         rows[name] = _memory(name, compiled)
     plain, kept = rows.values()
     grown = kept["argument"] - plain["argument"]
@@ -192,8 +194,9 @@ def test_feature_keeping_steps_compile_with_the_mosaic_kernel():
     # features scattered into the store): the store is never copied.
     assert kept["temp"] < plain["temp"] + 0.01 * store_bytes
 
-    cfg, mesh = keeping, s["mesh"]
-    param_sh, kv_sh, whole = step_shardings(cfg, mesh, kv_dtype=SETTINGS.kv_dtype)
+    cfg, mesh = target, s["mesh"]
+    param_sh, kv_sh, whole = step_shardings(cfg, mesh, kv_dtype=SETTINGS.kv_dtype,
+                                            options=KEEPING)
     bucket = _buckets().verify()[-1]  # 32 slots x Q
     inputs = on_shardings(input_spec(bucket, page_size=SETTINGS.page_size, num_positions=Q),
                           whole)
@@ -201,7 +204,8 @@ def test_feature_keeping_steps_compile_with_the_mosaic_kernel():
                                     max_model_len=SETTINGS.max_model_len), whole)
     probs = jax.ShapeDtypeStruct((bucket.num_slots, Q, cfg.vocab_size), jnp.float32,
                                  sharding=whole)
-    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size, attention=TPU),
+    verify = jax.jit(verify_step_function(cfg, page_size=SETTINGS.page_size, attention=TPU,
+                                          options=KEEPING),
                      in_shardings=(param_sh, kv_sh, whole, whole, whole, whole),
                      out_shardings=(kv_sh, whole, whole), donate_argnums=(1, 2))
     mask = on_shardings(mask_spec(bucket, cfg.vocab_size), whole)

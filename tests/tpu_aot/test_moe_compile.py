@@ -27,8 +27,12 @@ MODELS = {"qwen3-30b-a3b": ("v6e-8", True), "mixtral-8x7b": ("v5e-8", False)}
 
 def _cfg(name: str, layers: int | None):
     cfg = load_preset(name)
-    cfg = dataclasses.replace(cfg, expert_parallel=MODELS[name][1])
     return cfg if layers is None else dataclasses.replace(cfg, num_layers=layers)
+
+
+def _settings(name: str) -> aot.Settings:
+    """SETTINGS with the model's expert parallelism (whole experts a chip, or not)."""
+    return dataclasses.replace(SETTINGS, expert_parallel=MODELS[name][1])
 
 
 def _check(report: dict, cfg) -> None:
@@ -51,7 +55,7 @@ def _check(report: dict, cfg) -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_moe_layers_compile_over_8_chips(name):
     cfg = _cfg(name, 4)
-    report = aot.compile_report(cfg, device=MODELS[name][0], settings=SETTINGS,
+    report = aot.compile_report(cfg, device=MODELS[name][0], settings=_settings(name),
                                 buckets="ends")
     assert [(r["tokens"], r["slots"]) for r in report["buckets"]] == [(1, 1), (16, 8)]
     _check(report, cfg)
@@ -66,6 +70,6 @@ def test_moe_layers_compile_over_8_chips(name):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_whole_moe_models_compile_over_8_chips(name):
     cfg = _cfg(name, None)
-    report = aot.compile_report(cfg, device=MODELS[name][0], settings=SETTINGS,
+    report = aot.compile_report(cfg, device=MODELS[name][0], settings=_settings(name),
                                 buckets="ends")
     _check(report, cfg)

@@ -1,6 +1,6 @@
 """Speculative heads on the target's hidden states: EAGLE-1/2, EAGLE-3 and Medusa.
 
-The target's step keeps the features the heads read (`ModelConfig.feature_layers`) in
+The target's step keeps the features the heads read (`ModelOptions.feature_layers`) in
 its feature store, the KV cache's last entry: f[pages * page_size, F], one row per KV
 slot, written for every token the target computes (prompt chunks, decode and verify
 positions alike). A `HeadRunner` reads that store from the target's runner at each

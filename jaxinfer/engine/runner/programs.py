@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
@@ -42,31 +42,38 @@ COMPILE_THREADS = 2  # buckets compiled at once during warm-up
 
 
 def step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False,
-                  attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
+                  attention: AttentionSettings = DEFAULT_SETTINGS,
+                  options: ModelOptions = DEFAULT_OPTIONS) -> Callable:
     """The step the runner compiles: (params, kv_cache, state, delta) -> (kv_cache,
     state, packed); `decode_only` for decode buckets (one token per request);
-    `attention`: the engine's attention kernel (impl, interpret)."""
+    `attention`: the engine's attention kernel (impl, interpret); `options`: the
+    engine's for the model (experts split, features kept)."""
     return batch_state.stateful(functools.partial(
-        model_step.step, cfg=cfg, num_logprobs=MAX_LOGPROBS, decode_only=decode_only),
+        model_step.step, cfg=cfg, options=options, num_logprobs=MAX_LOGPROBS,
+        decode_only=decode_only),
         page_size=page_size, routing=cfg.moe is not None, attention=attention)
 
 
 def score_step_function(cfg: ModelConfig, *, page_size: int,
-                        attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
+                        attention: AttentionSettings = DEFAULT_SETTINGS,
+                        options: ModelOptions = DEFAULT_OPTIONS) -> Callable:
     """The scoring variant the runner compiles per mixed bucket with
     `enable_prompt_logprobs`: (params, kv_cache, state, delta, score_inputs) ->
     (kv_cache, state, packed samples, packed scores)."""
     return batch_state.stateful(functools.partial(
-        model_step.score_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
+        model_step.score_step, cfg=cfg, options=options, num_logprobs=MAX_LOGPROBS),
+        page_size=page_size,
         routing=cfg.moe is not None, attention=attention)
 
 
 def verify_step_function(cfg: ModelConfig, *, page_size: int,
-                         attention: AttentionSettings = DEFAULT_SETTINGS) -> Callable:
+                         attention: AttentionSettings = DEFAULT_SETTINGS,
+                         options: ModelOptions = DEFAULT_OPTIONS) -> Callable:
     """The step of a verify bucket: (params, kv_cache, state, delta[, draft_probs]) ->
     (kv_cache, state, packed)."""
     return batch_state.stateful(functools.partial(
-        model_step.verify_step, cfg=cfg, num_logprobs=MAX_LOGPROBS), page_size=page_size,
+        model_step.verify_step, cfg=cfg, options=options, num_logprobs=MAX_LOGPROBS),
+        page_size=page_size,
         routing=cfg.moe is not None, attention=attention)
 
 
@@ -78,10 +85,11 @@ def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
 
 
 def make_mesh(cfg: ModelConfig, tensor_parallel_size: int, data_parallel_size: int = 1,
-              replica: int = 0) -> Mesh:
+              replica: int = 0, expert_parallel: bool = False) -> Mesh:
     """Replica `replica`'s mesh (its row of the data x model layout), after checking the
-    size suits the model and the devices are there (sharding.py)."""
-    sharding.validate(cfg, tensor_parallel_size, jax.device_count())
+    size suits the model (whole experts per device with `expert_parallel`) and the
+    devices are there (sharding.py)."""
+    sharding.validate(cfg, tensor_parallel_size, jax.device_count(), expert_parallel)
     layout = sharding.layout_mesh(data_parallel_size, tensor_parallel_size)
     return sharding.replica_mesh(layout, replica)
 
@@ -128,7 +136,8 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       buckets: Sequence[Bucket], *, page_size: int, max_model_len: int,
                       mesh: Mesh, attention: AttentionSettings,
                       threads: int = COMPILE_THREADS,
-                      group_windows: tuple[int | None, ...] = (None,)
+                      group_windows: tuple[int | None, ...] = (None,),
+                      options: ModelOptions = DEFAULT_OPTIONS
                       ) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the devices of `mesh` from specs alone
     (ShapeDtypeStructs: nothing is allocated), e.g. n chips of a TPU topology on a CPU
@@ -139,7 +148,7 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     mesh (tracing is not thread-safe); compiles run on `threads` threads.
     `attention.impl` must name the target's kernel: "auto" would read this host's
     default backend. `group_windows`: the KV page groups of `kv_cache` (kv_cache_spec's),
-    whose page tables the state and deltas carry."""
+    whose page tables the state and deltas carry; `options`: the engine's for the model."""
     if attention.impl == "auto":
         raise ValueError("compile_steps_for needs attention.impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
@@ -149,12 +158,12 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                          f"{shards} devices: pass sharding.served_config(cfg, {shards})")
     param_shardings, _, whole = step_shardings(
         cfg, mesh, quantization_lib.mode_of(params),
-        quantized_head=quantization_lib.has_quantized_head(params))
+        quantized_head=quantization_lib.has_quantized_head(params), options=options)
     kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
     steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode,
-                                           attention=attention),
+                                           attention=attention, options=options),
                              in_shardings=(param_shardings, kv_shardings, whole, whole,
                                            whole),
                              out_shardings=(kv_shardings, whole, whole),
@@ -180,19 +189,23 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
 
 
 def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None,
-                   kv_dtype: str = "float32", quantized_head: bool = True
+                   kv_dtype: str = "float32", quantized_head: bool = True,
+                   options: ModelOptions = DEFAULT_OPTIONS
                    ) -> tuple[object, list, NamedSharding]:
     """(params, KV cache, replicated) shardings of the step on `mesh`, as the Runner's;
     8-bit `kv_dtype` ("int8", "fp8"): each layer's pages and scales split by KV head;
-    `quantized_head=False`: a quantized model's LM head kept float."""
+    `quantized_head=False`: a quantized model's LM head kept float; `options`: experts
+    whole per device, a feature store after the layers' pages."""
     shards = mesh.shape[sharding.MODEL_AXIS]
-    specs = quantization_lib.partition_specs(params_table.param_partition_specs(cfg, shards),
-                                             quantization, head=quantized_head)
+    specs = quantization_lib.partition_specs(
+        params_table.param_partition_specs(cfg, shards, options.expert_parallel),
+        quantization, head=quantized_head)
     params = sharding.named(mesh, specs)
     layer = NamedSharding(mesh, KV_PAGES_SPEC)
     if kv_quant.is_quantized(kv_dtype):
         layer = QuantizedPages(layer, NamedSharding(mesh, KV_SCALES_SPEC))
-    kv_cache = [layer] * cfg.num_layers + [sharding.replicated(mesh)] * bool(cfg.feature_layers)
+    store = [sharding.replicated(mesh)] * bool(options.feature_layers)
+    kv_cache = [layer] * cfg.num_layers + store
     return params, kv_cache, sharding.replicated(mesh)
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.core.scheduler import StepPlan
 from jaxinfer.engine.runner import results
@@ -87,10 +87,11 @@ class InFlight(typing.NamedTuple):
     spans: list[ScoreSpan | None]
 
 
-def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str) -> dict:
+def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str,
+                     options: ModelOptions = DEFAULT_OPTIONS) -> dict:
     """Float `params` quantized to `mode` on the device, placed as the step shards them
     (AWQ's int4 scales, if any, already folded in by the checkpoint loader)."""
-    shardings, _, _ = step_shardings(cfg, mesh, mode)
+    shardings, _, _ = step_shardings(cfg, mesh, mode, options=options)
     return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode),
                    out_shardings=shardings)(params)
 
@@ -106,18 +107,22 @@ class Runner:
                  attention: AttentionSettings = DEFAULT_SETTINGS,
                  mesh: Mesh | None = None,
                  enable_prompt_logprobs: bool = False, uses_draft_probs: bool = False,
-                 group_windows: typing.Sequence[int | None] = (None,)) -> None:
+                 group_windows: typing.Sequence[int | None] = (None,),
+                 options: ModelOptions = DEFAULT_OPTIONS) -> None:
         """`num_pages`: the pages of each KV page group (engine/core/kv_groups.py), whose
         layers' windows are `group_windows` (model/attention.py, `page_group`);
-        `attention`: the attention kernel the engine chose (impl, interpret)."""
-        self.cfg = cfg
+        `attention`: the attention kernel the engine chose (impl, interpret); `options`:
+        the engine's for the model (experts split by expert, features kept for heads)."""
+        options.check(cfg)
+        self.cfg, self.options = cfg, options
         self.attention = attention
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
         quantization = quantization_lib.mode_of(params)  # quantized at load, if at all
         head = quantization is None or quantization_lib.has_quantized_head(params)
         param_shardings, kv_shardings, whole = step_shardings(
-            cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head)
+            cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head,
+            options=options)
         self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -128,7 +133,8 @@ class Runner:
         self.kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
                               dtype=kv_quant.storage_dtype(kv_dtype), shards=shards,
-                              group_windows=self.group_windows),
+                              group_windows=self.group_windows,
+                              feature_size=options.feature_size(cfg)),
             out_shardings=kv_shardings)()
         num_slots = self.buckets.max_num_seqs
         self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids,
@@ -155,7 +161,7 @@ class Runner:
         step's delta and its token mask (token_masks.py); KV cache and state donated."""
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
-        common = dict(page_size=page_size, attention=self.attention)
+        common = dict(page_size=page_size, attention=self.attention, options=self.options)
         self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode, **common),
                                        in_shardings=ins, out_shardings=outs,
                                        donate_argnums=(1, 2)) for decode in (False, True)}

@@ -5,7 +5,7 @@ built: a draft model's config (checked against the target: the same tokenizer
 vocabulary, context at least max_model_len, splittable over the same devices), or
 speculative heads' config and weights (EAGLE-1/2, EAGLE-3, Medusa: config/heads.py,
 checked against the target's hidden size and vocabulary by checkpoint/heads.py). Heads
-make the target keep the hidden features they read (`ModelConfig.feature_layers`), and
+make the target keep the hidden features they read (`ModelOptions.feature_layers`), and
 the planner counts their weights, their K/V and those features per token.
 `make_speculation` then builds the proposer beside the target's runner: n-gram lookup,
 the draft model's `DraftRunner`, or the heads' `HeadRunner`, all over the target's
@@ -51,11 +51,11 @@ class SpecParts:
         """Whether proposals come with their probabilities (the verify step takes q)."""
         return self.draft is not None or self.head is not None
 
-    def served_target(self, served: ModelConfig) -> ModelConfig:
-        """The target as it runs: keeping the features its heads read."""
-        if self.head is None:
-            return served
-        return dataclasses.replace(served, feature_layers=self.head.feature_layers)
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's features its heads read, which its step keeps
+        (ModelOptions.feature_layers); none without heads."""
+        return () if self.head is None else self.head.feature_layers
 
     def plan_draft(self, target: ModelConfig, config: EngineConfig
                    ) -> ModelConfig | tuple[int, int] | None:
