@@ -4,7 +4,7 @@
 engine chooses for it (`ModelOptions`), `moe.py` its experts (`MoEConfig`), `rope.py`
 its RoPE scaling; `families/`: the model families we serve, one module each, and their
 registry; `engine.py`: how the engine runs (`EngineConfig`, `SpeculativeConfig`);
-`faces.py`: multi-host and the server (`DistributedConfig`, `ServerConfig`).
+`serving.py`: multi-host and the server (`DistributedConfig`, `ServerConfig`).
 """
 
 from jaxinfer.config.engine import (
@@ -18,12 +18,6 @@ from jaxinfer.config.engine import (
     EngineConfig,
     SpeculativeConfig,
 )
-from jaxinfer.config.faces import (
-    REASONING_PARSERS,
-    TOOL_CALL_PARSERS,
-    DistributedConfig,
-    ServerConfig,
-)
 from jaxinfer.config.families import ARCHITECTURES, MOE_ARCHITECTURES
 from jaxinfer.config.model import (
     ATTENTION_IMPLS,
@@ -36,6 +30,12 @@ from jaxinfer.config.model import (
 )
 from jaxinfer.config.moe import MoEConfig
 from jaxinfer.config.rope import ROPE_TYPES, RopeScaling
+from jaxinfer.config.serving import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    DistributedConfig,
+    ServerConfig,
+)
 
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DEFAULT_OPTIONS", "DTYPES",

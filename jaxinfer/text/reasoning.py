@@ -164,7 +164,7 @@ class ThinkParser:
         return out
 
 
-# name (vLLM's `--reasoning_parser` value) -> parser; config.faces.REASONING_PARSERS
+# name (vLLM's `--reasoning_parser` value) -> parser; config.serving.REASONING_PARSERS
 # lists the same names for the flag's choices (config cannot import this layer)
 PARSERS: dict[str, type] = {"openai_gptoss": HarmonyParser, "qwen3": ThinkParser}
 # how much of the prompt's end a parser reads to know where the output starts

@@ -313,7 +313,7 @@ class ConstrainedCalls:
         return ToolSplit()
 
 
-# name (vLLM's `--tool-call-parser` value) -> parser; config.faces.TOOL_CALL_PARSERS lists
+# name (vLLM's `--tool-call-parser` value) -> parser; config.serving.TOOL_CALL_PARSERS lists
 # the same names for the flag's choices
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
                             "mistral": MistralParser, "openai": HarmonyCallParser}

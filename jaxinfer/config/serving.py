@@ -1,6 +1,6 @@
-"""How the faces run: `DistributedConfig` (joining a multi-host job) and `ServerConfig`
-(the OpenAI-compatible server). The CLI derives one flag per field, as for
-EngineConfig.
+"""How the engine is served: `DistributedConfig` (joining a multi-host job) and
+`ServerConfig` (the OpenAI-compatible server). The CLI derives one flag per field, as
+for EngineConfig; docs/serving.md.
 """
 
 from __future__ import annotations
