@@ -18,8 +18,7 @@ def test_from_hf_reads_each_family(family):
     assert cfg.qkv_bias == family.startswith(("qwen2", "gpt_oss"))
     assert cfg.qk_norm == family.startswith(("qwen3", "gemma3"))
     assert (cfg.moe is not None) == (family in (*testing.MOE_FAMILIES, "gpt_oss"))
-    assert cfg.sliding_window == {"mistral": 24, "gemma2": 12, "gemma3": 12,
-                                  "gpt_oss": 12}.get(family)
+    assert cfg.sliding_window == testing.FAMILIES[family].get("sliding_window")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
