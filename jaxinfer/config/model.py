@@ -21,7 +21,7 @@ from jaxinfer.config.rope import RopeScaling, YarnScaling, rope_to_hf, scaling_o
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
-ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/dispatch.py
+ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/settings.py
 FINAL_NORMED = -1  # a feature layer: the last layer's output after the final norm
 # Model shapes by name (llama3.1-8b, ...), package data: installed with the wheel.
 PRESET_DIR = importlib.resources.files("jaxinfer.config") / "presets"
@@ -69,10 +69,6 @@ class ModelConfig:
     to everything (no window)."""
     max_position_embeddings: int = 2048
     moe: MoEConfig | None = None  # experts in place of the MLP (config/moe.py)
-    attention_impl: str = "auto"
-    """Attention kernel ("auto": the backend's kernel, else the reference). The engine sets
-    it from `EngineConfig.attention_impl`; checkpoints never do (`from_hf` ignores it)."""
-    attention_interpret: bool = False  # run the Pallas kernel in interpret mode (CPU tests)
 
     def __post_init__(self) -> None:
         family = families.family(self.architecture)
@@ -95,8 +91,6 @@ class ModelConfig:
         if self.moe is not None and not family.has_experts:
             raise ValueError(f"moe given for {self.architecture}, a family without experts")
         family.check(self)
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"{self.attention_impl=} must be one of {ATTENTION_IMPLS}")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
