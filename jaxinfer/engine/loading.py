@@ -1,21 +1,8 @@
-"""A checkpoint directory -> what an engine serves: device params, a sized KV pool, the
-tokenizer and the checkpoint's sampling defaults.
-
-`load(model_dir, config)` reads config.json, the tokenizer (unless
-`skip_tokenizer_init`), generation_config.json, picks the context length, plans the
-page pool with `planner` (an explicit KV size; else a fraction of an accelerator's
-memory, weights included; else, on CPU, every slot at full length within a fraction
-of RAM), reads the weights and builds the `Runner` that holds params and KV cache.
-`Engine` calls it and keeps only the request lifecycle.
-
-With `speculative_config` it also builds the speculation (engine/spec_decode/loading.py): the
-n-gram proposer, a draft model or speculative heads, checked against the target,
-planned with it (weights, K/V and kept features per token) and served by their own
-runner over the same page ids.
-
-Where it sits (pyproject.toml's layers contract): below `engine.engine`, above the
-runner package, `checkpoint` and `planner`. For int4 on a float checkpoint it runs
-awq's calibration before the runner quantizes.
+"""A checkpoint directory -> what an engine serves (`load`): device params (AWQ-calibrated
+for int4), a KV pool sized by the planner, the tokenizer, the checkpoint's sampling
+defaults, the runner, and with `speculative_config` the speculation
+(spec_decode/loading.py). See docs/architecture.md (#1-two-worlds-and-one-bridge,
+#3-dependency-direction-the-layers-contract) and docs/cli.md#engine-flags (sizing).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""Padding ladders: every step is padded to one of a bounded set of shapes.
-
-A `Bucket` is (tokens, request slots, decode?); the page-table width is fixed by
-max_model_len. Two kinds:
-
-- decode buckets hold steps where every request has exactly one token (the steady
-  state of generation): T = S, with S climbing powers of two up to `max_num_seqs`
-  (T never below `min_tokens`, the fewest rows the weights' matmuls run fast at:
-  2 for bfloat16 on XLA:CPU). Attention compiles its per-token path alone for them.
-- verify buckets hold speculative steps (speculative decoding on): every request has
-  one token plus up to k draft tokens, and Q = k + 1 positions of each are sampled;
-  T = S * Q, S climbing the decode slot ladder.
-- mixed buckets hold every other step (prefill chunks, with or without decodes):
-  token counts climb powers of two from 16 up to 512, then linear steps of 512, never
-  past `max_num_batched_tokens` (itself the top rung), all with `max_num_seqs` slots.
-  Padding slots costs a step that runs a prompt chunk little (LM-head rows and
-  sampling rows: ~6% of a 512-token step on the SmolLM shape on CPU), while every slot
-  rung would be one more program per token rung to compile at warm-up; in a continuous
-  workload most mixed steps carry many decoding requests anyway.
-
-Warm-up compiles every bucket, so nothing compiles mid-run. Plain Python.
+"""Padding ladders: every step is padded to one of a bounded set of shapes (`Bucket`:
+tokens, request slots, decode?, sampled positions), all compiled at warm-up;
+`BucketSet.pick` finds a step's. The decode, verify and mixed ladders, and why mixed
+steps keep every slot: docs/architecture.md#buckets. Plain Python.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""A request's KV pages in each page group (vLLM's hybrid KV cache manager). Plain Python.
-
-A page group is the KV arrays of the layers of one attention kind, with their own page
-ids and `PagePool`; logical page i covers a request's tokens [i * page_size, (i + 1) *
-page_size) in every group, so the kernels are the same whatever the group. A group
-answers which pages a query can still see (`live_start`), takes and gives back pages,
-and says how much of a prefix-cache hit it holds; `PageGroups` loops over the groups.
-Group 0 keeps every page of a request's tokens (full attention, or every layer of a model
-with one group) and anchors the prefix cache. docs/kv_cache.md has the rules: which
-pages a sliding window frees, why no later query sees them, and why hits stay exact.
+"""A request's KV pages in each page group, one class per attention kind
+(`FullAttentionPages`, `SlidingWindowPages`), and `PageGroups`, which loops over them to
+reserve, free, register and match (vLLM's hybrid KV cache manager). Plain Python.
+See docs/kv_cache.md (#page-groups-the-hybrid-kv-cache, #freeing,
+#prefix-caching-stays-exact).
 """
 
 from __future__ import annotations

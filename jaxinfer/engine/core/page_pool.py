@@ -1,18 +1,6 @@
-"""The page allocator: a fixed pool of KV pages, reference counts, a prefix cache.
-
-Page 0 is the trash page: padding tokens write their K/V there and it is never
-handed out. A page in use has a reference count (requests sharing it). A full
-page whose K/V is computed can be *registered* under a hash chain: the hash of
-its tokens, its parent page's hash and an extra key (anything else that changes
-the KV, e.g. an adapter id). A later request finds its leading full pages with
-`match`; every hit is verified against the page's stored tokens, extra key and
-parent (by a serial number no other registration reuses), so a hash collision
-is never served. Pages whose count drops to zero stay cached in an LRU and are
-evicted only when a new page is needed (uncached free pages go first). Every
-operation is O(1) per page. The pool deals in page ids only, whatever a page
-holds on the device (per layer [K, W, packing, L], see pallas/kv_layout.py), so
-the packed KV layout changed nothing here: a cached page is reused whole, all
-KV heads of all layers. Plain Python.
+"""The page allocator: a fixed pool of KV page ids with reference counts, the trash page
+0, and the prefix cache (a verified hash chain over full pages, unused ones kept in an
+LRU). Plain Python. See docs/sampling.md#prefix-caching and docs/kv_cache.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
-"""The continuous-batching scheduler (vLLM v1's rule). Plain Python, no jax.
-
-There is no prefill phase and no decode phase: each request has a number of
-computed tokens (K/V in the cache) and a target (its prompt plus generated
-tokens); each step hands out at most `max_num_batched_tokens` so requests catch
-up. A long prompt is thereby split across steps while decodes keep running.
-Running requests go first, then waiting ones in (priority, arrival) order, up
-to `max_num_seqs` in flight. When pages run out, the lowest-priority,
-latest-arrived running request is preempted: its pages are freed and it is
-recomputed later from its prompt and the tokens it had generated. With prefix
-caching (the pool's `enable_caching`) a request starts with every leading
-full page already cached (never its last token, whose logits are needed), each
-full page a request computes is registered (a request scoring its prompt for
-`prompt_logprobs` takes no hits but registers its pages), and the n > 1 siblings of a prompt
-wait until one of them has computed the prompt, then share its pages. In "static"
-mode up to `max_num_seqs` requests form a batch (admitted as the token budget
-allows) and no other request starts until the whole batch has finished: the
-baseline the benchmarks compare against.
-
-Speculative decoding (engine/spec_decode/speculation.py) adds draft tokens to a decode step that
-has been scheduled: `reserve_drafts` takes pages for them (never preempting),
-`with_drafts` puts them in the chunks, and `update` keeps the drafts the target's
-samples agree with plus the target's own next token, rolls the request's computed
-length back to the accepted tokens (so only they are registered in the prefix cache)
-and frees the pages that held only rejected ones.
-
-Pages are reserved, freed, registered and matched through `PageGroups`
-(engine/core/kv_groups.py), in every page group: one, or one per attention kind of a
-model whose layers differ (docs/kv_cache.md); admission and preemption go by every
-group's free pages.
-
-A request's computed count moves on, and the full pages of known tokens it covers are
-registered, when its tokens are scheduled (vLLM's rule), so the next step can be planned
-while this one runs (asynchronous scheduling) and sees the same cache. A sampled token
-not yet read back is a placeholder (`num_output_placeholders`) the next step feeds from
-the device; `update` appends it one step late. A request whose placeholders reach
-`max_tokens` or `max_model_len` is not scheduled again: only an EOS, stop token or stop
-string leaves an extra position computed, which `update` discards. A constrained request
-(structured outputs) with a placeholder is left out until its token is read: its next
-mask needs it.
+"""The continuous-batching scheduler (vLLM v1's rule): add / schedule / update / finish
+over a token budget, with preemption, prefix-cache hits, speculative drafts and
+placeholders for tokens not yet read back; "static" batches are the benchmarks'
+baseline. Plain Python, no jax. See docs/architecture.md (#the-scheduling-rule,
+#the-host-loop), docs/kv_cache.md#admission-and-preemption and
+docs/speculative_decoding.md#a-speculative-step.
 """
 
 from __future__ import annotations

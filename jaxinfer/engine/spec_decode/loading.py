@@ -1,15 +1,8 @@
-"""What speculative decoding adds to a loaded engine: the proposer and its checks.
-
-`prepare` reads what the planner and the target's runner must know before they are
-built: a draft model's config (checked against the target: the same tokenizer
-vocabulary, context at least max_model_len, splittable over the same devices), or
-speculative heads' config and weights (EAGLE-1/2, EAGLE-3, Medusa: config/heads.py,
-checked against the target's hidden size and vocabulary by checkpoint/heads.py). Heads
-make the target keep the hidden features they read (`ModelOptions.feature_layers`), and
-the planner counts their weights, their K/V and those features per token.
-`make_speculation` then builds the proposer beside the target's runner: n-gram lookup,
-the draft model's `DraftRunner`, or the heads' `HeadRunner`, all over the target's
-page ids.
+"""What speculative decoding adds to a loaded engine: `prepare` reads and checks a draft
+model or speculative heads against the target before the planner and runner are built;
+`make_speculation` builds the proposer (n-gram, `DraftRunner` or `HeadRunner`) over the
+target's page ids. See docs/speculative_decoding.md (#proposers,
+#heads-on-the-targets-hidden-states-eagle-12-eagle-3-medusa).
 """
 
 from __future__ import annotations
