@@ -1,16 +1,7 @@
 """The runner: the engine's only bridge to the device, and its only part that imports
-jax, numpy or the model (an import-linter contract in pyproject.toml says so).
-
-`runner.py` holds the device state and the compiled step per bucket; `programs.py`
-names what it compiles (step functions, input specs, shardings; ahead-of-time
-compiles from specs); `slots.py` gives each request in flight a slot of the device's
-batch state and builds each step's delta; `results.py` unpacks a step's output;
-`draft.py` is a speculative draft model's runner; `inputs.py` turns chunks into
-padded numpy arrays (the draft model's steps, parity checks) and names the prompt
-positions a step scores; `compiles.py` counts compilations
-per runner; `device.py` asks the device (bandwidth, peak FLOP/s, memory) and sets JAX's
-process-wide compilation cache. The names the rest of the engine uses are
-re-exported here.
+jax, numpy or the model (an import contract). runner.py holds the device state and the
+compiled steps; the other modules are its parts (docs/architecture.md#2-layout lists
+them). The names the rest of the engine uses are re-exported here.
 """
 
 from jaxinfer.engine.runner.compiles import CacheLoads, CompileCounter, CompileSpan

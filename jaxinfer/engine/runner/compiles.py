@@ -1,20 +1,7 @@
-"""Counting XLA compilations: a `CompileCounter` per runner, not a process-wide tally.
-
-JAX reports every executable it builds (a backend compile, or a load from the
-persistent compilation cache) through `jax.monitoring`, on the thread that asked
-for it. A counter registers its own listener when it is made (and drops it when it
-is garbage-collected) and keeps one tally per thread, so a span measured on one
-thread (`begin()` ... `end()`, e.g. around one engine step) counts only the
-compiles that thread caused.
-
-What it tells apart: two engines driven from different threads (a server thread
-and a batch thread, say) never see each other's compiles, nor compiles of other
-code on other threads. What it cannot: two engines stepped alternately on one
-thread share that thread's tally, but a span covers only its own step (steps do
-not interleave on a thread); compiles that a step causes on another thread (none
-do today) are not in its span; `total` counts every thread, so it includes other
-engines' compiles made during the counter's life (used for the warm-up figure, as
-warm-up compiles on a thread pool).
+"""Counting XLA compilations: a `CompileCounter` per runner, with a tally per thread
+(JAX reports each build or cache load through `jax.monitoring` on the asking thread),
+so engines driven from different threads never count each other's. What it tells
+apart and what it cannot: docs/architecture.md#buckets.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""What the engine asks of the device and of JAX's process-wide state, each asked once.
-
-- `use_compilation_cache(path)`: JAX's persistent compilation cache is one setting
-  per process (`jax.config`), so it is set by one explicit call from the faces
-  (`LLM`, the CLI), never by an `Engine`; asking again for the same directory (or for
-  none) is a no-op, asking for another one is an error (JAX would silently keep the
-  first).
-- `memory_bandwidth()`: the read bandwidth of a device, probed once per process and
-  device (a 256 MiB jitted sum), then cached; `probe_count()` says how often it ran.
-- `device_chip()`: the chip (sizing/accelerators.py) JAX's `device_kind` names, if any.
-- `peak_flops(dtype)`: a device's peak matmul FLOP/s, that chip's published figure, else
-  measured once per process, device and dtype (a jitted square matmul, best of 5: 1024
-  wide on a CPU, about 0.1 s; 8192 on an accelerator, as a 1024 one leaves a GPU mostly
-  idle); `flops_probe_count()` says how often that ran.
-- `device_memory_limit()`, `tree_bytes()`: memory the device allows, bytes of a tree.
-
-"The device" is this process's first one (`jax.local_devices()[0]`): in a multi-host
-job `jax.devices()[0]` may belong to another process.
+"""What the engine asks of the device and of JAX's process-wide state, each asked once:
+the persistent compilation cache (set by the faces, never an `Engine`), the probed
+memory bandwidth, the chip and its peak FLOP/s (published, else measured), device
+memory. "The device" is this process's first local one. See
+docs/serving.md#roofline-fraction-and-mfu and docs/sampling.md#the-python-api.
 """
 
 from __future__ import annotations

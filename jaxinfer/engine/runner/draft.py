@@ -1,19 +1,7 @@
-"""The draft model's half of the device (speculative decoding with method "draft_model").
-
-A `DraftRunner` holds the draft's params and its own paged KV cache, with as many
-pages as the target's: a request's page ids index both caches (the planner counts the
-draft's weights and K/V bytes per token with the target's). Two programs, compiled
-at warm-up for every bucket they can meet (nothing compiles mid-run):
-
-- `draft_prefill` per mixed bucket: `catch_up` runs the draft over the tokens of
-  requests it has not seen (prompt chunks, steps that did not speculate) to write
-  their K/V, packed into as few bucket-sized calls as the token budget allows;
-- `model/draft.propose` per decode slot rung: `propose` runs k + 1 draft steps over
-  every request's last token in one call and returns the drafts (host) and their q
-  f32[S, K + 1, V] (device, straight into the target's verify step).
-
-Which requests to catch up and what the draft has computed is the host's
-(engine/proposer.DraftProposer).
+"""The draft model's runner (speculative decoding, method "draft_model"): its params and
+its own paged KV cache over the target's page ids; `catch_up` (draft_prefill per mixed
+bucket) and `propose` (k + 1 draft steps in one call per decode slot rung, q left on the
+device for the verify step). See docs/speculative_decoding.md#proposers.
 """
 
 from __future__ import annotations

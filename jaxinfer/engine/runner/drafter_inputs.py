@@ -1,11 +1,8 @@
 """Host inputs of a drafter's calls, shared by the draft model's runner (draft.py) and
-the heads' (heads.py): the catch-up chunks over positions a drafter has not seen, and
-the per-slot inputs of a proposal call.
-
-The two drafters differ by one position: a draft model at position p reads the token
-at p (`shift` 0) and proposes from the request's last token; an EAGLE head at p reads
-the target's feature at p and the token after it (`shift` 1), so it proposes from the
-position before the last token.
+the heads' (heads.py): catch-up chunks over positions a drafter has not seen, and a
+proposal's per-slot inputs. A draft model reads the token at p (`shift` 0); an EAGLE
+head reads the feature at p and the token after it (`shift` 1). See
+docs/speculative_decoding.md#proposers.
 """
 
 from __future__ import annotations

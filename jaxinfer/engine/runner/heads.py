@@ -1,29 +1,8 @@
-"""Speculative heads on the target's hidden states: EAGLE-1/2, EAGLE-3 and Medusa.
-
-The target's step keeps the features the heads read (`ModelOptions.feature_layers`) in
-its feature store, the KV cache's last entry: f[pages * page_size, F], one row per KV
-slot, written for every token the target computes (prompt chunks, decode and verify
-positions alike). A `HeadRunner` reads that store from the target's runner at each
-call; it never copies it.
-
-- EAGLE (one decoder layer over [embedding of token t + 1, feature of position t]) keeps
-  its own one-layer paged KV cache over the target's page ids, as a draft model does,
-  so prefix caching and preemption move both caches' entries together (the planner
-  counts its K/V and the features per token). Two programs, compiled at warm-up for
-  every bucket they can meet: `propose` per decode slot rung runs k drafter steps in
-  one call, the first a ragged step over up to K + 1 positions a request (those the
-  drafter has not seen, from the stored features and the tokens that followed them,
-  up to the position before the last token: after a verify step, the accepted
-  tokens), the others from the drafter's own hidden state; `catch_up` per mixed
-  bucket writes the K/V of positions further behind (a prompt, a prefix hit, a
-  step that did not speculate) in a call before it. One dispatch a step in the
-  steady state.
-- Medusa has no cache: `propose` reads the feature of the position before the last
-  token and drafts with its k heads at once.
-
-Both return the drafts (host) and their q f32[S, K + 1, V] (device, straight into the
-target's verify step), drawn as a draft model draws (model/draft.py), so rejection
-sampling stays exact whatever the heads propose.
+"""Speculative heads' runner (`HeadRunner`: EAGLE-1/2, EAGLE-3, Medusa): reads the
+target's feature store in place; EAGLE keeps a one-layer KV cache over the target's
+page ids (`catch_up` per mixed bucket, a ragged `propose` per decode slot rung), Medusa
+none. Drafts are drawn as a draft model draws them. See docs/speculative_decoding.md
+(#heads-on-the-targets-hidden-states-eagle-12-eagle-3-medusa).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The numpy half of the runner: a step's padded input arrays, built on the host.
-
-This module turns chunks of requests into the token ids, attention metadata,
-sampling rows and proposed ids of one bucket, all numpy; runner.py owns the
-device. A chunk's last `num_samples` tokens are sampled; each slot has
-`num_positions` (Q, see model/step.py) sampling rows, the unused ones greedy
-padding. `score_spans`/`score_targets` name the prompt positions a step scores for
-requests collecting prompt logprobs (the scoring step's inputs).
+"""The numpy half of the runner: a bucket's padded inputs (token ids, attention
+metadata, sampling rows, proposed ids) built from chunks on the host, for the draft
+model's steps and parity checks; `score_spans` / `score_targets` name the prompt
+positions a step scores (docs/sampling.md#sampling-parameters, prompt logprobs).
 """
 
 from __future__ import annotations

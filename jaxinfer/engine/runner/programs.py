@@ -1,13 +1,7 @@
-"""What the runner compiles: the step functions, their input specs and shardings.
-
-runner.py holds the Runner's device state and its per-step work; here,
-`step_function` / `score_step_function` name the jittable entry points the
-Runner compiles per bucket (over the device batch state and a step's delta,
-model/batch_state.py), `input_spec` gives a bucket's delta shapes, `state_spec`
-the state's,
-`step_shardings` the shardings of params, KV cache and inputs on a mesh, and
-`compile_steps_for` compiles the step ahead of time from specs alone (for a TPU
-topology from any host: jaxinfer/aot.py).
+"""What the runner compiles: the jittable step functions (`step_function`,
+`score_step_function`), a bucket's input and state specs, their shardings on a mesh, and
+`compile_steps_for`, which compiles from specs alone (for a TPU topology from any host:
+docs/aot.md). See docs/architecture.md#buckets.
 """
 
 from __future__ import annotations

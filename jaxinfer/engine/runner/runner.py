@@ -1,31 +1,7 @@
-"""The only bridge between host and device: a StepPlan in, sampled tokens out.
-
-Holds the device params, the KV cache and the batch state (model/batch_state.py:
-each slot's page-table row, token history, last sampled token and sampling
-settings, kept on the device across steps). `warm_up()` AOT-compiles the step
-for every bucket (KV cache and state donated) so nothing compiles mid-run.
-`dispatch()` pads a plan to its bucket, sends the step's delta (slots.py: only
-what changed: tokens fed, positions, appended page ids, rows of newly placed
-requests) and starts the compiled step without waiting for it; `collect()`
-reads back its one packed int32 array. `execute()` is the two in a row: the
-engine's synchronous loop; its asynchronous one (engine/engine.py) dispatches
-step t + 1 before collecting step t, the decode tokens step t + 1 feeds taken on
-the device from step t's samples. The runner counts the bytes it sends
-(`bytes_sent`, `last_step_bytes`). Every step also takes a token mask, i32[S, V / 32]
-(token_masks.py): structured outputs' allowed tokens, all ones (kept on the device, not
-sent) when no request in the step is constrained.
-
-With `enable_prompt_logprobs` warm-up also compiles the scoring variant of the step
-(model/step.py: `score_step`) for every mixed bucket; a step that scores some prompt
-position runs it in the mixed bucket of its size and returns the scores as a second
-int32 array. With speculative decoding the bucket set has verify buckets (Q = k + 1
-positions a request), compiled with `model/step.verify_step`: a step whose chunks
-carry draft tokens runs there, given the draft model's probabilities on device
-(`uses_draft_probs=True`; engine/runner/draft.py makes them) or none (n-gram proposals).
-The runner's `compiles` counter (compiles.py) counts the compilations of the threads
-that drive it. Multi-host (jaxinfer/distributed.py) needs nothing more here: every
-process builds the same deltas, which jit places on this process's devices of the
-replicated sharding, and `np.asarray` of the replicated output reads its copy.
+"""The only bridge between host and device (`Runner`): device params, KV cache and batch
+state; `warm_up` compiles every bucket (scoring and verify variants included),
+`dispatch` sends a step's delta and starts it, `collect` reads back its one int32 array
+(`execute`: both). See docs/architecture.md (#one-step, #the-host-loop, #buckets).
 """
 
 from __future__ import annotations

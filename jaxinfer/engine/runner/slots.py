@@ -1,13 +1,7 @@
-"""The host's side of the device batch state: which request holds which slot, and
-each step's delta (model/batch_state.py), in numpy.
-
-A request takes a slot the first step it is scheduled in and keeps it until it
-finishes or is preempted. The host mirrors the page ids it has written to each
-slot's page-table row, so a step sends only the ids appended since (pages change
-at a request's end only: appended, or trimmed after rejected drafts). A step's
-host work is a loop over its requests and tokens: nothing here reads a request's
-whole context, except once, when a penalized request is placed with tokens
-already computed (a prefix-cache hit, a recompute), whose history is written then.
+"""The host's side of the device batch state, in numpy: which request holds which slot,
+and each step's delta and admissions (model/batch_state.py). The host mirrors the page
+ids it wrote, so a step's work is a loop over its requests and tokens. See
+docs/architecture.md#the-host-loop.
 """
 
 from __future__ import annotations

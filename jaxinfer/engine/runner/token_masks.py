@@ -1,12 +1,7 @@
-"""Each step's allowed-token bitmask (structured outputs), built on the host in numpy.
-
-Every compiled step takes an i32[S, W] mask, W = ceil(V / 32), one row per request row
-of its bucket (llguidance's layout: bit v % 32 of word v // 32 set where token v is
-allowed; model/sampler.py: `constrain`). A step with no constrained request sends
-nothing: it passes an all-ones array kept on the device per bucket width, and the
-device skips the masking under `lax.cond`. A step with some fills their rows from their
-matchers (engine/structured/grammar.py), on llguidance's thread pool when there are many, the
-others all ones.
+"""Each step's allowed-token bitmask (structured outputs), i32[S, ceil(V / 32)] in
+llguidance's layout, filled on the host in numpy from the constrained requests'
+matchers; a step with none sends no mask. See docs/structured_outputs.md (#how-it-works,
+#costs).
 """
 
 from __future__ import annotations
