@@ -1,14 +1,7 @@
-"""Attention metadata, the paged KV cache pytree, and the attention block.
-
-The KV cache is a list with one array per layer, each [P, K, W, packing, L]
-(`pallas/kv_layout.py`): K and V interleaved on the combined-head axis (K at
-even, V at odd, JAX's `ref_ragged_paged_attention` order), packed into 32-bit
-words so TPU copies of one head's words are tile-aligned (with head_dim 64, K and V
-of a head side by side on a row's 128 lanes). Page 0 is the trash
-page that padding tokens write into. With an 8-bit KV dtype (int8, fp8) each layer
-is a `QuantizedPages`: the pages and their scales f32[P, K, 2G], one per token and
-combined head, written at the same page slots (pallas/kv_quant.py). The structure is
-fixed per config; float caches are plain arrays.
+"""Attention metadata (`AttentionMetadata`), the paged KV cache pytree (one
+[P, K, W, packing, L] array per layer, or `QuantizedPages` with per-token scales for an
+8-bit KV dtype; the heads' feature store), and the attention block. See docs/kernels.md
+(#kv-layout, #kv-quantization) and docs/kv_cache.md#page-groups-the-hybrid-kv-cache.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""What stays on the device across steps, and the small delta each step sends.
-
-A request in flight holds one of N slots (`max_num_seqs`) from the step it is
-scheduled in until it finishes or is preempted. Its slot's rows on the device
-hold what every step would otherwise send again: its page-table row, its token
-history (for penalties), the token it sampled last, and its sampling settings.
-Slot N is padding: its rows stay neutral (greedy, no penalties, page 0).
-
-Each step the host sends a `StepDelta`, whose size depends on the step's tokens
-and requests, never on their contexts: token ids (-1 where the token is the one
-the slot sampled in the step before, still on the device), positions, the slot
-of each token and request, the KV lengths, the rows to sample, and the page ids
-appended since the last step. `expand` turns the state and the delta into the
-model step's `StepInputs`; `record_samples` keeps each slot's sampled token for
-the next step. `admit` writes the rows of newly placed requests (their sampling
-settings, their pages so far, and the history a penalized request already has),
-a separate program run only in steps that place a request. The page table has a row
-per slot in each KV page group (engine/core/kv_groups.py), written the same way; `expand`
-gives each group's layers their slot mapping and page table (docs/kv_cache.md).
+"""What stays on the device across steps (`BatchState`: each slot's page-table rows per
+page group, token history, last sample, sampling settings) and the small `StepDelta` a
+step sends; `expand` makes the step's inputs, `admit` writes newly placed requests' rows,
+`record_samples` keeps each slot's last token. See docs/architecture.md#the-host-loop and
+docs/kv_cache.md#page-groups-the-hybrid-kv-cache.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Fused projection weights: one q/k/v matmul and one gate/up matmul per layer.
-
-Checkpoints name q, k, v, gate and up apart (HF); the params pytree holds them fused,
-built at load (`fuse_layer`) and split again to save HF files (`unfuse_layer`):
-
-- `wqkv` [D, (N + 2G) * H] is grouped by KV head: for KV head g, its R = N / G query
-  heads, then k_g, then v_g, i.e. [D, G, R + 2, H] in row-major order (`bqkv` alike).
-  Query head n = g * R + r is the head that attends with KV head n // R, as in HF's
-  `repeat_kv`.
-- `w_gate_up` [D, 2F] interleaves gate and up in blocks of `mlp_block(F)` columns:
-  [D, F / B, 2, B], gate at index 0 and up at 1 of the third axis.
-
-So a tensor-parallel split of the fused axis into n equal parts gives each shard whole
-KV-head groups (n dividing G) and whole gate/up block pairs (n dividing F / B); with
-fewer KV heads than shards, the loader replicates KV heads before fusing. Works on
-numpy arrays (loading, on the host) and jax arrays alike.
+"""Fused projection weights: one q/k/v matmul (`wqkv`, grouped by KV head) and one
+gate/up matmul (`w_gate_up`, blocks of `mlp_block(F)` columns) per layer, fused at load
+(`fuse_layer`) and split again to save HF files (`unfuse_layer`), on numpy or jax arrays.
+See docs/architecture.md#params-and-the-kv-cache and
+docs/parallelism.md#tensor-parallelism.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""Mixture-of-experts layers: a float32 router, then only the chosen experts' weights.
-
-`moe_block` replaces the MLP in a MoE layer (config/moe.py). The router's logits,
-softmax and top-k run in float32; `jax.lax.top_k` gives a tie to the lower expert
-index on every backend (torch's CPU top-k picks by its selection order: docs/moe.md).
-The experts, stored [E, out, in] as HF stores each, are computed one of two ways,
-picked from static shapes so nothing recompiles whatever the routing:
-
-- gathered (`T * k` token choices fewer than the experts a device holds: decode-sized
-  buckets): each choice gathers its expert's gate/up and down weights and runs a
-  batched matmul, so a step reads the weights of at most `T * k` experts;
-- grouped (larger buckets): choices sorted by expert and a grouped matmul: on TPU the
-  Pallas megablox kernel up to MEGABLOX_MAX_ROWS choices, else `jax.lax.ragged_dot`,
-  which TPU and GPU lower to XLA's ragged dot. On XLA:CPU JAX lowers
-  ragged_dot to a dot over every group for every choice, masked (k times the work of
-  every expert for every token), so on CPU (`jax.lax.platform_dependent`) such buckets
-  run every expert for every token, weighted by the routing (zero where not chosen):
-  one batched matmul per projection, reading every expert, which a bucket of that many
-  choices does anyway.
-
-Experts live on the model axis one of two ways (`ModelOptions.expert_parallel`): whole
-experts per device (E / n each), or a slice of every expert as for a dense MLP
-(gate/up by whole row-block pairs of their outputs, down by its input columns).
-Either way each device computes its share for every token inside `shard_map` and one
-all-reduce (`psum`) sums the shares, the one the dense MLP's row-parallel down
-projection needs as well. No token is ever dropped: there is no capacity factor.
+"""Mixture-of-experts layers (`moe_block`): a float32 router, then only the chosen
+experts' weights: gathered for decode-sized buckets, grouped (megablox or ragged dot)
+for larger ones, every expert on CPU; experts split whole or sliced over the model axis,
+one `psum` per layer, no token dropped. See docs/moe.md (#routing, #expert-computation,
+#expert-parallelism).
 """
 
 from __future__ import annotations

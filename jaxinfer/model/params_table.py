@@ -1,24 +1,8 @@
-"""The parameter table: every fact about each kind of parameter, in one row.
-
-A row (`Param`, config/families/rows.py) gives a params leaf's key, the HF tensors it
-is made of (`Part`: our unfused name, HF name, shape as [in, out], whether HF stores it
-transposed), how the parts combine (`layout`: one tensor as stored or transposed, q/k/v
-grouped by KV head, gate/up interleaved in blocks: model/fusion.py), how the leaf
-splits over the mesh's model axis (`split`), whether weight quantization applies to it,
-and when the model has it. The rows here are those every family shares (their gates
-are ModelConfig fields); a family's own rows (its experts, Gemma's norms) live in its
-module (config/families/), and `layer_rows` joins the two. Everything else is derived
-here or reads these rows: the params pytree's shapes and PartitionSpecs, the
-checkpoint names (checkpoint/names.py), fusing and unfusing (model/fusion.py), which
-weights quantize (model/quantization.py) and which HF tensors a compressed-tensors
-checkpoint stores in fp8, and the planner's bytes.
-
-Splits (Megatron): q/k/v and gate/up by output columns (whole KV-head groups, whole
-gate/up block pairs), o and down by input rows, so each layer needs two all-reduces;
-norms replicated. The embedding and the LM head split along the vocabulary: a
-vocab-split LM head gives each device whole logit columns (gathered once before
-sampling) where a hidden split would all-reduce V floats per row, and the tied table
-serves both. A vocabulary the devices do not divide stays replicated.
+"""The parameter table: the rows every family shares (`Param`, config/families/rows.py,
+gated by ModelConfig fields) and `layer_rows`, which joins a family's own. The params'
+shapes, PartitionSpecs, checkpoint names, fusing, quantization and the planner's bytes
+are derived from the rows. See docs/moe.md#parameters-one-table,
+docs/architecture.md#model-families and docs/parallelism.md#tensor-parallelism.
 """
 
 from __future__ import annotations

@@ -1,42 +1,8 @@
-"""The jittable entry points the runner compiles; no jit here.
-
-`step(params, kv_cache, inputs, *, cfg, num_logprobs) -> (kv_cache, out)` runs
-the model over one ragged batch of tokens, then samples up to Q positions of
-each of the S request rows, Q being a static setting of the compiled step (the
-width of `inputs.proposed_ids`; 1 without speculative decoding). Position q of
-row s is logits row s * Q + q (`md.logits_indices` has S * Q entries; unused
-rows point at token 0 and are ignored), sampled with the sampling settings of
-row s * Q + q. The host puts a request's samples at its chunk's last positions,
-in order, so that with k draft tokens fed after the last real one, Q = k + 1
-positions sample the target's token after the last real token and after each
-draft.
-
-What a rejection sampler needs. Sending back whole f32[S, Q, V] probability
-rows would move V floats per position to the host; instead the input names
-the token to verify at each position (`proposed_ids`: the chunk's token fed
-right after it, -1 where none) and the output carries the target's raw logprob
-of that token (log-softmax of the logits, as the returned logprobs), beside
-the token sampled there and its logprobs. Greedy verification compares the
-proposal with the sampled token; residual resampling can later be added here
-on device, from the same logits.
-
-The packed output is one int32 array per step: i32[S, Q, 3 + 2k] with, per
-position, the sampled token id, its logprob's float32 bits, the proposed
-token's logprob bits (-inf where none), k top-logprob ids, and their logprob
-bits (`sampler.pack`/`unpack`).
-
-`verify_step` is the step of a speculative verify bucket: the same forward, then
-rejection sampling at each position (model/rejection.py) given the draft model's
-probabilities of the proposed tokens, f32[S, Q, V], or none when the proposals are
-certain (n-gram lookup). `draft_prefill` only writes a draft model's K/V (its
-proposals are model/draft.py's).
-
-A mixture-of-experts model's steps also return, last, the tokens each MoE layer routed
-to each expert, i32[L_moe, E] (`batch_state.stateful` adds them to a running count).
-
-`score_step` is the same step plus prompt scoring (`SamplingParams.prompt_logprobs`):
-a second output i32[T, 2 + 2k] with, per token position, the raw logprob and rank of
-the next prompt token and the top k (model/scoring.py).
+"""The jittable entry points the runner compiles; no jit here: `step` (forward, then
+sample Q positions of each request row, packed into one int32 array), `verify_step`
+(rejection sampling of proposed tokens), `score_step` (prompt logprobs) and
+`draft_prefill` (a draft model's K/V only). See docs/architecture.md#one-step,
+docs/speculative_decoding.md#a-speculative-step and docs/sampling.md#sampling-parameters.
 """
 
 from __future__ import annotations
