@@ -1,19 +1,7 @@
-"""Ragged paged attention: the one entry point, static input validation, dispatch.
-
-`ragged_paged_attention(...)` keeps the contract of JAX's
-`ref_ragged_paged_attention`, its static settings in one `AttentionSettings`
-(settings.py), and picks an implementation with `settings.impl`:
-"tpu" (Mosaic kernel, `rpa_tpu.py`), "gpu" (Triton kernel, `rpa_gpu.py`),
-"reference" (`reference.py`, pure jnp), or "auto" (the kernel of the default
-backend, the reference elsewhere). `interpret=True` runs the chosen Pallas
-kernel in interpret mode on CPU (the TPU kernel in the TPU interpreter, with
-out-of-bounds reads raising). KV pages are `[P, K, W, packing, L]`
-(`kv_layout.py`); `num_kv_heads` says how many of the combined heads are real
-when 8-bit pages pad an odd head count (default: all of them). 8-bit pages are
-read with scalar `k_scale`/`v_scale` or with `kv_scales` f32[P, K, 2G], a scale per
-token and head (`kv_quant.py`). `sinks` f32[N] adds one learned logit per query head
-to the softmax denominator (gpt-oss's attention sinks): the head's weights over its keys
-sum to less than one, the rest going to a value of zero. docs/kernels.md.
+"""Ragged paged attention's one entry point (`ragged_paged_attention`): JAX's
+`ref_ragged_paged_attention` contract with packed pages, static input validation at
+trace time (`validate_inputs`), and the pick of the TPU or GPU kernel or the reference
+by `AttentionSettings.impl`. See docs/kernels.md#the-entry-point.
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
-"""The layout of KV pages: `[P, K, W, packing, L]`, K and V of each head in 32-bit words.
-
-A KV page holds `K` tokens; each token's K and V rows of every KV head form the
-combined-head axis `C = 2G` (K of head g at `2g`, V at `2g + 1`, the order of JAX's
-`ref_ragged_paged_attention`). In row-major order the pages are always `[P, K, C, H]`
-(padding included); that axis is cut into `W` words of `packing` rows of `L` lanes:
-
-    kv_pages: [P, K, W, packing, L],  L = fold * H,  W = ceil(2G / (packing * fold))
-
-`packing = 4 // itemsize` (1 for float32, 2 for bfloat16 and its uint16 storage, 4 for
-int8 and float8_e4m3fn) combined heads share a 32-bit word; `fold` consecutive combined
-heads sit side by side on the lanes of one row: 1, or 128 // H for a head_dim below 128
-(gpt-oss's 64: K of a head in lanes 0-63, its V in lanes 64-127). So combined head
-`c = (w * packing + p) * fold + j` is lanes `[j * H, (j + 1) * H)` of row `p` of word `w`.
-
-Why packing. On a TPU the two minor dimensions of an array are tiled, and a packed dtype
-keeps `packing` rows of the second-minor dimension in one 32-bit word. With `[P, K, 2G,
-H]`, copying one KV head's K rows sliced the tiled combined-head axis at an offset that
-is not a whole tile, which Mosaic rejects for every dtype but float32 ("Offsets along
-tiled dimensions must be aligned to tiles"). With the packing axis second-minor, a copy
-selects whole words (an untiled axis) and the kernel unpacks K and V from the 32-bit
-words with shifts. tpu-inference and JAX's RPA v3 store pages the same way.
-
-Why fold. The minor dimension is tiled by 128 lanes. With H = 64 as the minor dimension,
-the row-major layout the Mosaic kernel and the K/V scatter need pads every row to 128
-lanes (twice the pool), so XLA:TPU kept the donated pool in a compact layout of its own
-(pages on the minor axis) and copied it whole into the padded layout and back each step:
-two pools of temporaries per layer. With L = 128 nothing pads and nothing is copied.
-
-Because every layout is a reshape of `[P, K, C, H]`, on CPU and GPU the reference and
-the Triton kernel read the combined-head axis through a free reshape (`combined_view`).
-Padding exists only for 8-bit pages with an odd number of KV heads (per shard, under
-tensor parallelism): the padded heads are written as zeros and never read. `fold` stays
-1 where it would add padding, so a fold never costs memory.
+"""The layout of KV pages, `[P, K, W, packing, L]`: K and V of every KV head interleaved
+on a combined-head axis and packed into 32-bit words, `fold` heads to a row's lanes for
+head_dim below 128; row-major, a free reshape of `[P, K, 2G, H]` (`combined_view`).
+What each axis holds and why packing and fold: docs/kernels.md#kv-layout.
 """
 
 from __future__ import annotations

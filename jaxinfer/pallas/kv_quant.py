@@ -1,51 +1,8 @@
-"""8-bit KV pages with dynamic scales per token and KV head: quantize on write.
-
-int8 and float8_e4m3fn pages keep one float32 scale per token and combined head, in an
-array laid out like the pages without the head dim (`kv_layout.py`):
-
-    kv_scales: f32[P, K, C],  C = 2G: the K scale of head g at 2g, the V scale at 2g + 1
-
-Page slot (p, k) of the scales belongs to page slot (p, k) of the pages, so whatever
-moves, shares or frees a page (prefix caching, preemption) carries its scales along.
-The cache update (`write_quantized_kv`) computes each new token's scale from its own
-row, `max|x| / 127` (int8) or `max|x| / 448` (fp8; a zero row gets scale 1), and never
-touches earlier tokens. Readers multiply a K or V row by its scale after unpacking it.
-Only the real heads have scales (the padded heads of 8-bit pages with an odd head count
-are never read).
-
-Why per token and head, not per page and head. Measured on the bundled demo model
-(checkpoints/demo, G=1, H=64, pages of 16 tokens) over the float K/V of all 6 layers
-for 4 held-out windows of 256 tokens (`benchmarks/kv_quant_accuracy.py --mode=scales`;
-errors are rms relative to the float rms; "attention": causal attention output with
-each position's key as its query):
-
-    scales               int8 K/V   int8 attention   fp8 K/V   fp8 attention
-    per token and head    0.89%       0.83%           2.30%     3.61%
-    per page and head     1.11%       1.13%           2.61%     5.28%
-
-Per-page scales were measured at their best, as if every page's maximum were known
-when its first token is written; a real per-page scheme must either re-quantize a
-page's earlier tokens when a later token raises its maximum (a read-modify-write of the
-page every step) or fix the scale ahead (calibration, which clips outliers). Per-token
-scales are both more accurate (one outlier token no longer coarsens its 15 neighbours;
-fp8's attention error drops by a third) and simpler: a write touches only its own
-slot. Held-out loss through the engine (`--mode=loss`, 16 windows of 256 tokens):
-perplexity 7.2689 float32, 7.2652 int8 (-0.05%), 7.2798 fp8 (+0.15%). They cost 4 bytes
-per token and combined head beside H bytes of values: for H=128 an int8 token takes
-132/256 of a bf16 one (1.94x the pages for the same memory, `planner.kv_bytes_per_token`;
-the demo's single KV head pads to a 4-head word, so there int8 saves nothing).
-
-TPU cost of this layout (measured with libtpu's AOT compiler, tests/tpu_aot): XLA keeps
-f32[P, K, 2G] with its minor axis padded to 128 lanes around the scatter and the
-kernel, so a step holds a temporary the size of one layer's scales x 128 / 2G (246 MB for
-Qwen3-0.6B's shape with a 2 GB pool; the whole-chip pool runs out of HBM). A layout with
-the keys on lanes (e.g. [P, 2G, K] with K >= 128, or the scales packed into the page
-words) would avoid it; not done yet.
-
-Why a new array input beside the scalar `k_scale`/`v_scale`, not in their place. The
-scalar pair is the contract of JAX's `ref_ragged_paged_attention` (static, calibrated
-scales) and stays as it is; `kv_scales` is the engine's dynamic path. The two are
-exclusive (`dispatch.validate_inputs`): 8-bit pages need one or the other.
+"""8-bit KV pages (int8, float8_e4m3fn) with a float32 scale per token and combined head,
+`kv_scales` f32[P, K, 2G] laid out like the pages; the cache update quantizes each new
+token from its own row (`write_quantized_kv`). Why per token and what it costs:
+docs/quantization.md#kv-cache, docs/kernels.md#kv-quantization and
+docs/benchmarks.md#kv-cache-scales.
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
-"""Pure-jnp twins of the Pallas kernels: the path the engine runs on CPU/XLA.
-
-`ragged_paged_attention` keeps the contract of JAX's
-`ref_ragged_paged_attention`: queries f[T, N, H]; KV pages [P, K, W, packing, L]
-(`kv_layout.py`: in row-major order the combined-head axis [P, K, C, H]
-with K at even and V at odd combined heads, padded to whole 32-bit words);
-`kv_lens` counts this step's tokens; causal masking aligns each request's queries to the
-end of its KV. It is vectorised: every token gathers the pages of its own
-request, in blocks of tokens sized to bound the gathered bytes, so any mix of
-prefill chunks and decode tokens runs in one call with no loop over requests.
-Rows past `cu_q_lens[num_seqs]` are padding and come back as zeros.
-
-Each token gathers its request's pages one KV block at a time inside a loop
-that runs only as far as the longest KV in the step (not the page table's
-width), with an online softmax in float32. K and V are gathered apart, each
-straight into the layout its dot wants (XLA:CPU's gathers are the cost here).
-
-8-bit pages are read times a scalar `k_scale`/`v_scale` or, with `kv_scales`
-f32[P, K, 2G], times each row's own scale (`kv_quant.py`).
-
-`sinks` f32[N] (gpt-oss) is one more logit per query head in every softmax, with no
-value: it starts the running max and sum (`_init_carry`).
-
-Pages of dtype uint16 hold bfloat16 bit patterns: the CPU storage of a bf16
-KV cache (`BF16_STORAGE`). On XLA:CPU a bf16 scatter is upcast over the whole
-pool, and a bf16 gather in a loop gets its convert hoisted into a whole-pool
-conversion, each call; integer pages are moved as they are and bitcast to
-bf16 only after the gather, so bf16 pages cost half the bytes of float32.
+"""Pure-jnp twins of the Pallas kernels, the path the engine runs on CPU:
+`ragged_paged_attention` with an online softmax over KV blocks only as far as the
+longest KV of the step, every token gathering its own request's pages; bfloat16 pages
+stored as uint16 bits on CPU (`BF16_STORAGE`). See docs/kernels.md (#the-entry-point,
+#kv-layout).
 """
 
 from __future__ import annotations

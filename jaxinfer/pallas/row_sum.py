@@ -1,10 +1,6 @@
-"""`row_sum`: a sum over the last axis whose rounding does not depend on the other axes.
-
-XLA:CPU's reduce rounds the same row differently with the number of rows it holds
-(RMSNorm with fewer than 16 rows, the reference attention's softmax sum with fewer than
-32), which made a request's bfloat16 greedy tokens depend on the batch it ran in
-(tests/engine/test_batch_invariance.py). Halving the axis with elementwise adds fixes
-each row's order of additions.
+"""`row_sum`: a sum over the last axis whose rounding does not depend on the other axes
+(RMSNorm, the reference attention's softmax), so a request's tokens do not depend on
+the batch it ran in. See docs/kernels.md#the-entry-point.
 """
 
 from __future__ import annotations

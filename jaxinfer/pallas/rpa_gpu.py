@@ -1,30 +1,7 @@
-"""Ragged paged attention for GPUs: a Pallas kernel with the Triton lowering.
-
-Same contract as `reference.ragged_paged_attention` (JAX's
-`ref_ragged_paged_attention`). The grid is (query block, KV head, KV split):
-
-- A query block is up to `bq` tokens of ONE request times the R = N / G query
-  heads sharing a KV head, so a block has `bq * R` rows (padded to a power of
-  two >= 16 for Triton's dot). Requests are cut into blocks by a small jnp
-  prologue (`_block_table`); a decode request is one block with R real rows.
-  Padding tokens form a last pseudo-request with no KV, so they get zeros.
-- Each program walks only the KV blocks its rows can see (causal end, sliding
-  window start), gathering K and V rows by page id from the page table, with
-  an online softmax in f32. Slots past kv_len are masked in scores AND in V.
-- With `k_splits > 1` the visible KV range is cut into chunks; each program
-  writes partial (acc, m, l) and `_combine` merges them in jnp.
-- Stores are masked to the block's own tokens, so no program writes another
-  request's rows.
-
-Tuning constants live in `GpuTuning` / `choose_tuning`, apart from the logic.
-float8_e4m3fn KV needs compute capability >= 8.9 (Triton's fp8 conversions).
-With `kv_scales` f32[P, K, 2G] (`kv_quant.py`) each K and V row is multiplied by its
-own scale, gathered by page id like the row, before the dots.
-With `sinks` f32[N] (one softmax logit per query head, no value) the online softmax of
-split 0 starts from the sink (`_init_carry`), so the split combine carries it too.
-KV pages arrive as [P, K, W, packing, L] (`kv_layout.py`) and are read through
-the free reshape to [P, K, C, H]: row-major order makes the packed
-layout the familiar combined-head axis.
+"""Ragged paged attention for GPUs: a Pallas kernel with the Triton lowering, the
+reference's contract. Grid (query block, KV head, KV split), a jnp prologue cutting
+requests into query blocks (`_block_table`), split-K partials merged in jnp
+(`_combine`), tuning in `GpuTuning` / `choose_tuning`. See docs/kernels.md#the-gpu-kernel.
 """
 
 from __future__ import annotations

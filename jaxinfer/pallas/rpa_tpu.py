@@ -1,25 +1,8 @@
-"""Ragged paged attention as a TPU (Mosaic) Pallas kernel: the host side.
-
-`ragged_paged_attention(...)` keeps the contract of JAX's `ref_ragged_paged_attention`
-(see `dispatch.py`, which validates inputs and dispatches here). Here: the tuning
-constants and the block sizes drawn from them, the queries grouped by KV head and
-padded, the two `pallas_call`s with their grid, scratch buffers and cost estimate. The
-body each program runs is `rpa_tpu_kernel.py`.
-
-Design. Two `pallas_call`s share one zero-initialised output through
-`input_output_aliases`: a prefill pass (requests with q_len > 1, query blocks of `bq`
-tokens) and then a decode pass (requests with q_len == 1, one token). Both have the grid
-(S, programs): one program per (request slot, group of KV heads), the other pass's
-requests and padding slots skipped with `pl.when` before any DMA. Queries, outputs and
-KV pages stay in HBM and move by manual, double-buffered DMA (see `rpa_tpu_kernel.py`).
-
-KV layout (`kv_layout.py`): pages are [P, K, W, packing, L], the K and V rows of a head
-packed into 32-bit words (side by side on the lanes when L = fold * H, H < 128); a
-program copies whole words, so it serves `heads_per_program` = max(1, packing * fold // 2)
-KV heads. Scales per token (`kv_scales`
-f32[P, K, C], `kv_quant.py`) are copied beside the words into their own VMEM buffer.
-Sinks (f32[N], one softmax logit per query head) are scalar-prefetched into SMEM with
-the page table: a program reads R of them once per query block.
+"""Ragged paged attention as a TPU (Mosaic) Pallas kernel, the host side: the tuning
+constants and block sizes, the queries grouped by KV head and padded, and the two
+`pallas_call`s (prefill, then decode) with their grid, scratch buffers and cost
+estimate. The body each program runs is rpa_tpu_kernel.py. See
+docs/kernels.md#the-tpu-kernel.
 """
 
 from __future__ import annotations

@@ -1,33 +1,7 @@
-"""The body of the TPU ragged paged attention kernel: what one program does.
-
-`rpa_tpu.py` builds the two `pallas_call`s and their grid (S, programs); each program
-(request slot, group of KV heads) runs `kernel`. It returns at once unless its slot
-holds a request of its pass, then loops over the request's query blocks; a block holds,
-for each of its KV heads, the R = N / G query heads of each of its tokens, folded into
-bq * R rows (a decode token is R rows). Page indices and lengths are scalar-prefetched
-into SMEM (page table flattened to 1-D). Queries, outputs and KV pages stay in HBM
-(`pl.ANY`) and move by manual DMA: per KV block (`pages_per_block` whole pages) the
-program's words of each page are copied into one of two VMEM slots, the next block's
-copy started before the current block is computed. The KV loop covers only the blocks
-the causal mask and the sliding window can see; an online softmax (running max, sum
-and accumulator in f32) per KV head combines them.
-
-KV layout (`kv_layout.py`): pages are [P, K, W, packing, L], the K and V rows of a head
-packed into 32-bit words, `fold` = L / H combined heads side by side on the lanes. A
-program copies whole words (W is not a tiled axis, so every copy is tile-aligned for
-every dtype) and unpacks K and V from the words as uint32 with lane slices and shifts
-(`tpu_words.py`): with H = 128, float32 takes two words per head (K, V), bfloat16 one
-word per head (K low half, V high half), 8-bit one word per two heads (bytes K0, V0,
-K1, V1); with H = 64 (fold 2) K takes lanes 0-63 and V lanes 64-127 of the same row, so
-a word holds packing heads. A program serves `heads_per_program` =
-max(1, packing * fold // 2) KV heads and reads no byte it does not use.
-
-Scales per token (`kv_scales` f32[P, K, C], `kv_quant.py`): each page's [K, C] scales
-are copied beside its words (same semaphore); `tpu_words.scale_columns` picks the head's
-K and V columns, which multiply the unpacked rows.
-
-Sinks (f32[Gp * R] in SMEM, one logit per query head): each row's online softmax starts
-from its head's sink (`_init_carry`).
+"""The body of the TPU ragged paged attention kernel, what one program (request slot,
+group of KV heads) does: its query blocks, double-buffered copies of whole KV words
+per KV block into VMEM, K and V unpacked (tpu_words.py) and scaled, and an online
+softmax per KV head started from the sinks. See docs/kernels.md#the-tpu-kernel.
 """
 
 from __future__ import annotations

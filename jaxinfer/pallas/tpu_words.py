@@ -1,15 +1,7 @@
-"""K and V out of the 32-bit words the TPU kernel copies (see `kv_layout.py`).
-
-The Mosaic kernel copies whole 32-bit words of KV pages into VMEM and reads them as
-uint32 (`pltpu.bitcast`): a word holds one float32 combined head, or two bfloat16 ones
-(row 0 in the low half, row 1 in the high half), or four 8-bit ones (rows 0-3 from the
-low byte up). With `fold` heads on a row's lanes (head_dim below 128) a head is first a
-static lane slice. So with fold 1: bfloat16 K low, V high; 8-bit K0, V0, K1, V1; with
-fold 2 (H = 64): K in lanes 0-63, V in lanes 64-127, heads on the rows. `dequantize`
-then applies the scale (scalar or per token). Unpacking with shifts keeps
-every load and vector op 32-bit, which Mosaic compiles on v5e, v5p and v6e, and which
-the TPU interpreter runs on CPU. `fold` flattens a query block the same packing-aware
-way.
+"""K and V out of the 32-bit words the TPU kernel copies, read as uint32 and unpacked
+with lane slices and shifts (every load and vector op stays 32-bit); `dequantize`
+applies a scalar or per-token scale, `fold` folds a query block alike. See
+docs/kernels.md (#kv-layout, #the-tpu-kernel).
 """
 
 from __future__ import annotations
