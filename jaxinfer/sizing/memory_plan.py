@@ -1,11 +1,7 @@
-"""The memory plan's record and what follows from it.
-
-`MemoryPlan` holds one engine configuration's bytes and counts on one device, as
-`planner.plan()` works them out; from them it derives the bytes and FLOPs of a decode
-step, the decode roofline (tokens/s bounded by each device reading its weights once
-plus its share of each request's KV per step at a given memory bandwidth, and by its
-FLOPs at a given peak), its cost per million output tokens, and `summary()`, what
-`python -m jaxinfer plan` prints.
+"""The memory plan's record (`MemoryPlan`): one engine configuration's bytes and counts
+on one device, as `planner.plan()` works them out, and what follows from them: a decode
+step's bytes and FLOPs, the decode roofline, the cost per million output tokens, and
+`summary()`, what `python -m jaxinfer plan` prints. See docs/cli.md#plan.
 """
 
 from __future__ import annotations

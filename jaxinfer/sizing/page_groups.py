@@ -1,13 +1,6 @@
-"""How the memory plan splits KV bytes between page groups (engine/core/kv_groups.py).
-
-Group 0 holds the layers that keep a page for every page of a request's tokens; a model
-with both sliding-window and full-attention layers (Gemma 3, gpt-oss) gives its sliding
-layers a group of their own, of which a decoding request holds about
-ceil(window / page_size) + 1 pages. The planner sizes the groups so that requests at
-max_model_len run out of them together: group g's pages = group 0's x W_g / F (W_g the
-pages a request holds in it, F = ceil(max_model_len / page_size)) plus slack for one
-prefill chunk per step, solving bytes = sum over groups of pages x page bytes.
-docs/kv_cache.md, "Sizing".
+"""How the memory plan splits KV bytes between page groups (engine/core/kv_groups.py):
+`group_layers` names the groups, `split_pages` counts their pages so that requests at
+max_model_len run out of every group together. See docs/kv_cache.md#sizing.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""The memory plan: what a model and its KV cache need per device, what fits, how fast.
-
-`plan()` takes a model config, the weight and KV dtypes, the context length, a
-tensor-parallel degree and a per-device budget (bytes for the KV cache, or for
-weights plus KV) and returns a `MemoryPlan` (memory_plan.py): weight bytes and KV
-bytes per token on one device, the pages that fit (page 0 is the trash page),
-concurrent requests at full context, and the decode roofline (tokens/s bounded by each
-device reading its weights once plus its share of each request's KV per step at a
-given memory bandwidth, and by its FLOPs at a given peak; left out when no bandwidth is
-given). The engine sizes its page pool with it (through loading.py), so the plan and
-the allocation agree to the byte. `python -m jaxinfer plan` prints it.
-
-Tensor parallelism over `tp` devices (Megatron style): q/k/v/o and gate/up/down are
-split 1/tp by heads and MLP columns, the embedding and LM head along the vocabulary
-when `tp` divides it (else replicated), the q/k/v biases with their heads, norms
-replicated. KV heads are split when `tp` divides them, else (tp a multiple of them)
-each device holds one, replicated. The all-reduces between devices are not counted:
-the roofline is a bound.
+"""The memory plan (`plan()`): a model's weight bytes and KV bytes per token on one of
+`tp` devices, the pages that fit a budget, concurrent requests at full context, and the
+decode roofline (a bound: all-reduces not counted). The engine sizes its pool with it
+(engine/loading.py) and `python -m jaxinfer plan` prints it. See docs/cli.md#plan and
+docs/kv_cache.md#sizing.
 """
 
 from __future__ import annotations
