@@ -1,10 +1,7 @@
-"""Every config as a frozen, kw-only, hashable dataclass, and TOML presets.
-
-`model.py`: the model's shape (`ModelConfig`, HF `config.json`, presets) and what the
-engine chooses for it (`ModelOptions`), `moe.py` its experts (`MoEConfig`), `rope.py`
-its RoPE scaling; `families/`: the model families we serve, one module each, and their
-registry; `engine.py`: how the engine runs (`EngineConfig`, `SpeculativeConfig`);
-`serving.py`: multi-host and the server (`DistributedConfig`, `ServerConfig`).
+"""Every config as a frozen, kw-only, hashable dataclass, and TOML presets: the model
+(model.py, moe.py, rope.py, families/), the engine (engine.py), speculative heads
+(heads.py), multi-host and the server (serving.py). Standard library only. See
+docs/architecture.md (#model-families, #6-house-conventions).
 """
 
 from jaxinfer.config.engine import (

@@ -1,45 +1,9 @@
-"""Speculative heads on the target's own hidden states: EAGLE-1/2 ("eagle"), EAGLE-3
-("eagle3") and Medusa ("medusa"), read from the config.json of their published layouts.
-
-`infer_method` names the head a config.json describes (None: an ordinary draft model);
-`head_config` reads it into a `HeadConfig` checked against the target's `ModelConfig`,
-with ValueErrors naming the field that does not fit.
-
-Which config.json shapes are heads:
-- EAGLE-3: architectures LlamaForCausalLMEagle3 (SafeAILab's, e.g.
-  yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) or Eagle3LlamaForCausalLM (vLLM's own name). A
-  Llama layer config plus draft_vocab_size, optional target_hidden_size,
-  norm_before_residual and capture ids (below).
-- EAGLE-1/2: architectures EAGLEModel / EagleLlamaForCausalLM or model_type "eagle"
-  (vLLM's EAGLEConfig, the Llama fields possibly nested under "model"). SafeAILab's own
-  EAGLE checkpoints say LlamaForCausalLM with one layer: indistinguishable from a small
-  Llama, so they are heads only when the caller says method="eagle" (vLLM asks the
-  same). Their "bias" key is EAGLE's fc bias, not an attention bias.
-- Medusa: architectures MedusaModel or model_type "medusa" (vLLM's MedusaConfig): keys
-  holding "num" and "heads" are num_heads, "num" and "layers" num_hidden_layers (the
-  residual blocks per head), as vLLM renames FasterDecoding's medusa_num_heads.
-Refused with a message: the speculators format (speculators_model_type), EAGLE-3 with
-use_aux_hidden_state false, HASS's add_para_norm, EAGLE-1's truncated vocabulary,
-attention biases, more than one drafter layer.
-
-Feature layers (the target's capture points, `ModelOptions.feature_layers`: entry i in
-[0, L] is the residual stream entering target layer i, L after the last layer,
-FINAL_NORMED the output after the final norm). EAGLE-1 and Medusa read FINAL_NORMED
-(vLLM and SGLang hand them the target's last hidden state, post-norm). EAGLE-3 reads
-three streams, concatenated in order:
-- no ids configured: (2, L // 2, L - 3), the streams entering those layers, as vLLM's
-  `get_eagle3_aux_hidden_state_layers` and SGLang's `set_eagle3_layers_to_capture`
-  default to (both capture `hidden + residual` before calling layer i), which is also
-  where SafeAILab's EAGLE-3 training captures.
-- top-level `eagle_aux_hidden_state_layer_ids` (the speculators/vLLM field): id i is
-  the stream entering layer i, taken as it is (vLLM's gpu_model_runner passes the ids
-  straight to `set_aux_hidden_state_layers`, whose loop captures before layer i).
-- `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge's field, what SGLang
-  reads): id i is the output of layer i, so entry i + 1 (SGLang's llama.py adds 1: "for
-  the ith layer, it takes the output of the (i-1)th layer"; SpecForge's own defaults
-  [1, L // 2 - 1, L - 4] thus land on the same streams as the default above). vLLM
-  reads this nested field as "entering layer i" too, one layer early for SpecForge
-  checkpoints; we follow the convention the head was trained with.
+"""Speculative heads' config.json: EAGLE-1/2 ("eagle"), EAGLE-3 ("eagle3") and Medusa
+("medusa"). `infer_method` names the head a config.json describes (None: an ordinary
+draft model); `head_config` reads it into a `HeadConfig` checked against the target,
+with the feature layers it reads. Which configs are heads, what is refused, and where
+EAGLE-3's capture ids point: docs/speculative_decoding.md
+(#heads-on-the-targets-hidden-states-eagle-12-eagle-3-medusa).
 """
 
 from __future__ import annotations
@@ -65,7 +29,7 @@ class HeadConfig:
     """One speculative head's shape, fitted to its target."""
 
     method: str  # one of HEAD_METHODS
-    feature_layers: tuple[int, ...]  # the target's capture points (module docstring)
+    feature_layers: tuple[int, ...]  # the target's capture points (docs/speculative_decoding.md)
     vocab_size: int  # the target's vocabulary
     target_hidden_size: int  # the target's hidden size: features are this wide each
     layer: ModelConfig | None = None
@@ -106,8 +70,8 @@ class HeadConfig:
 
 def infer_method(hf: dict[str, Any]) -> str | None:
     """The head a config.json dict describes, from its architectures / model_type /
-    speculators_model_type; None for an ordinary model (see the module docstring for
-    SafeAILab's EAGLE-1 configs, which look like one)."""
+    speculators_model_type; None for an ordinary model (SafeAILab's EAGLE-1 configs look
+    like one: docs/speculative_decoding.md)."""
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
     speculators = hf.get("speculators_model_type")
@@ -183,7 +147,7 @@ def _eagle3(hf: dict[str, Any], target: ModelConfig) -> HeadConfig:
 
 
 def eagle3_feature_layers(hf: dict[str, Any], target: ModelConfig) -> tuple[int, ...]:
-    """EAGLE-3's capture points in the target's convention (module docstring)."""
+    """EAGLE-3's capture points in the target's convention (docs/speculative_decoding.md)."""
     count = target.num_layers
     top = hf.get(TOP_IDS)
     nested = (hf.get("eagle_config") or {}).get(TOP_IDS)

@@ -1,16 +1,7 @@
-"""Mixture-of-experts shape and routing: `MoEConfig`.
-
-A MoE layer replaces the MLP with `num_experts` expert MLPs of `intermediate_size`
-each and a float32 router; each token takes the `num_experts_per_tok` experts of
-highest softmax probability, weighted by those probabilities, renormalised to sum to 1
-when `norm_topk_prob`. A shared expert MLP of `shared_expert_intermediate_size`
-(Qwen2-MoE's) is taken by every token, scaled by a sigmoid gate. Which layers are MoE:
-every `decoder_sparse_step`-th one, except `mlp_only_layers` (those keep a dense MLP of
-the model's `intermediate_size`). There is no capacity factor: no token is ever
-dropped. The other routing, softmax over the top-k of the router's logits
-(`routing = "topk_softmax"`, with a router bias), gives every expert biases and runs a
-clamped SwiGLU (`activation = "clamped_swiglu"`): gpt-oss's. Each family reads its
-experts from config.json in its own module (config/families/); docs/moe.md.
+"""Mixture-of-experts shape and routing, `MoEConfig`: the experts, top-k routing
+(softmax then top-k, or gpt-oss's top-k then softmax), a shared expert, which layers
+are MoE, the experts' activation. Each family reads it from config.json in its own
+module (config/families/). See docs/moe.md (#routing, #gpt-oss).
 """
 
 from __future__ import annotations

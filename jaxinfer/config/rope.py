@@ -3,7 +3,7 @@ an HF `config.json`'s `rope_parameters` or legacy `rope_theta` / `rope_scaling` 
 
 Any family may use any of these rope types; the families' readers (config/families/)
 call `rope_from_hf`. The frequencies themselves are computed in model/layers.py and
-model/yarn.py; docs/architecture.md#adding-a-model-family.
+model/yarn.py; docs/architecture.md#model-families.
 """
 
 from __future__ import annotations

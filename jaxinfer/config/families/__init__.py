@@ -1,11 +1,7 @@
-"""The model families we serve, one module each, and the one list of them: `FAMILIES`.
-
-A family module (llama.py, ..., gpt_oss.py) declares a `Family` (base.py): its HF
-architecture names and model_type, how its config.json reads into a `ModelConfig` and
-back, the parameter rows only it has (rows.py; model/params_table.py holds the shared
-ones), its config.json defaults and its presets. config/model.py and the parameter
-table look a family up here and never name one. Standard library only, below the
-model code: docs/architecture.md#model-families.
+"""The model families we serve, one module each, and the one list of them, `FAMILIES`,
+with the lookups (`family`, `family_of`); config/model.py and the parameter table look
+a family up here and never name one. What a family module declares and how to add one:
+docs/architecture.md#model-families.
 """
 
 from __future__ import annotations

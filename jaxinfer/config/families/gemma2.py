@@ -1,11 +1,7 @@
 """Gemma 2 (`Gemma2ForCausalLM`): the decoder block with Gemma's numerics, which Gemma 3
-(gemma3.py) keeps.
-
-RMSNorm scaled by (1 + w), norms after attention and after the MLP as well as before
-(four a layer, under HF names of their own), GeGLU with tanh-approximated GELU,
-embeddings scaled by sqrt(hidden_size), a tied head, and layers alternating between a
-sliding window and global attention (`layer_types`). Gemma 2 soft-caps attention scores
-and final logits. docs/architecture.md#model-families.
+(gemma3.py) keeps: (1 + w) RMSNorm, four norms a layer under HF names of their own,
+GeGLU, scaled embeddings, a tied head, alternating sliding and global layers, soft caps.
+See docs/models.md#gemma-2-and-gemma-3.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""gpt-oss (`GptOssForCausalLM`): a mixture of experts with biases on q/k/v and on the
-attention output, a learned attention-sink logit per query head, layers alternating
-between a sliding window (128) and full attention (`layer_types`), YaRN RoPE, a router
-with a bias whose top-k logits are softmaxed, experts with biases and a clamped SwiGLU
-(`(up + 1) * gate * sigmoid(alpha * gate)`, gate clamped above and up on both sides at
-`swiglu_limit`), and no shared expert. HF stores each kind of expert tensor for all
-experts in one [E, in, out] tensor, gate and up interleaved by column. Defaults are
-`GptOssConfig`'s (transformers 5.23), which a Hub config.json relies on for the fields
-it leaves out. docs/moe.md#gpt-oss.
+"""gpt-oss (`GptOssForCausalLM`): experts with biases and a clamped SwiGLU behind a
+biased top-k-softmax router, q/k/v/o biases, attention sinks, alternating sliding and
+full layers, YaRN RoPE, HF's stacked interleaved expert tensors, and `GptOssConfig`'s
+defaults for what a Hub config.json leaves out. See docs/moe.md#gpt-oss.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The rows of the parameter table: `Param` (one kind of params leaf) made of `Part`s (the
-HF tensors it is read from), plain data a family module declares.
-
-Standard library only, so the family modules, which config/model.py looks up, can hold
-their own rows; model/params_table.py keeps the rows every family shares and derives
-everything else from the rows (shapes, PartitionSpecs, names, fusing, quantization).
-See model/params_table.py's docstring for what each field means to the loader.
+HF tensors it is read from), plain data a family module declares. Standard library only;
+model/params_table.py holds the shared rows and derives everything else from them. See
+docs/moe.md#parameters-one-table and docs/architecture.md#model-families.
 """
 
 from __future__ import annotations
