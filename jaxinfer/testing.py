@@ -1,13 +1,8 @@
-"""Test doubles shared by tests/ and benchmarks/: tiny random HF checkpoints, and the
-reference paths and state views the tests check the serving code with.
-
-`make_hf_model` builds a tiny model of a family with `transformers` (random
-init, fixed seed, every weight perturbed so norms and biases matter) and saves
-it with `save_pretrained`: the ground truth our forward pass is checked
-against. Needs the `test` extra (torch, transformers); imported lazily.
-`logits` runs a runner's forward pass alone (the parity tests' side of the
-comparison), `dense_reference` a MoE layer the slow way; serving never calls them
-(docs/testing.md).
+"""Test doubles shared by tests/ and benchmarks/: `make_hf_model` (a tiny random HF
+checkpoint of a family, made and saved by `transformers`: the parity tests' ground
+truth; needs the `test` extra, imported lazily), and what only tests run: `logits`
+(a runner's forward alone), `dense_reference` (a MoE layer the slow way) and views of
+state. See docs/testing.md#ground-truth-tiny-hf-models.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""One device's slice of a params leaf, read from memory-mapped HF tensors.
-
-Loading under tensor parallelism never builds a whole tensor: for each params leaf
-`checkpoint.load_hf_params` calls `jax.make_array_from_callback`, and the callback
-asks `slice_of(...)` for the part of the leaf one device holds. That part is cut from
-the HF tensors as rows of their [out, in] storage (contiguous in the file) wherever
-the split is by output (q/k/v, gate/up, the vocabulary), and as a column range of each
-row where it is by input (o, down): only those bytes of the memory-mapped file are
-touched. Fused leaves are built from the HF tensors on the fly, in the layout of
-`model/fusion.py`: a column range of `wqkv` is a range of whole KV-head groups, one of
-`w_gate_up` a range of whole gate/up block pairs. With KV heads replicated (fewer KV
-heads than devices, `sharding.served_config`), group g' of the served model takes the
-k and v rows of original head g' // replicas. The 1-D float32 scales of a
-compressed-tensors FP8 checkpoint's weights (compressed_tensors.py) are read through the
-same layouts, as the weights' output columns. An experts leaf [E, ...] is a stack of
-per-expert leaves: a device reads the tensors of its own experts only (expert
-parallelism) or its slice of every expert's. gpt-oss stores all experts in one tensor
-[E, in, out], gate and up interleaved by column: a device reads its experts' and its
-columns' part of it (a range of whole block pairs is the same range of HF's
-interleaved columns) and de-interleaves it into the blocks of `model/fusion.py`.
-
-`ReadLog` counts the bytes each call asked for, per leaf, so a test can check that each
-device read only its share.
+"""One device's slice of a params leaf, read from memory-mapped HF tensors
+(`Reader.slice_of`, what `jax.make_array_from_callback` asks): only that device's rows
+or row segments are touched, fused and expert leaves built on the fly; `ReadLog` counts
+the bytes each call read, per leaf, for the tests. See
+docs/parallelism.md#tensor-parallelism and docs/moe.md (#parameters-one-table, #gpt-oss).
 """
 
 from __future__ import annotations

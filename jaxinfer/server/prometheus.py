@@ -1,15 +1,7 @@
-"""GET /metrics: the engine's counters in Prometheus text format, named as vLLM names them
-under a `jaxinfer:` prefix.
-
-`snapshot(engine)` runs on the engine thread between steps and copies what the
-exposition needs (the same `Metrics` object `llm.metrics()` summarizes); the
-exposition then builds the families from that copy, so a scrape never reads
-state a step is changing.
-
-Every sample carries vLLM's label `model_name` (the served model's name), which vLLM's
-Grafana dashboards filter on. Data parallelism: each replica's samples also carry vLLM's
-label `engine` (the replica's index), one series per replica in every family; totals are
-their sum (`sum without (engine) (...)`).
+"""GET /metrics: the engine's counters in Prometheus text format, under vLLM's names with
+a `jaxinfer:` prefix and vLLM's labels (`model_name`; `engine` per data-parallel
+replica), built from a `snapshot` the engine thread takes between steps. See
+docs/serving.md#metrics and docs/parallelism.md#data-parallelism.
 """
 
 from __future__ import annotations
