@@ -7,8 +7,7 @@ PY := $(VENV)/bin/python
 # for a TPU (see tests/tpu_aot/conftest.py and jaxinfer/aot.py).
 TPU_VENV := .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
-# Two pytest-xdist workers: the TPU compiles are independent of each other.
-TPU_AOT := $(TPU_PY) -m pytest tests/tpu_aot --confcutdir=tests/tpu_aot -p no:cacheprovider -n 2
+TPU_AOT := $(TPU_PY) -m pytest tests/tpu_aot --confcutdir=tests/tpu_aot -p no:cacheprovider
 
 .PHONY: run test test-slow test-tpu-aot test-tpu-aot-slow lint demo-model clean
 
@@ -35,13 +34,9 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The TPU compile suite runs beside the CPU suite, as each process keeps about one core
-# busy; its log follows the CPU suite's (docs/testing.md, "Time").
-test: lint $(TPU_VENV)/.base
-	@log=$$(mktemp); $(TPU_AOT) > $$log 2>&1 & aot=$$!; \
-	$(PY) -m pytest; cpu=$$?; wait $$aot; tpu=$$?; \
-	echo "== make test-tpu-aot (ran beside the CPU suite): exit $$tpu =="; \
-	cat $$log; rm -f $$log; test $$cpu -eq 0 && test $$tpu -eq 0
+test: lint
+	$(PY) -m pytest
+	$(MAKE) test-tpu-aot
 
 test-slow: lint
 	$(PY) -m pytest -m slow
