@@ -100,10 +100,25 @@ def convert() -> None:
 
     if not FLAGS.model or not FLAGS.output:
         raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
-    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.quantization,
-                                   FLAGS.calibration_data)
+    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, _convert_dtype(),
+                                   FLAGS.quantization, FLAGS.calibration_data)
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
+
+
+def _convert_dtype() -> str:
+    """--dtype for convert: auto keeps the checkpoint's own dtype (float16 as bfloat16),
+    which is what the engine serves it in on CPU (config.served_dtype)."""
+    import pathlib
+
+    from jaxinfer.config import served_dtype
+
+    config = pathlib.Path(FLAGS.model) / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else None
+    try:
+        return served_dtype(FLAGS.dtype, hf, "cpu")
+    except ValueError as e:
+        raise app.UsageError(f"--{e}") from None
 
 
 def eval_ppl() -> None:

@@ -18,7 +18,8 @@ from jaxinfer.sizing import accelerators
 
 # Over the flags, as --help shows them: the weights' dtype is the model's own (vLLM's
 # auto) and the step splits over every chip of --device unless told otherwise.
-PLAN_DEFAULTS = {"dtype": "auto: the checkpoint's; bfloat16 for a preset",
+PLAN_DEFAULTS = {"dtype": "auto: the checkpoint's, as the engine serves it on --device "
+                          "(docs/models.md#dtype); bfloat16 for a preset",
                  "tensor_parallel_size": "every device of --device (with "
                  "--data_parallel_size: the rest of them), else 1",
                  "data_parallel_size": "the devices of --device left over by "
@@ -46,16 +47,25 @@ def _model_config() -> object:
     return cfg
 
 
-def _model_dtype() -> str:
-    """The weights' dtype when --dtype is not given (vLLM's auto): a checkpoint's own
-    (config.json's dtype or torch_dtype), bfloat16 for a preset or a float16 checkpoint."""
+def _served_dtype(platform: str | None) -> str:
+    """--dtype resolved as the engine resolves it on `platform` (config.served_dtype):
+    "auto" is the checkpoint's own dtype; a preset's is bfloat16. No `platform` (no
+    --device): this machine's backend, where the engine would run."""
     import pathlib
 
+    from jaxinfer.config import served_dtype
+
+    if platform is None:
+        import jax
+
+        platform = "gpu" if jax.default_backend() in ("cuda", "rocm") else \
+            jax.default_backend()
     config = pathlib.Path(FLAGS.model or DEFAULT_MODEL) / "config.json"
-    if not config.is_file():
-        return "bfloat16"
-    hf = json.loads(config.read_text())
-    return "float32" if hf.get("dtype", hf.get("torch_dtype")) == "float32" else "bfloat16"
+    hf = json.loads(config.read_text()) if config.is_file() else {"dtype": "bfloat16"}
+    try:
+        return served_dtype(FLAGS.dtype, hf, platform)
+    except ValueError as e:
+        raise app.UsageError(f"--{e}") from None
 
 
 def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
@@ -172,9 +182,11 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
 def plan() -> None:
     from jaxinfer.sizing import layout, planner
 
-    settings = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
-    cfg = _model_config()
     acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
+    dtype = _served_dtype(acc.chip.platform if acc else None)
+    settings = _with_checkpoint_quantization(
+        dataclasses.replace(engine_config(), dtype=dtype))
+    cfg = _model_config()
     kwargs = _plan_kwargs(settings, acc)
     splits = [] if acc is None else layout.splits(cfg, acc, **kwargs)
     tp, dp = _plan_layout(cfg, acc, layout.recommend(splits))
@@ -215,7 +227,8 @@ def aot() -> None:
 
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
     cfg = _model_config()
-    engine = _with_checkpoint_quantization(engine_config(dtype=_model_dtype()))
+    engine = _with_checkpoint_quantization(
+        dataclasses.replace(engine_config(), dtype=_served_dtype("tpu")))
     settings = aot_lib.Settings(
         dtype=engine.dtype, kv_dtype=engine.kv_dtype, max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,

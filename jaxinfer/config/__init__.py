@@ -14,6 +14,8 @@ from jaxinfer.config.engine import (
     SPECULATIVE_METHODS,
     EngineConfig,
     SpeculativeConfig,
+    checkpoint_dtype,
+    served_dtype,
 )
 from jaxinfer.config.families import ARCHITECTURES, MOE_ARCHITECTURES
 from jaxinfer.config.model import (
@@ -40,5 +42,5 @@ __all__ = [
     "QUANTIZATION_MODES", "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS",
     "SPECULATIVE_METHODS", "TOOL_CALL_PARSERS", "DistributedConfig", "EngineConfig",
     "MoEConfig", "ModelConfig", "ModelOptions", "RopeScaling", "ServerConfig",
-    "SpeculativeConfig", "load_preset", "preset_names",
+    "SpeculativeConfig", "checkpoint_dtype", "load_preset", "preset_names", "served_dtype",
 ]

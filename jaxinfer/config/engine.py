@@ -15,7 +15,10 @@ from jaxinfer.config.model import ATTENTION_IMPLS
 # The demo checkpoint, package data (in a checkout, a link to checkpoints/demo).
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[1] / "demo"
 SCHEDULERS = ("continuous", "static")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # the dtypes weights are served in
+# --dtype's values (vLLM's): auto is the checkpoint's dtype (`served_dtype`); float is
+# float32; float16/half are refused (`check_dtype_choice`). docs/models.md#dtype.
+DTYPE_CHOICES = ("auto", *DTYPES, "float", "float16", "half")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantization.py
 
@@ -133,7 +136,10 @@ class EngineConfig:
     """How the engine batches, pads and sizes its KV cache. The CLI derives one flag per
     field from here: name, default, type, `choices` and `help` (see `setting`)."""
 
-    dtype: str = setting("float32", "weights dtype", DTYPES)
+    dtype: str = setting(
+        "auto", "weights dtype; auto: the checkpoint's (config.json's dtype), but a float32 "
+        "checkpoint in bfloat16 on TPU and GPU and a float16 one in bfloat16; float: "
+        "float32 (docs/models.md#dtype)", DTYPE_CHOICES)
     kv_cache_dtype: str = setting("auto", "KV pages dtype; auto: the weights' dtype; "
                                    "int8, fp8 (float8_e4m3fn): 8-bit values with a float32 "
                                    "scale per token and KV head", KV_CACHE_DTYPES)
@@ -208,6 +214,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        check_dtype_choice(self.dtype)
+        if self.dtype == "float":
+            object.__setattr__(self, "dtype", "float32")
         for field in dataclasses.fields(self):
             choices, value = field.metadata["choices"], getattr(self, field.name)
             unset_allowed = value is None and field.default is None
@@ -237,4 +246,43 @@ class EngineConfig:
     def kv_dtype(self) -> str:
         """The KV pages' dtype, "auto" resolved to the weights' dtype. (On CPU bfloat16
         pages are stored as their uint16 bits, see model/attention.py; bytes are equal.)"""
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        if self.dtype == "auto":
+            raise ValueError("kv_cache_dtype='auto' follows dtype, which is still 'auto': "
+                             "resolve it first (config.served_dtype)")
+        return self.dtype
+
+
+def check_dtype_choice(dtype: object) -> None:
+    """ValueError unless `dtype` is a value of --dtype jaxinfer serves, with the reason
+    for the float16 it does not."""
+    if dtype in ("float16", "half"):
+        raise ValueError(
+            f"dtype={dtype!r} is not served: jaxinfer's attention kernels and KV cache take "
+            "float32 or bfloat16 activations. Use dtype='bfloat16' (float16's memory, "
+            "float32's range) or 'auto', which serves a float16 checkpoint in bfloat16")
+
+
+def checkpoint_dtype(hf: dict) -> str | None:
+    """The dtype a config.json says its weights were saved in (`dtype`, the older
+    `torch_dtype`, or its text tower's), or None when it says none."""
+    for config in (hf, hf.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(config.get(key), str):
+                return config[key]
+    return None
+
+
+def served_dtype(requested: str, hf: dict | None, platform: str) -> str:
+    """The dtype weights are served in on `platform` ("cpu", "gpu", "tpu"): `requested`,
+    or for "auto" (vLLM's) the checkpoint's own, where float32 (also a config that names
+    none, as in vLLM) becomes bfloat16 on TPU and GPU (their fast path; on CPU it can be
+    the slow one) and float16 becomes bfloat16. See docs/models.md#dtype."""
+    check_dtype_choice(requested)
+    if requested != "auto":
+        return "float32" if requested == "float" else requested
+    saved = checkpoint_dtype(hf or {})
+    if saved in (None, "float32", "float"):
+        return "float32" if platform == "cpu" else "bfloat16"
+    return "bfloat16"

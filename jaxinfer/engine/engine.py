@@ -44,7 +44,7 @@ class Engine:
                  *, warm_up: bool = True, replica: int = 0,
                  params_from: dict | None = None) -> None:
         """`replica`, `params_from`: a data-parallel replica (engine/parallel/data_parallel.py)."""
-        config = config or EngineConfig()
+        config = loading.with_served_dtype(model, config or EngineConfig())
         self.config = config
         loaded = loading.load(model, config, replica=replica, params_from=params_from)
         self.model_dir = loaded.model_dir

@@ -16,7 +16,13 @@ import jax
 
 from jaxinfer import checkpoint, distributed
 from jaxinfer.checkpoint import awq
-from jaxinfer.config import EngineConfig, ModelConfig, ModelOptions
+from jaxinfer.config import (
+    EngineConfig,
+    ModelConfig,
+    ModelOptions,
+    checkpoint_dtype,
+    served_dtype,
+)
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.metrics.summary import FlopCount
@@ -138,6 +144,20 @@ def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,
                            "pages, sized from this host's memory unless "
                            "kv_cache_memory_bytes is given)",
                            repr((served, settings, max_len, num_pages)))
+
+
+def with_served_dtype(model_dir: str | os.PathLike, config: EngineConfig) -> EngineConfig:
+    """`config` with dtype "auto" resolved to the checkpoint's own on this backend
+    (config.served_dtype; docs/models.md#dtype)."""
+    if config.dtype != "auto":
+        return config
+    hf = read_json(pathlib.Path(model_dir) / "config.json")
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else \
+        jax.default_backend()
+    dtype = served_dtype(config.dtype, hf, platform)
+    log.info("dtype auto: %s (saved in %s) served in %s", model_dir, checkpoint_dtype(hf),
+             dtype)
+    return dataclasses.replace(config, dtype=dtype)
 
 
 def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> EngineConfig:

@@ -42,7 +42,8 @@ def test_command_help_lists_its_flags_with_defaults():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "--max_tokens (int; default 64)\n      tokens to generate" in out
-    assert '--dtype (float32|bfloat16; default "float32")\n      weights dtype' in out
+    assert ('--dtype (auto|float32|bfloat16|float|float16|half; default "auto")\n'
+            "      weights dtype") in out
     assert "--max_num_seqs (int; default 1)" in out  # generate's own default
     assert "--temperature (float; default unset)" in out
     assert "--skip_tokenizer_init (bool; default false)" in out
@@ -77,7 +78,9 @@ def test_sampling_flags_override_only_their_field():
 
 
 @pytest.mark.parametrize("args, message, code", [
-    (["generate", "--dtype=float16"], "flag --dtype=float16: value should be one of", 2),
+    (["generate", "--dtype=float8"], "flag --dtype=float8: value should be one of", 2),
+    (["generate", "--dtype=half"], "--dtype='half' is not served: jaxinfer's attention "
+     "kernels and KV cache take float32 or bfloat16 activations", 2),
     (["generate", "--max_num_seqs=0"], "generate: --max_num_seqs=0 must be a positive int", 2),
     (["generate", "--max_num_seqs=lots"], "flag --max_num_seqs=lots: 'lots' is not an integer",
      2),

@@ -38,6 +38,7 @@ class DataParallelEngine:
     def __init__(self, model: str | os.PathLike, config: EngineConfig, *,
                  warm_up: bool = True) -> None:
         loading.check_data_parallel(config)
+        config = loading.with_served_dtype(model, config)
         first = Engine(model, config, warm_up=False)
         self.replicas = [first] + [
             Engine(model, config, warm_up=False, replica=r, params_from=first.runner.params)
