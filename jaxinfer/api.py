@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from jaxinfer.checkpoint import hub
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
 from jaxinfer.engine.parallel.data_parallel import make_engine
@@ -35,6 +36,7 @@ class LLM:
             raise FileNotFoundError(
                 f"no model was given, and the default (the demo checkpoint, {DEFAULT_MODEL})"
                 " is not there. Give a model directory: LLM(model=DIR), or --model=DIR")
+        model, config = hub.resolve_all(model, config)  # Hub ids -> local directories
         runner.use_compilation_cache(config.compilation_cache_dir)
         self.engine = make_engine(model, config, warm_up=warm_up)  # DP > 1: replicas
         self.tokenizer = self.engine.tokenizer

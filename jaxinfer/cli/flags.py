@@ -17,7 +17,8 @@ from jaxinfer.engine.request import SamplingParams
 FLAGS = flags.FLAGS
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 
-flags.DEFINE_string("model", None, "model directory (HF or orbax); plan and aot also take a "
+flags.DEFINE_string("model", None, "model directory (HF or orbax) or Hugging Face Hub id "
+                    "(org/name, downloaded once: docs/models.md); plan and aot also take a "
                     "preset name (jaxinfer/config/presets/*.toml); default: the bundled demo model")
 flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text")
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate")

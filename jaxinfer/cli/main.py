@@ -51,7 +51,8 @@ class Command:
     defaults: dict[str, object] = dataclasses.field(default_factory=dict)  # over the flags
 
 
-_PLAN_FLAGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
+_HUB_FLAGS = ("revision", "download_dir")
+_PLAN_FLAGS = (*_HUB_FLAGS, "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
                "kv_cache_memory_bytes", "gpu_memory_utilization", "quantization",
                "enable_expert_parallel")
 COMMANDS = {
@@ -69,7 +70,7 @@ COMMANDS = {
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
                        "(--quantization: quantized weights)",
-                       flags=("model", "output", "dtype", "quantization",
+                       flags=("model", *_HUB_FLAGS, "output", "dtype", "quantization",
                               "calibration_data")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
                     "roofline and cost on a device, and the best DP x TP layout of its "
@@ -81,7 +82,7 @@ COMMANDS = {
                     defaults=PLAN_DEFAULTS),
     "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
                      "prefix cache would save; loads no weights",
-                     flags=("model", "input", "page_size", "format")),
+                     flags=("model", *_HUB_FLAGS, "input", "page_size", "format")),
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
                    flags=("model", "device", "tensor_parallel_size", "data_parallel_size",

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import signal
 import sys
 import typing
@@ -100,20 +101,25 @@ def convert() -> None:
 
     if not FLAGS.model or not FLAGS.output:
         raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
-    checkpoint.convert_hf_to_orbax(FLAGS.model, FLAGS.output, _convert_dtype(),
+    from jaxinfer.checkpoint import hub
+
+    try:
+        model = hub.resolve(FLAGS.model, revision=FLAGS.revision,
+                            download_dir=FLAGS.download_dir)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    checkpoint.convert_hf_to_orbax(model, FLAGS.output, _convert_dtype(model),
                                    FLAGS.quantization, FLAGS.calibration_data)
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
 
 
-def _convert_dtype() -> str:
+def _convert_dtype(model: pathlib.Path) -> str:
     """--dtype for convert: auto keeps the checkpoint's own dtype (float16 as bfloat16),
     which is what the engine serves it in on CPU (config.served_dtype)."""
-    import pathlib
-
     from jaxinfer.config import served_dtype
 
-    config = pathlib.Path(FLAGS.model) / "config.json"
+    config = model / "config.json"
     hf = json.loads(config.read_text()) if config.is_file() else None
     try:
         return served_dtype(FLAGS.dtype, hf, "cpu")

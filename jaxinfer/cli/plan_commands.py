@@ -6,7 +6,9 @@ FLAGS and imports its library only when it runs. See docs/cli.md (#plan, #audit,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import pathlib
 import sys
 
 from absl import app
@@ -30,15 +32,30 @@ AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
                                 "data_parallel_size": "1"}
 
 
+@functools.cache
+def _model_path(config_only: bool = True) -> pathlib.Path:
+    """--model as a path: a directory, a preset's name (no such directory), or a Hub id
+    downloaded (only its config.json for plan and aot; checkpoint/hub.py)."""
+    from jaxinfer.checkpoint import hub
+
+    model = FLAGS.model or DEFAULT_MODEL
+    if not hub.is_hub_id(model):
+        return pathlib.Path(model)
+    try:
+        return hub.resolve(model, revision=FLAGS.revision, download_dir=FLAGS.download_dir,
+                           config_only=config_only)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+
+
 def _model_config() -> object:
     """The ModelConfig of --model (a model directory or a preset), checked for
     --enable_expert_parallel."""
-    import pathlib
 
     from jaxinfer import checkpoint
     from jaxinfer.config import ModelOptions, load_preset
 
-    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    model = _model_path()
     cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
     try:
         ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
@@ -51,7 +68,6 @@ def _served_dtype(platform: str | None) -> str:
     """--dtype resolved as the engine resolves it on `platform` (config.served_dtype):
     "auto" is the checkpoint's own dtype; a preset's is bfloat16. No `platform` (no
     --device): this machine's backend, where the engine would run."""
-    import pathlib
 
     from jaxinfer.config import served_dtype
 
@@ -60,7 +76,7 @@ def _served_dtype(platform: str | None) -> str:
 
         platform = "gpu" if jax.default_backend() in ("cuda", "rocm") else \
             jax.default_backend()
-    config = pathlib.Path(FLAGS.model or DEFAULT_MODEL) / "config.json"
+    config = _model_path() / "config.json"
     hf = json.loads(config.read_text()) if config.is_file() else {"dtype": "bfloat16"}
     try:
         return served_dtype(FLAGS.dtype, hf, platform)
@@ -71,11 +87,10 @@ def _served_dtype(platform: str | None) -> str:
 def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
     """`settings` in the mode of a --model directory written quantized (orbax convert
     --quantization, or a compressed-tensors FP8 checkpoint), as loading serves it."""
-    import pathlib
 
     from jaxinfer import checkpoint
 
-    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    model = _model_path()
     if not model.is_dir():
         return settings
     return dataclasses.replace(
@@ -85,11 +100,10 @@ def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
 def _quantized_head() -> bool:
     """Whether a quantized --model serves a quantized LM head (checkpoint.quantized_head;
     a preset: yes)."""
-    import pathlib
 
     from jaxinfer import checkpoint
 
-    model = pathlib.Path(FLAGS.model or DEFAULT_MODEL)
+    model = _model_path()
     return checkpoint.quantized_head(model) if model.is_dir() else True
 
 
@@ -216,7 +230,7 @@ def audit() -> None:
 
     if not FLAGS.input:
         raise app.UsageError("audit needs --input=PROMPTS.jsonl")
-    report = audit_lib.run(FLAGS.model or DEFAULT_MODEL, FLAGS.input,
+    report = audit_lib.run(_model_path(config_only=False), FLAGS.input,
                            page_size=FLAGS.page_size)
     report_lib.write(report, sys.stdout, FLAGS.format)
 

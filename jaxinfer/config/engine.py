@@ -111,17 +111,20 @@ def infer_method(model: object) -> str:
     """The speculative method of `model` when none is given, as vLLM infers it: "ngram"
     by name; else the heads a checkpoint's config.json describes (config/heads.py); else,
     for a config that looks like an ordinary Llama (SafeAILab's EAGLE checkpoints do),
-    "eagle3" or "eagle" when the directory's name says so; else "draft_model"."""
+    "eagle3" or "eagle" when the directory's name says so; else "draft_model". A Hub id
+    (no directory yet) by its name alone: eagle3, eagle, medusa, else draft_model."""
     if model in ("ngram", "[ngram]"):
         return "ngram"
     path = pathlib.Path(str(model))
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return "draft_model"  # the loader then names what is wrong with the directory
-    from jaxinfer.config.heads import infer_method as head_method
     name = path.resolve().name.lower()
     by_name = "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else None
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):  # a Hub id, or the loader names what is wrong
+        if by_name is None and "medusa" in name:
+            return "medusa"
+        return by_name or "draft_model"
+    from jaxinfer.config.heads import infer_method as head_method
     return head_method(hf) or by_name or "draft_model"
 
 
@@ -136,6 +139,15 @@ class EngineConfig:
     """How the engine batches, pads and sizes its KV cache. The CLI derives one flag per
     field from here: name, default, type, `choices` and `help` (see `setting`)."""
 
+    revision: str | None = setting(
+        None, "a Hub model's branch, tag or commit (default: main); docs/models.md")
+    tokenizer: str | None = setting(
+        None, "the tokenizer's directory or Hub id; default: the model's")
+    tokenizer_revision: str | None = setting(
+        None, "a Hub tokenizer's branch, tag or commit (default: main)")
+    download_dir: str | None = setting(
+        None, "where Hub models are downloaded and looked for; default: $HF_HUB_CACHE "
+        "(~/.cache/huggingface/hub)")
     dtype: str = setting(
         "auto", "weights dtype; auto: the checkpoint's (config.json's dtype), but a float32 "
         "checkpoint in bfloat16 on TPU and GPU and a float16 one in bfloat16; float: "

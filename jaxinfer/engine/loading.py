@@ -69,7 +69,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     model_config = checkpoint.load_config(root)
     ep = config.enable_expert_parallel
     ModelOptions(expert_parallel=ep).check(model_config)
-    tokenizer = load_tokenizer(root, skip=config.skip_tokenizer_init)
+    tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
+                               skip=config.skip_tokenizer_init)
     eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
                      else eos_token_ids_from_configs(root))
     defaults = default_sampling_params(root)
