@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import os
 import pathlib
-import shutil
-import tempfile
 
 import jax
 import pytest
@@ -17,13 +14,14 @@ from jaxinfer import testing
 # Eight virtual CPU devices for the tensor-parallel tests (set before JAX starts its
 # backend; single-device code runs on device 0 as before).
 jax.config.update("jax_num_cpu_devices", 8)
-# One persistent compilation cache for the run, empty at its start (unless the caller
-# names one): most tests build the same few models with the same buckets, so each
-# program is compiled once and then loaded, here and in the servers started as
-# subprocesses (they inherit the variable). docs/architecture.md, "Tests".
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# One persistent compilation cache, kept between runs (unless the caller names another
+# directory): the tests build the same few tiny models with the same buckets run after
+# run, so a warm cache turns most compiles into loads, here and in the servers started
+# as subprocesses (they inherit the variable). JAX keys entries by program, options and
+# versions, so a stale entry is never used.
+# docs/testing.md#time.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.expanduser("~/.cache/jaxinfer/xla-tests"))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -25,7 +25,6 @@ ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 CONFIG_ONLY = ["config.json", "generation_config.json"]
 IGNORE = ["*/*", "consolidated.*"]
 FALLBACK_WEIGHTS = (".bin", ".pth", ".pt", ".gguf", ".h5", ".msgpack")
-_resolved: dict[tuple, pathlib.Path] = {}  # logged once per id, revision and file set
 
 
 def is_hub_id(model: str | os.PathLike) -> bool:
@@ -48,10 +47,7 @@ def resolve(model: str | os.PathLike, *, revision: str | None = None,
             raise FileNotFoundError(f"{what} directory {str(model)!r} does not exist (a "
                                     "Hub model is named org/name)")
         return root
-    key = (str(model), revision, download_dir, config_only)
-    if key not in _resolved:
-        _resolved[key] = _download(str(model), revision, download_dir, config_only, what)
-    return _resolved[key]
+    return _download(str(model), revision, download_dir, config_only, what)
 
 
 def resolve_all(model: str | os.PathLike, config: EngineConfig
@@ -79,7 +75,9 @@ def _download(repo: str, revision: str | None, download_dir: str | None,
     shown = f"{repo}@{revision}" if revision else repo
     try:
         if not options["local_files_only"]:
-            revision = _checked_commit(repo, revision, options, config_only, what)
+            _check_repo(repo, revision, options, config_only, what)
+        # the revision as given, not its commit: the cache then records the branch, so
+        # an offline start finds it
         path = huggingface_hub.snapshot_download(
             repo, revision=revision, allow_patterns=CONFIG_ONLY if config_only else ALLOW,
             ignore_patterns=IGNORE, **options)
@@ -107,11 +105,11 @@ def _options(download_dir: str | None) -> dict:
             "token": os.environ.get("HF_TOKEN") or None}
 
 
-def _checked_commit(repo: str, revision: str | None, options: dict, config_only: bool,
-                    what: str) -> str | None:
-    """The commit of `revision`, after refusing, before any weight is fetched, a
-    repository with no safetensors or of an architecture jaxinfer does not serve. The
-    Hub out of reach: `revision` as given (snapshot_download then looks in the cache)."""
+def _check_repo(repo: str, revision: str | None, options: dict, config_only: bool,
+                what: str) -> None:
+    """Refuse, before any weight is fetched, a repository with no safetensors or of an
+    architecture jaxinfer does not serve. The Hub out of reach: nothing to check here
+    (snapshot_download then looks in the cache)."""
     import httpx2
     from huggingface_hub import HfApi, errors, hf_hub_download
 
@@ -119,7 +117,7 @@ def _checked_commit(repo: str, revision: str | None, options: dict, config_only:
     try:
         info = api.model_info(repo, revision=revision)
     except (httpx2.TransportError, errors.OfflineModeIsEnabled):
-        return revision
+        return
     names = [s.rfilename for s in info.siblings or ()]
     if "config.json" not in names:
         raise ValueError(f"{what} {repo!r} has no config.json at its top level; jaxinfer "
@@ -132,7 +130,6 @@ def _checked_commit(repo: str, revision: str | None, options: dict, config_only:
                          "only. Convert it with transformers' save_pretrained")
     config = hf_hub_download(repo, "config.json", revision=info.sha, **options)
     check_architecture(json.loads(pathlib.Path(config).read_text()), repo)
-    return info.sha
 
 
 def check_architecture(hf: dict, shown: str) -> None:
@@ -168,7 +165,7 @@ def hub_error(error: Exception, shown: str, what: str, options: dict) -> Excepti
     if isinstance(error, ValueError | FileNotFoundError) and \
             not isinstance(error, errors.LocalEntryNotFoundError):
         return error
-    if isinstance(error, errors.GatedRepoError) or _status(error) in (401, 403):
+    if isinstance(error, errors.GatedRepoError):
         return PermissionError(
             f"{what} {shown!r} is gated or private and " + (
                 "the token in HF_TOKEN was refused: accept its terms on the Hub with that "
@@ -178,8 +175,13 @@ def hub_error(error: Exception, shown: str, what: str, options: dict) -> Excepti
         return FileNotFoundError(f"{what} {shown!r}: no such revision on the Hub "
                                  "(--revision takes a branch, tag or commit)")
     if isinstance(error, errors.RepositoryNotFoundError):
+        private = "" if options["token"] else " (a private one needs HF_TOKEN)"
         return FileNotFoundError(f"{what} {shown!r} is neither a directory here nor a "
-                                 "repository on the Hub")
+                                 f"repository on the Hub{private}")
+    if isinstance(error, errors.IncompleteSnapshotError):
+        return FileNotFoundError(
+            f"{what} {shown!r}: the snapshot in {cache} is incomplete (an interrupted "
+            "download) and the Hub cannot be reached; run again with network to finish it")
     if isinstance(error, errors.LocalEntryNotFoundError):
         how = ("HF_HUB_OFFLINE=1 is set (unset it to download)" if options["local_files_only"]
                else f"the Hub ({options['endpoint'] or 'huggingface.co'}) cannot be reached")
@@ -189,8 +191,3 @@ def hub_error(error: Exception, shown: str, what: str, options: dict) -> Excepti
     return OSError(f"{what} {shown!r}: the Hub download failed ({type(error).__name__}: "
                    f"{str(error).splitlines()[0] if str(error) else ''}); it resumes "
                    "where it stopped when run again")
-
-
-def _status(error: Exception) -> int | None:
-    response = getattr(error, "response", None)
-    return getattr(response, "status_code", None)
