@@ -182,3 +182,14 @@ def test_plan_by_id_fetches_the_config_only(fake_hub, hub_env, models):
     assert json.loads(result.stdout)["model"] == "org/tiny"
     fetched = {path.rsplit("/", 1)[-1] for _, path in fake_hub.requests if "/resolve/" in path}
     assert fetched == {"config.json"}, fetched
+
+
+def test_a_tokenizer_by_id_with_its_revision(fake_hub, hub_env, models, tmp_path):
+    no_tokenizer = tmp_path / "weights-only"
+    shutil.copytree(models[0], no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    fake_hub.add_repo("org/tok", models[1], branch="v2")
+    llm = LLM(model=no_tokenizer, tokenizer="org/tok", tokenizer_revision="v2",
+              warm_up=False, **SMALL)
+    assert llm.tokenizer.encode("<17>") == [17]  # the word-level tokenizer of make_random_model
+    assert pathlib.Path(llm.engine.config.tokenizer).is_relative_to(hub_env.cache)
