@@ -68,7 +68,8 @@ def scheme_of(hf: dict, source: object) -> Scheme | None:
     if method != METHOD:
         raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not "
                          f"supported; jaxinfer loads pre-quantized checkpoints only as "
-                         f"{SUPPORTED}. Serve the float checkpoint with quantization="
+                         f"{SUPPORTED}, or as AWQ or GPTQ 4-bit (docs/quantization.md). "
+                         "Serve the float checkpoint with quantization="
                          "'int8', 'w8a8' or 'fp8' instead")
     _check_top_level(qc, source)
     groups = qc.get("config_groups")

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.checkpoint import (
     compressed_tensors,
     mxfp4,
+    prequantized_int4,
     safetensors_file,
     shard_source,
     text_tower,
@@ -44,10 +45,14 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 def load_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a checkpoint directory (HF or orbax). A `quantization_config`
-    other than compressed-tensors FP8 is refused here, before any weight is read."""
+    other than compressed-tensors FP8, AWQ or GPTQ int4 (of a dense model) or MXFP4 is
+    refused here, before any weight is read."""
     hf = read_hf_config(model_dir)
-    _scheme(hf, model_dir_path(model_dir) / "config.json")
-    return ModelConfig.from_hf(hf)
+    source = model_dir_path(model_dir) / "config.json"
+    _scheme(hf, source)
+    cfg = ModelConfig.from_hf(hf)
+    prequantized_int4.check_model(hf, cfg, source)
+    return cfg
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
@@ -69,11 +74,14 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
     devices than KV heads, whole experts per device with `expert_parallel`. A
     compressed-tensors FP8 checkpoint's linear weights become fp8 QuantizedWeights made
-    of its float8 values and scales (compressed_tensors.py)."""
+    of its float8 values and scales (compressed_tensors.py); an AWQ or GPTQ checkpoint's
+    become int4 ones made of its codes, scales and zeros (prequantized_int4/)."""
     check_dtype(dtype)
     root = model_dir_path(model_dir)
-    scheme = _scheme(read_hf_config(root), root / "config.json")
-    tensors = _checked_tensors(root, cfg, scheme)
+    hf = read_hf_config(root)
+    scheme = _scheme(hf, root / "config.json")
+    int4 = prequantized_int4.scheme_of(hf, root / "config.json")
+    tensors = _checked_tensors(root, cfg, scheme, int4)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
     sharding.validate(cfg, shards, mesh.size, expert_parallel)
@@ -81,7 +89,8 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
     layouts = leaf_layouts(served)
     specs = quantization.partition_specs(param_partition_specs(served, shards, expert_parallel),
-                                         scheme and compressed_tensors.MODE, head=False)
+                                         scheme and compressed_tensors.MODE
+                                         or int4 and prequantized_int4.MODE, head=False)
     target = np.dtype(jnp.dtype(dtype))
 
     def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
@@ -102,6 +111,9 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
         name = leaf_name(path)
         if not quantization.is_quantized(spec):
             return array(name, layouts[name], shape, spec, target)
+        if int4 is not None:
+            return prequantized_int4.quantized_leaf(reader, mesh, name, layouts[name], shape,
+                                                    spec, int4.group_size)
         scale_layout = compressed_tensors.scale_layout(layouts[name])
         return quantization.QuantizedWeight(
             stored_value(name, layouts[name], shape, spec.value),
@@ -114,16 +126,21 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
 
 
 def _scheme(hf: dict, source: pathlib.Path) -> compressed_tensors.Scheme | None:
-    """The compressed-tensors scheme of a config.json dict; None for none or for MXFP4
-    (gpt-oss's experts, decoded to floats on load: mxfp4.py)."""
-    return None if mxfp4.is_mxfp4(hf) else compressed_tensors.scheme_of(hf, source)
+    """The compressed-tensors scheme of a config.json dict; None for none, for MXFP4
+    (gpt-oss's experts, decoded to floats on load: mxfp4.py) or for AWQ and GPTQ (checked
+    here: prequantized_int4/)."""
+    if mxfp4.is_mxfp4(hf) or prequantized_int4.scheme_of(hf, source) is not None:
+        return None
+    return compressed_tensors.scheme_of(hf, source)
 
 
 def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
-                     scheme: compressed_tensors.Scheme | None = None) -> dict[str, np.ndarray]:
+                     scheme: compressed_tensors.Scheme | None = None,
+                     int4: prequantized_int4.Scheme | None = None) -> dict[str, object]:
     """The checkpoint's tensors (memory-mapped), refused unless their names, shapes and
     dtypes are those `cfg` describes; with a compressed-tensors `scheme`, the fp8
-    weights' scales added as float32 [out] `<module>.weight_scale` tensors."""
+    weights' scales added as float32 [out] `<module>.weight_scale` tensors; with an AWQ
+    or GPTQ `int4` scheme, each projection's packed tensors as its int4 views."""
     hf = read_hf_config(root)
     tensors = text_tower.text_tower_tensors(hf, _read_tensors(root), root)
     if mxfp4.is_mxfp4(hf):  # experts' blocks and scales, decoded as slices are read
@@ -135,7 +152,13 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
         scales = compressed_tensors.take_scales(tensors, fp8_names, scheme, root)
         for note in scheme.notes():
             log.warning("%s: loading fp8 weights as they are, but %s", root, note)
-    expected = hf_names(cfg)
+    expected, views = hf_names(cfg), {}
+    if int4 is not None:
+        shapes = hf_shapes(cfg)
+        weights = {n: hf_shape(shapes, t) for n, t in expected.items()
+                   if t.path[-1] in prequantized_int4.PARTS}
+        views = prequantized_int4.int4_views(tensors, weights, int4, root)
+        expected = {n: t for n, t in expected.items() if n not in weights}
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{root}: checkpoint lacks tensor(s) {missing[:5]}"
@@ -156,7 +179,7 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
         if array.dtype.name not in FLOAT_DTYPES and name not in fp8_names:
             raise ValueError(f"{root}: tensor {name} has unsupported dtype "
                              f"{array.dtype.name}; expected one of {FLOAT_DTYPES}")
-    return tensors | scales
+    return tensors | scales | views
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:

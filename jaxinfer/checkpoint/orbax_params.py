@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.checkpoint import awq, shard_source
+from jaxinfer.checkpoint import awq, prequantized_int4, shard_source
 from jaxinfer.checkpoint.hf import check_dtype, load_config, load_hf_params, model_dir_path
 from jaxinfer.checkpoint.quantized import (
     QUANTIZATION_FILE,
@@ -124,6 +124,10 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     cfg = load_config(src)
+    if prequantized_int4.group_size(src) is not None:
+        raise ValueError(f"{src}: convert does not write an AWQ or GPTQ checkpoint's int4 "
+                         "to orbax (its float32 scales and group size are not the orbax "
+                         "layout's); serve the directory as it is")
     quantization_mode = served_quantization(src, quantization_mode)
     params = load_hf_params(src, cfg, dtype)
     if quantization_mode == "int4":

@@ -9,7 +9,7 @@ import json
 import os
 import pathlib
 
-from jaxinfer.checkpoint import compressed_tensors, mxfp4
+from jaxinfer.checkpoint import compressed_tensors, mxfp4, prequantized_int4
 from jaxinfer.checkpoint.hf import read_hf_config
 from jaxinfer.model import quantization
 
@@ -19,10 +19,11 @@ QUANTIZATION_FILE = "quantization.json"  # orbax: {"mode": "w8a8", "layout": 2}
 def checkpoint_quantization(model_dir: str | os.PathLike) -> str | None:
     """The quantization an orbax checkpoint's weights were written in (its
     QUANTIZATION_FILE), or "fp8" for an HF compressed-tensors FP8 checkpoint
-    (compressed_tensors.py); None for float weights."""
+    (compressed_tensors.py), "int4" for an AWQ or GPTQ one (prequantized_int4/); None
+    for float weights."""
     path = pathlib.Path(model_dir) / QUANTIZATION_FILE
     if not path.is_file():
-        return compressed_tensors.MODE if _compressed(pathlib.Path(model_dir)) else None
+        return _hf_mode(pathlib.Path(model_dir))
     try:
         written = json.loads(path.read_text())
         mode, layout = written.get("mode"), written.get("layout", 1)
@@ -45,23 +46,32 @@ def quantized_head(model_dir: str | os.PathLike) -> bool:
     if (root / QUANTIZATION_FILE).is_file():
         return bool(json.loads((root / QUANTIZATION_FILE).read_text()).get("quantized_head",
                                                                           True))
-    return not _compressed(root)
+    return _hf_mode(root) is None
 
 
-def _compressed(root: pathlib.Path) -> bool:
-    """Whether `root` holds an HF compressed-tensors FP8 checkpoint. MXFP4 experts
-    (gpt-oss) are not: they are decoded to floats on load (mxfp4.py)."""
+def _hf_mode(root: pathlib.Path) -> str | None:
+    """The mode an HF checkpoint at `root` holds its layers' weights in: "fp8"
+    (compressed-tensors), "int4" (AWQ, GPTQ), None for float ones. MXFP4 experts
+    (gpt-oss) are not counted: they are decoded to floats on load (mxfp4.py)."""
     config = root / "config.json"
     if not config.is_file():
-        return False
+        return None
     hf = read_hf_config(root)
-    return not mxfp4.is_mxfp4(hf) and compressed_tensors.scheme_of(hf, config) is not None
+    if prequantized_int4.scheme_of(hf, config) is not None:
+        return prequantized_int4.MODE
+    if mxfp4.is_mxfp4(hf) or compressed_tensors.scheme_of(hf, config) is None:
+        return None
+    return compressed_tensors.MODE
 
 
 def served_quantization(model_dir: str | os.PathLike, requested: str | None) -> str | None:
     """The mode a checkpoint directory is served in: that of its weights if written
     quantized (`checkpoint_quantization`; asking for another is an error), else
-    `requested`."""
+    `requested`. "awq" or "gptq" serves such a checkpoint's int4 as it is, and is refused
+    for any other (prequantized_int4.requested_mode)."""
+    config = pathlib.Path(model_dir) / "config.json"
+    hf = read_hf_config(model_dir) if config.is_file() else None
+    requested = prequantized_int4.requested_mode(hf, requested, model_dir)
     written = checkpoint_quantization(model_dir)
     if written is not None and requested not in (None, written):
         raise ValueError(f"{model_dir} holds {written} weights; quantization="

@@ -177,6 +177,8 @@ def _plan_layout(cfg: object, acc: accelerators.Accelerator | None,
 def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
                  ) -> dict[str, object]:
     """planner.plan's arguments but the layout's: dtypes, lengths, budget, bandwidth, peak."""
+    from jaxinfer.checkpoint import prequantized_int4
+
     bandwidth = FLAGS.bandwidth_gb_per_s
     if bandwidth is not None and bandwidth <= 0:
         raise app.UsageError(f"--bandwidth_gb_per_s={bandwidth} must be > 0")
@@ -184,6 +186,7 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
         bandwidth = acc.chip.hbm_bytes_per_s / 1e9
     return dict(dtype=settings.dtype, kv_dtype=settings.kv_dtype,
                 quantization=settings.quantization, quantized_head=_quantized_head(),
+                prequantized_group=prequantized_int4.group_size(_model_path()),
                 max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
                 page_size=settings.page_size,
                 max_num_batched_tokens=settings.max_num_batched_tokens,

@@ -9,6 +9,7 @@ from jaxinfer.config.engine import (
     DTYPES,
     KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
+    PREQUANTIZED_METHODS,
     QUANTIZATION_MODES,
     SCHEDULERS,
     SPECULATIVE_METHODS,
@@ -38,8 +39,8 @@ from jaxinfer.config.serving import (
 
 __all__ = [
     "ARCHITECTURES", "ATTENTION_IMPLS", "DEFAULT_MODEL", "DEFAULT_OPTIONS", "DTYPES",
-    "KV_CACHE_DTYPES", "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PRESET_DIR",
-    "QUANTIZATION_MODES", "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS",
+    "KV_CACHE_DTYPES", "MAX_SPECULATIVE_TOKENS", "MOE_ARCHITECTURES", "PREQUANTIZED_METHODS",
+    "PRESET_DIR", "QUANTIZATION_MODES", "REASONING_PARSERS", "ROPE_TYPES", "SCHEDULERS",
     "SPECULATIVE_METHODS", "TOOL_CALL_PARSERS", "DistributedConfig", "EngineConfig",
     "MoEConfig", "ModelConfig", "ModelOptions", "RopeScaling", "ServerConfig",
     "SpeculativeConfig", "checkpoint_dtype", "load_preset", "preset_names", "served_dtype",

@@ -21,6 +21,9 @@ DTYPES = ("float32", "bfloat16")  # the dtypes weights are served in
 DTYPE_CHOICES = ("auto", *DTYPES, "float", "float16", "half")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantization.py
+# pre-quantized checkpoint formats --quantization may name (vLLM's names), served as int4:
+# jaxinfer/checkpoint/prequantized_int4/
+PREQUANTIZED_METHODS = ("awq", "gptq")
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa")
@@ -192,7 +195,9 @@ class EngineConfig:
         None, "quantize the linear weights at load (jaxinfer/model/quantization.py): int8 "
         "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
         "(float8_e4m3fn weight-only), int4 (group-wise, activation-aware scales: "
-        "jaxinfer/checkpoint/awq.py); default: none", QUANTIZATION_MODES)
+        "jaxinfer/checkpoint/awq.py); awq, gptq: an AWQ or GPTQ checkpoint's int4 as it is "
+        "(also detected from its config.json); default: none, or the checkpoint's",
+        QUANTIZATION_MODES + PREQUANTIZED_METHODS)
     calibration_data: str | None = setting(
         None, "int4: a JSONL file of {\"text\": ...} lines to choose the activation-aware "
         "scales on; default: windows of the bundled corpus's training files")

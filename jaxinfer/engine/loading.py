@@ -15,7 +15,7 @@ import pathlib
 import jax
 
 from jaxinfer import checkpoint, distributed
-from jaxinfer.checkpoint import awq
+from jaxinfer.checkpoint import awq, prequantized_int4
 from jaxinfer.config import (
     EngineConfig,
     ModelConfig,
@@ -81,11 +81,12 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     parts = spec_loading.prepare(root, model_config, config, max_len)
     options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
+    group = prequantized_int4.group_size(root)  # an AWQ or GPTQ checkpoint's int4 groups
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
-                              draft=parts.plan_draft(served, config))
+                              draft=parts.plan_draft(served, config), prequantized_group=group)
     if config.quantization is not None:  # raises if int4 groups would straddle devices
         planner.weight_bytes(served, config.dtype, config.tensor_parallel_size,
-                             config.quantization, expert_parallel=ep)
+                             config.quantization, expert_parallel=ep, prequantized_group=group)
     group_pages = tuple(group.num_pages for group in memory_plan.page_groups)
     check_same_engine(served, config, max_len, group_pages)
     params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh,
@@ -209,19 +210,21 @@ def max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
 
 def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
                 quantized_head: bool = True,
-                draft: ModelConfig | tuple[int, int] | None = None
-                ) -> planner.MemoryPlan:
+                draft: ModelConfig | tuple[int, int] | None = None,
+                prequantized_group: int | None = None) -> planner.MemoryPlan:
     """The page pool's plan for `model_config` as served (KV heads copied under tensor
     parallelism): `kv_cache_memory_bytes` (all devices together) if given; else
     `gpu_memory_utilization` of the mesh's accelerator memory (weights included); else, on
     CPU, every slot at full length within CPU_KV_FRACTION of RAM. The bandwidth is
-    probed once per process."""
+    probed once per process. `prequantized_group`: an AWQ or GPTQ checkpoint's int4
+    groups (planner.weight_bytes)."""
     common = dict(dtype=config.dtype, kv_dtype=config.kv_dtype, max_model_len=max_len,
                   quantization=config.quantization, quantized_head=quantized_head, draft=draft,
                   max_num_seqs=config.max_num_seqs, page_size=config.page_size,
                   max_num_batched_tokens=config.max_num_batched_tokens,
                   hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
                   expert_parallel=config.enable_expert_parallel,
+                  prequantized_group=prequantized_group,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,

@@ -257,7 +257,10 @@ def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         y = jnp.einsum("...i,oi->...o", xq, w.value, preferred_element_type=jnp.int32)
         return y.astype(jnp.float32) * x_scale * w.scale
     if w.mode == "int4":  # weight-only: unpack and scale to bf16 inside the step
-        return jnp.matmul(x.astype(jnp.bfloat16), dequantize(w).astype(jnp.bfloat16),
+        # float32 scales (an AWQ/GPTQ checkpoint's, exact: checkpoint/prequantized_int4/)
+        # compute in float32, as the float model of those weights does
+        dtype = jnp.float32 if w.scale.dtype == jnp.float32 else jnp.bfloat16
+        return jnp.matmul(x.astype(dtype), dequantize(w).astype(dtype),
                           preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.value.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)

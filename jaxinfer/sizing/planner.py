@@ -22,6 +22,9 @@ from jaxinfer.sizing.memory_plan import GB, MemoryPlan
 from jaxinfer.sizing.page_groups import one_request_bytes, page_groups
 
 EXPERT_WEIGHTS = EXPERTS
+# a pre-quantized AWQ/GPTQ int4 weight's (step, offset) per group and column: float32 each
+# (jaxinfer/checkpoint/prequantized_int4/)
+PREQUANTIZED_SCALE_BYTES = 8
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -66,20 +69,24 @@ def _device_shapes(cfg: ModelConfig, tp: int, expert_parallel: bool = False
 
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
                  quantization: str | None = None, quantized_head: bool = True,
-                 expert_parallel: bool = False) -> int:
+                 expert_parallel: bool = False, prequantized_group: int | None = None) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
     plus a float32 scale per output column held there, int4 half a byte plus its group
     scales (jaxinfer/model/quantization.py `quantized_bytes`; an int4 model's head is int8).
     `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`);
-    `expert_parallel`: each device holds whole experts (ModelOptions)."""
+    `expert_parallel`: each device holds whole experts (ModelOptions);
+    `prequantized_group`: int4 weights read from an AWQ or GPTQ checkpoint, in its groups
+    of that many rows with float32 step and offset (`prequantized_int4_bytes`)."""
     check_tensor_parallel(cfg, tensor_parallel_size, expert_parallel)
     tp, total = tensor_parallel_size, 0
     head = quantization if quantized_head else None
     for name, shape, n, spec in _device_shapes(cfg, tp, expert_parallel):
         if name in EXPERT_WEIGHTS:
             total += _expert_bytes(shape, n, spec, dtype, quantization, tp)
+        elif quantization is not None and name in QUANTIZED_WEIGHTS and prequantized_group:
+            total += prequantized_int4_bytes(name, shape, spec, prequantized_group, tp)
         elif quantization is not None and name in QUANTIZED_WEIGHTS:
             total += quantized_bytes(name, shape, spec, quantization, tp)
         elif head is not None and name == HEAD:
@@ -90,6 +97,22 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
             head_spec = PartitionSpec(*reversed((tuple(spec) + (None, None))[:2]))
             total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(head), tp)
     return total
+
+
+def prequantized_int4_bytes(name: str, shape: tuple[int, int], spec: PartitionSpec,
+                            group: int, tp: int) -> int:
+    """Bytes on one of `tp` devices of a pre-quantized int4 weight `name` [I, O] split by
+    `spec`: half a byte per element and PREQUANTIZED_SCALE_BYTES per group of `group`
+    rows and column. A split of the input rows must give each device whole groups."""
+    rows, columns = shape
+    split_rows = len(spec) > 0 and spec[0] is not None
+    split_columns = len(spec) > 1 and spec[1] is not None
+    if split_rows and (rows // tp) % group:
+        raise ValueError(f"int4 groups of {group} rows (the checkpoint's group_size) "
+                         f"straddle the {tp} devices' shares of {name} [{rows}, {columns}] "
+                         f"(split by input rows, {rows // tp} each)")
+    elements = rows * columns // tp ** (split_rows + split_columns)
+    return elements // 2 + PREQUANTIZED_SCALE_BYTES * elements // group
 
 
 def _expert_bytes(shape: tuple[int, ...], elements: int, spec: PartitionSpec, dtype: str,
@@ -196,7 +219,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          quantization: str | None = None, quantized_head: bool = True,
          draft: ModelConfig | tuple[int, int] | None = None,
          max_num_batched_tokens: int = 512,
-         hybrid_kv_cache: bool = True, expert_parallel: bool = False) -> MemoryPlan:
+         hybrid_kv_cache: bool = True, expert_parallel: bool = False,
+         prequantized_group: int | None = None) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
@@ -207,6 +231,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     `peak_flops_per_s` adds the compute bound. `hybrid_kv_cache`: a model with both
     sliding-window and full-attention layers gives its sliding layers their own pages
     (`page_groups`). `expert_parallel`: each device holds whole experts (ModelOptions).
+    `prequantized_group`: an AWQ or GPTQ checkpoint's int4 groups (`weight_bytes`).
     Raises ValueError when not even one request of `max_model_len` fits, saying how
     much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
@@ -216,7 +241,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
         raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel)
+    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel,
+                           prequantized_group)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)
@@ -236,8 +262,9 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       max_model_len=max_model_len, pages_per_request=pages_per_request,
                       max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
                       tensor_parallel_size=tp, replicas=num_devices // tp,
-                      unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization,
-                                                          quantized_head),
+                      unsharded_weight_bytes=weight_bytes(
+                          cfg, dtype, 1, quantization, quantized_head,
+                          prequantized_group=prequantized_group),
                       matmul_flops_per_token=matmul_flops,
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,

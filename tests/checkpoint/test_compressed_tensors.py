@@ -248,10 +248,10 @@ def _group(**weights: object) -> dict:
 
 
 UNSUPPORTED = {  # quantization_config -> what the error must name
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
-             "zero_point": True}, "quant_method='awq' is not supported"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
-             "quant_method='gptq' is not supported"),
+    "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv",
+                  "zero_point": True}, "version='gemv' is not supported"),
+    "gptq_8bit": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False},
+                  "bits=8 is not supported"),
     "hf_fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}, "quant_method='fp8' is not supported"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True},
