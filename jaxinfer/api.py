@@ -16,9 +16,10 @@ from tqdm import tqdm
 from jaxinfer.checkpoint import hub
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 from jaxinfer.engine import runner
-from jaxinfer.engine.parallel.data_parallel import make_engine
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.parallel.data_parallel import DataParallelEngine, make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
-from jaxinfer.text.tokenizer import TooLong
+from jaxinfer.text.tokenizer import Tokenizer, TooLong
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, object]]  # chat messages: {"role": ..., "content": ...}
@@ -43,6 +44,19 @@ class LLM:
         self.config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> Engine | DataParallelEngine:
+        """The engine (vLLM's name for it; `engine` is the same object)."""
+        return self.engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's accessor): `encode`, `decode`,
+        `apply_chat_template`, `convert_ids_to_tokens`; docs/serving.md#tokenization
+        says where it differs from transformers'."""
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer (skip_tokenizer_init=True)")
+        return self.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
