@@ -31,6 +31,26 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool,
         **_plain_data(variables))
 
 
+
+def continue_final(text: str, messages: list[dict]) -> str:
+    """`text`, the rendering of `messages` without a generation prompt, cut right after the
+    last message's content, so the model goes on writing that message (transformers'
+    `continue_final_message`). ValueError when the template did not write the content."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # text parts: the last one holding text
+        content = next((part["text"] for part in reversed(content)
+                        if isinstance(part, Mapping) and isinstance(part.get("text"), str)),
+                       None)
+    if not isinstance(content, str):
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    start = text.rfind(content.strip())
+    if start < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last "
+                         "message's content as given, so there is no place to continue it")
+    kept = content.lstrip()  # templates that strip the content drop its trailing space too
+    end = start + (len(kept) if text.startswith(kept, start) else len(content.strip()))
+    return text[:end]
+
 def _prepare_messages(messages: list[dict]) -> list[dict]:
     """Plain copies of the messages without None values, reasoning under all its names."""
     prepared = []

@@ -131,14 +131,28 @@ class Tokenizer:
         ids = [int(t) for t in token_ids]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of `eos_token` (transformers' name; `eos_token_ids` holds every stop id)."""
+        return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of `token_ids` (byte-level BPE: `Ġ` for a space)."""
+        return [self._backend.id_to_token(int(t)) for t in token_ids]
+
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+        self, messages: list[dict], add_generation_prompt: bool | None = None, *,
+        tokenize: bool = False, continue_final_message: bool = False, **kwargs: Any
+    ) -> str | list[int]:
         """Renders `messages` with the checkpoint's chat template, as transformers does.
 
-        The template sees `messages`, `add_generation_prompt`, `tools=None`, `documents=None`,
-        the named special tokens (`bos_token`, `eos_token`, ...) and `kwargs`, which win.
-        Encode the result with `add_special_tokens=False`.
+        The template sees `messages`, `add_generation_prompt` (default: True, unless
+        `continue_final_message`), `tools=None`, `documents=None`, the named special tokens
+        (`bos_token`, `eos_token`, ...) and `kwargs`, which win. Returns the text, or with
+        `tokenize=True` its ids, encoded without special tokens, as transformers encodes
+        it (transformers returns ids unless told `tokenize=False`). Encode the text with
+        `add_special_tokens=False`. `continue_final_message`: the text ends right after the
+        last message's content, for the model to go on writing it.
         """
         if self.chat_template is None:
             raise ValueError(
@@ -147,13 +161,21 @@ class Tokenizer:
             )
         if not messages:
             raise ValueError("cannot apply the chat template to an empty list of messages")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message; it cannot "
+                             "be given with add_generation_prompt, which starts a new one")
         defaults = {**self._special_tokens, "tools": None, "documents": None}
         try:
-            return chat_template.render(self.chat_template, messages,
+            text = chat_template.render(self.chat_template, messages,
                                         add_generation_prompt=add_generation_prompt,
                                         **{**defaults, **kwargs})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template of {self._name} failed: {e}") from e
+        if continue_final_message:
+            text = chat_template.continue_final(text, messages)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None,
                    messages: list[dict] | None = None, *, add_generation_prompt: bool = True,
