@@ -1,16 +1,16 @@
-"""The FastAPI app: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics) over an EngineLoop; bodies read by hand so every error leaves in
-OpenAI's shape. See docs/serving.md (#routes, #errors, #prompt-logprobs).
+"""The FastAPI app: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models)
+and vLLM's (/tokenize, /detokenize, /health, /ping, /version, /metrics, /docs) over an
+EngineLoop; bodies read by hand so every error leaves in OpenAI's shape. See
+docs/serving.md (#routes, #errors, #prompt-logprobs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
-import secrets
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,55 +18,55 @@ import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
-from jaxinfer.server import bodies, prometheus, protocol, structured, tools
+from jaxinfer.server import openapi, prometheus, protocol, structured, tokenization, tools
 from jaxinfer.server import responses as out
 from jaxinfer.server.bodies import SHUTTING_DOWN
 from jaxinfer.server.engine_loop import EngineLoop, Submission
-from jaxinfer.server.fields import IgnoredFieldsHeader, check_message_content, take_ignored
+from jaxinfer.server.fields import IgnoredFieldsHeader
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
 from jaxinfer.server.reasoning import ReasoningSplitter, splitter
+from jaxinfer.server.state import ServerState, authorized, parsed, state_of
 from jaxinfer.server.streams import Disconnected, Piece, Stream, Update, updates
 from jaxinfer.server.usage import per_chunk
-from jaxinfer.text.tokenizer import Tokenizer
 
+__all__ = ["ServerState", "create_app"]
 log = logging.getLogger(__name__)
-ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
-          "/health": "GET", "/metrics": "GET"}
+ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",),
+          "/v1/models": ("GET",), "/tokenize": ("POST",), "/detokenize": ("POST",),
+          "/health": ("GET",), "/ping": ("GET", "POST"), "/version": ("GET",),
+          "/metrics": ("GET",)}
+DOCS = ("/docs", "/redoc", "/openapi.json")  # FastAPI's own
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerState:
-    """What the handlers share: the engine loop and facts about the served model."""
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("jaxinfer")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "unknown"
 
-    loop: EngineLoop
-    config: ServerConfig
-    model_name: str
-    model_root: str
-    max_model_len: int
-    defaults: SamplingParams
-    token_text: out.TokenText | None  # None without a tokenizer: no logprob texts
-    enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
-    tokenizer: Tokenizer | None = None  # for --reasoning_parser (server/reasoning.py)
-    draining: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # a signal came
-    started: int = dataclasses.field(default_factory=lambda: int(time.time()))  # /v1/models
+
+VERSION = _installed_version()
 
 
 def create_app(state: ServerState) -> fastapi.FastAPI:
     # No redirect of "/v1/completions/" to the route: a 307 is outside OpenAI's shape.
-    app = fastapi.FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None,
-                          redirect_slashes=False)
+    app = fastapi.FastAPI(title="jaxinfer", version=VERSION, docs_url=DOCS[0],
+                          redoc_url=DOCS[1], openapi_url=DOCS[2], redirect_slashes=False)
+    openapi.install(app, VERSION)
     app.state.server = state
     app.add_middleware(IgnoredFieldsHeader)  # names the fields a request had ignored
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Disconnected, _disconnected)
     app.add_exception_handler(Exception, _internal_error)
-    handlers = {"/health": _health, "/metrics": _metrics, "/v1/models": _models,
-                "/v1/completions": _completions, "/v1/chat/completions": _chat}
+    handlers = {"/health": _health, "/ping": _health, "/version": _version,
+                "/metrics": _metrics, "/v1/models": _models, "/v1/completions": _completions,
+                "/v1/chat/completions": _chat, "/tokenize": tokenization.tokenize,
+                "/detokenize": tokenization.detokenize}
     for path, handler in handlers.items():
-        app.add_api_route(path, handler, methods=[ROUTES[path]])
+        for method in ROUTES[path]:  # a route per method: one operation id each
+            app.add_api_route(path, handler, methods=[method])
     return app
 
 
@@ -84,7 +84,8 @@ async def _http_error(request: fastapi.Request, error: Exception) -> JSONRespons
     if error.status_code == 404:
         path = protocol.shortened(request.url.path)
         return _error_response(APIError(404, f"{request.method} {path} does not exist; the "
-                                        f"routes are {', '.join(ROUTES)}", code="not_found"))
+                                        f"routes are {', '.join((*ROUTES, *DOCS))}",
+                                        code="not_found"))
     return _error_response(APIError(error.status_code, str(error.detail)))
 
 
@@ -101,12 +102,9 @@ async def _internal_error(request: fastapi.Request, error: Exception) -> JSONRes
 
 # ---- plain routes ------------------------------------------------------------------------
 
-def _state(request: fastapi.Request) -> ServerState:
-    return request.app.state.server
-
-
 async def _health(request: fastapi.Request) -> Response:
-    loop = _state(request).loop
+    """/health, and vLLM's SageMaker-style /ping (GET and POST)."""
+    loop = state_of(request).loop
     if not loop.healthy:
         raise APIError(503, f"the engine failed: {loop.failure}", code="engine_failed")
     if not loop.accepting:
@@ -114,51 +112,29 @@ async def _health(request: fastapi.Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+async def _version(request: fastapi.Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
 async def _metrics(request: fastapi.Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     snapshot = await state.loop.call(prometheus.snapshot)
     return PlainTextResponse(prometheus.exposition(snapshot, state.model_name),
                              media_type=prometheus.CONTENT_TYPE)
 
 
 async def _models(request: fastapi.Request) -> Response:
-    state = _authorized(request)
+    state = authorized(request)
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.started,
         "owned_by": "jaxinfer",
         "root": state.model_root, "max_model_len": state.max_model_len}]})
 
 
-def _authorized(request: fastapi.Request) -> ServerState:
-    state = _state(request)
-    key = state.config.api_key
-    if key is None:
-        return state
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                 key.encode()):
-        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                       code="invalid_api_key")
-    return state
-
-
-async def _parsed(request: fastapi.Request, model: type) -> tuple[ServerState, Any]:
-    state = _authorized(request)
-    data = protocol.parse_json(await bodies.read(request, state.config, state.draining))
-    take_ignored(request.url.path, data, request.scope)
-    check_message_content(data)
-    body = protocol.validate(model, data)
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                       f"{state.model_name!r}", param="model", code="model_not_found")
-    return state, body
-
-
 # ---- completions and chat ----------------------------------------------------------------
 
 async def _completions(request: fastapi.Request) -> Response:
-    state, body = await _parsed(request, CompletionRequest)
+    state, body = await parsed(request, CompletionRequest)
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
@@ -171,7 +147,7 @@ async def _completions(request: fastapi.Request) -> Response:
 
 
 async def _chat(request: fastapi.Request) -> Response:
-    state, body = await _parsed(request, ChatRequest)
+    state, body = await parsed(request, ChatRequest)
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     params, calls = tools.plan(body, state.config, params)

@@ -153,10 +153,15 @@ def check_scoring(body: CompletionRequest | ChatRequest, params: SamplingParams,
                        param=field)
 
 
-# every field name of every body: a location part that is none of them names a union member
-_FIELDS = frozenset().union(*(m.model_fields for m in (
-    CompletionRequest, ChatRequest, Message, TextPart, StreamOptions, ToolCall, FunctionCall,
-    Tool, FunctionDefinition, NamedToolChoice, FunctionName)))
+def _field_names() -> frozenset[str]:
+    """Every field name of every body model (Body's subclasses, /tokenize's too): a location
+    part that is none of them names a union member."""
+    names, todo = set(), [Body]
+    while todo:
+        model = todo.pop()
+        names.update(model.model_fields)
+        todo += model.__subclasses__()
+    return frozenset(names)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -221,8 +226,9 @@ def shortened(text: str, limit: int = 80) -> str:
 def _split_union(loc: tuple) -> tuple[tuple, str | None]:
     """An error location up to the first union member pydantic names in it (`prompt.str`,
     `messages.0.content.list[TextPart]`), and that member (None: no union on the way)."""
+    fields = _field_names()
     for i, part in enumerate(loc):
-        if isinstance(part, str) and part not in _FIELDS:
+        if isinstance(part, str) and part not in fields:
             return loc[:i], part
     return loc, None
 
