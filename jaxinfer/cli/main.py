@@ -66,7 +66,8 @@ COMMANDS = {
                      flags=("model", "input", "output", "format", "retry_errors", "ray",
                             *RAY_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
-                     "/v1/chat/completions, /v1/models, /health, /metrics)",
+                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                     "/ping, /version, /metrics, /docs)",
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
                        "(--quantization: quantized weights)",
