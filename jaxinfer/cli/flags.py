@@ -19,7 +19,9 @@ DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):"
 
 flags.DEFINE_string("model", None, "model directory (HF or orbax) or Hugging Face Hub id "
                     "(org/name, downloaded once: docs/models.md); plan and aot also take a "
-                    "preset name (jaxinfer/config/presets/*.toml); default: the bundled demo model")
+                    "preset name (jaxinfer/config/presets/*.toml); also given as the plain "
+                    "argument after the command (serve MODEL, as vLLM's); default: the "
+                    "bundled demo model")
 flags.DEFINE_string("prompt", DEFAULT_PROMPT, "prompt text")
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate")
 flags.DEFINE_float("temperature", None, "0 = greedy; default: the checkpoint's")
@@ -108,7 +110,9 @@ def from_flags(config_class: type, **values: object) -> object:
     try:
         return config_class(**values)
     except (ValueError, TypeError) as e:
-        raise app.UsageError(f"--{e}" if str(e).split("=")[0] in values else str(e)) from None
+        message = str(e).removeprefix("self.")  # a config's f"{self.name=}"
+        raise app.UsageError(f"--{message}" if message.split("=")[0] in values
+                             else message) from None
 
 
 def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
@@ -118,6 +122,13 @@ def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
     settings = dataclasses.asdict(engine_config(**defaults))
     kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
     return LLM(**kwargs, warm_up=warm_up, **settings)
+
+
+def check_sampling_flags() -> None:
+    """--max_tokens and each sampling flag given, checked by SamplingParams before the
+    model loads: a value it refuses is a usage error naming the flag."""
+    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
+    from_flags(SamplingParams, max_tokens=FLAGS.max_tokens, **given)
 
 
 def sampling_params(defaults: SamplingParams) -> SamplingParams:

@@ -1,5 +1,6 @@
 """The command table (`COMMANDS`: each command's function, summary, flags and defaults),
-the help and the dispatcher; `run` is the entry point. Errors a user can fix print one
+the help and the dispatcher; `run` is the entry point. A command line may be spelt as
+vLLM's (argv.py), with the model as a plain argument. Errors a user can fix print one
 line and exit 2 (usage) or 1. See docs/cli.md.
 """
 
@@ -9,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import os
 import re
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from jaxinfer.cli import argv as argv_lib
 from jaxinfer.cli.flags import (
     DISTRIBUTED_FLAGS,
     ENGINE_FLAGS,
@@ -101,15 +104,15 @@ COMMANDS = {
 def commands_help() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
-    return ("usage: python -m jaxinfer <command> [--flag=value ...]\n\ncommands:\n"
+    return ("usage: python -m jaxinfer <command> [MODEL] [--flag=value ...]\n\ncommands:\n"
             + "\n".join(lines)
             + "\n\n`python -m jaxinfer <command> --help` lists a command's flags.\n")
 
 
 def command_help(name: str) -> str:
     command = COMMANDS[name]
-    lines = [f"usage: python -m jaxinfer {name} [--flag=value ...]", "", command.summary,
-             "", "flags:"]
+    lines = [f"usage: python -m jaxinfer {name} [MODEL] [--flag=value ...]", "",
+             command.summary, "", "flags (--max-model-len 4096 is --max_model_len=4096):"]
     for flag_name in command.flags:
         flag = FLAGS[flag_name]
         choices = getattr(flag.parser, "enum_values", None)
@@ -136,19 +139,44 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def _parse_flags(reading: argv_lib.Reading) -> list[str]:
+    """absl's parse of `reading`; a value it cannot take exits 2, naming the unknown
+    flags too."""
     try:
-        return FLAGS(argv)
-    except flags.Error as e:
+        return FLAGS(reading.argv)
+    except (flags.Error, ValueError) as e:  # ValueError: --noflag=value
         message = re.sub(r"invalid literal for int\(\) with base 10: (.*)",
                          r"\1 is not an integer", str(e))
         message = re.sub(r"could not convert string to float: (.*)", r"\1 is not a number",
                          message)
-        _fail(f"{message} (see --help)", 2)
+        name = (reading.positionals or [None])[0]
+        unknown = argv_lib.unknown_flags(reading, name, COMMANDS[name].flags) \
+            if name in COMMANDS else [f"{flag} is not a flag" for flag in reading.unknown]
+        _fail("; ".join([message, *unknown]) + " (see --help)", 2)
+
+
+def parse(argv: list[str]) -> list[str]:
+    """Parse a command line into FLAGS, vLLM's spellings too (argv.py), the model given
+    as a plain argument into --model: [program, command]. A usage error (an unknown
+    command or flag, a flag of another command, a value absl cannot parse) prints one
+    line and exits 2."""
+    reading = argv_lib.read(argv)
+    args = _parse_flags(reading)[1:]
+    if not 1 <= len(args) <= 2 or args[0] not in COMMANDS or set(args[1:]) & set(COMMANDS):
+        _fail(_unknown_command(args), 2)
+    name = args[0]
+    problems = (argv_lib.unknown_flags(reading, name, COMMANDS[name].flags)
+                + _foreign_flags(name, reading))
+    if problems:
+        _fail(f"{name}: {'; '.join(problems)}; see python -m jaxinfer {name} --help", 2)
+    if len(args) == 2:
+        _take_model(name, args[1])
+    return [argv[0], name]
 
 
 def _unknown_command(args: list[str]) -> str:
-    """Why `args` (what follows `python -m jaxinfer`) names no command."""
+    """Why `args` (the plain arguments after `python -m jaxinfer`) name no command and
+    at most a model."""
     commands = ", ".join(COMMANDS)
     if not args:
         return f"give one command of {commands} (python -m jaxinfer --help)"
@@ -156,34 +184,45 @@ def _unknown_command(args: list[str]) -> str:
         close = difflib.get_close_matches(args[0], COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"{args[0]!r} is not a command{hint}; the commands are {commands}"
-    return f"one command at a time: {' '.join(args)!r} (flags start with --)"
+    if any(arg in COMMANDS for arg in args[1:]):
+        return f"one command at a time: {' '.join(args)!r} (flags start with --)"
+    return (f"{args[0]} takes one plain argument, the model, not {' '.join(args[1:])!r} "
+            "(flags start with --)")
 
 
-def _refuse_foreign_flags(name: str) -> None:
+def _foreign_flags(name: str, reading: argv_lib.Reading) -> list[str]:
     """A flag given that only other commands read is an error, not silently ignored."""
-    own = set(COMMANDS[name].flags)
+    own, problems = set(COMMANDS[name].flags), []
     for flag in dict.fromkeys(f for command in COMMANDS.values() for f in command.flags):
         if FLAGS[flag].present and flag not in own:
             readers = [n for n, c in COMMANDS.items() if flag in c.flags]
-            raise app.UsageError(f"--{flag} is not a flag of {name} (it is one of "
-                                 f"{', '.join(readers)}); see python -m jaxinfer {name} --help")
+            problems.append(f"{reading.spelled(flag)} is not a flag of {name} (it is one of "
+                            f"{', '.join(readers)})")
+    return problems
+
+
+def _take_model(name: str, model: str) -> None:
+    """The model given as a plain argument (`serve MODEL`, vLLM's form) as --model; both
+    given must name the same model."""
+    if FLAGS["model"].present and os.path.normpath(FLAGS.model) != os.path.normpath(model):
+        _fail(f"{name}: two models given: {model!r} (the plain argument) and "
+              f"--model={FLAGS.model!r}; give one", 2)
+    FLAGS.model = model
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2 or argv[1] not in COMMANDS:
-        _fail(_unknown_command(argv[1:]), 2)
+    name = argv[1]
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        _refuse_foreign_flags(argv[1])
         # batch --ray runs no engine here (the replicas do) and refuses multi-host flags
-        if "coordinator_address" in COMMANDS[argv[1]].flags and not FLAGS.ray:
+        if "coordinator_address" in COMMANDS[name].flags and not FLAGS.ray:
             _join_job()  # before anything starts a JAX backend
-        COMMANDS[argv[1]].run()
+        COMMANDS[name].run()
     except app.UsageError as e:
-        _fail(f"{argv[1]}: {e}", 2)
+        _fail(f"{name}: {e}", 2)
     except (ValueError, OSError) as e:
-        logging.debug("%s failed", argv[1], exc_info=True)
-        _fail(f"{argv[1]}: {e}", 1)
+        logging.debug("%s failed", name, exc_info=True)
+        _fail(f"{name}: {e}", 1)
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -192,4 +231,4 @@ def run(argv: list[str] | None = None) -> None:
         command = next((arg for arg in argv[1:] if arg in COMMANDS), None)
         sys.stdout.write(command_help(command) if command else commands_help())
         sys.exit(0)
-    app.run(main, argv=argv, flags_parser=_parse_flags)
+    app.run(main, argv=argv, flags_parser=parse)

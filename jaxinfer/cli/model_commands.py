@@ -22,6 +22,7 @@ from jaxinfer.cli.flags import (
     FLAGS,
     RAY_FLAGS,
     SERVER_FLAGS,
+    check_sampling_flags,
     engine_config,
     from_flags,
     make_llm,
@@ -36,6 +37,9 @@ EVAL_PPL_DEFAULTS = {"enable_prompt_logprobs": True}
 def generate() -> None:
     from jaxinfer import distributed
 
+    if not FLAGS.prompt:
+        raise app.UsageError("--prompt is empty")
+    check_sampling_flags()
     # The prompt is checked before warm-up: a bad one fails now, not after compiling.
     llm = make_llm(**GENERATE_DEFAULTS, warm_up=False)
     llm.engine.prompt_token_ids(FLAGS.prompt)
@@ -63,6 +67,7 @@ def batch() -> None:
     given = [name for name in RAY_FLAGS if FLAGS[name].present]
     if given:
         raise app.UsageError(f"--{given[0]} needs --ray")
+    engine_config()  # engine flags refused before the files are looked at
     # Bad paths and duplicate ids fail now, not after the model loaded and warmed up.
     primary = distributed.is_primary()
     batch_lib.check_paths(FLAGS.input, FLAGS.output if primary else None,
@@ -87,6 +92,8 @@ def _batch_on_ray() -> None:
         raise app.UsageError(str(e)) from None
     if FLAGS.num_replicas < 1:
         raise app.UsageError(f"--num_replicas={FLAGS.num_replicas} must be >= 1")
+    if FLAGS.ray_batch_size is not None and FLAGS.ray_batch_size < 1:
+        raise app.UsageError(f"--ray_batch_size={FLAGS.ray_batch_size} must be >= 1")
     settings = dataclasses.asdict(engine_config())
     kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
     summary = ray_batch.run_ray(
@@ -101,17 +108,28 @@ def convert() -> None:
 
     if not FLAGS.model or not FLAGS.output:
         raise app.UsageError("convert needs --model=HF_DIR and --output=ORBAX_DIR")
+    _check_convert_flags()
     from jaxinfer.checkpoint import hub
 
-    try:
-        model = hub.resolve(FLAGS.model, revision=FLAGS.revision,
-                            download_dir=FLAGS.download_dir)
-    except (OSError, ValueError) as e:
-        raise app.UsageError(str(e)) from None
+    # a model that is not there, or a download that fails, is a runtime error (exit 1)
+    model = hub.resolve(FLAGS.model, revision=FLAGS.revision, download_dir=FLAGS.download_dir)
     checkpoint.convert_hf_to_orbax(model, FLAGS.output, _convert_dtype(model),
                                    FLAGS.quantization, FLAGS.calibration_data)
     sys.stdout.write(f"wrote {FLAGS.output}\n")
 
+
+def _check_convert_flags() -> None:
+    """--quantization and --calibration_data as the converter takes them, refused before
+    the model is read (exit 2)."""
+    from jaxinfer.model import quantization
+
+    try:
+        quantization.check_mode(FLAGS.quantization)
+    except ValueError as e:
+        raise app.UsageError(f"--{e}") from None
+    if FLAGS.calibration_data is not None and FLAGS.quantization != "int4":
+        raise app.UsageError(f"--calibration_data needs --quantization=int4, not "
+                             f"{FLAGS.quantization!r}")
 
 
 def _convert_dtype(model: pathlib.Path) -> str:
@@ -132,6 +150,11 @@ def eval_ppl() -> None:
 
     if not FLAGS.input:
         raise app.UsageError("eval_ppl needs --input=FILE[,FILE...] (paths or globs)")
+    if FLAGS.window is not None and FLAGS.window < 2:  # the most: the model's length - 1
+        raise app.UsageError(f"--window={FLAGS.window} must be >= 2")
+    if FLAGS.max_tokens_per_file is not None and FLAGS.max_tokens_per_file < 1:
+        raise app.UsageError(f"--max_tokens_per_file={FLAGS.max_tokens_per_file} must be "
+                             ">= 1")
     files = evaluate.expand_inputs(FLAGS.input)  # bad inputs fail before warm-up
     llm = make_llm(**EVAL_PPL_DEFAULTS, warm_up=False)
     evaluate.resolve_window(llm, FLAGS.window)
@@ -148,6 +171,7 @@ def serve() -> None:
     from jaxinfer.engine.parallel import lockstep
 
     config = from_flags(ServerConfig, **{name: FLAGS[name].value for name in SERVER_FLAGS})
+    engine_config()  # engine flags refused before the port is taken
     multihost = distributed.process_count() > 1
     if multihost:
         try:

@@ -10,6 +10,7 @@ import functools
 import json
 import pathlib
 import sys
+import typing
 
 from absl import app
 
@@ -41,11 +42,9 @@ def _model_path(config_only: bool = True) -> pathlib.Path:
     model = FLAGS.model or DEFAULT_MODEL
     if not hub.is_hub_id(model):
         return pathlib.Path(model)
-    try:
-        return hub.resolve(model, revision=FLAGS.revision, download_dir=FLAGS.download_dir,
-                           config_only=config_only)
-    except (OSError, ValueError) as e:
-        raise app.UsageError(str(e)) from None
+    # an id the Hub does not have, or a download that fails, is a runtime error (exit 1)
+    return hub.resolve(model, revision=FLAGS.revision, download_dir=FLAGS.download_dir,
+                       config_only=config_only)
 
 
 def _model_config() -> object:
@@ -57,11 +56,19 @@ def _model_config() -> object:
 
     model = _model_path()
     cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
-    try:
-        ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    # a model without experts is the model's answer, not a bad flag value: exit 1
+    ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
     return cfg
+
+
+def _device(find: typing.Callable[[str], accelerators.Accelerator],
+            name: str) -> accelerators.Accelerator:
+    """The preset --device names (`find`: plan's or aot's lookup); a name it does not
+    know is a usage error."""
+    try:
+        return find(name)
+    except ValueError as e:
+        raise app.UsageError(f"--{e}") from None
 
 
 def _served_dtype(platform: str | None) -> str:
@@ -180,8 +187,6 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
     from jaxinfer.checkpoint import prequantized_int4
 
     bandwidth = FLAGS.bandwidth_gb_per_s
-    if bandwidth is not None and bandwidth <= 0:
-        raise app.UsageError(f"--bandwidth_gb_per_s={bandwidth} must be > 0")
     if bandwidth is None and acc is not None:
         bandwidth = acc.chip.hbm_bytes_per_s / 1e9
     return dict(dtype=settings.dtype, kv_dtype=settings.kv_dtype,
@@ -196,10 +201,20 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
                 draft=_draft_config(settings), **_plan_budget(settings, acc))
 
 
+def _check_plan_flags() -> None:
+    """plan's own numbers, refused before anything loads (exit 2)."""
+    for name in ("memory_gb", "bandwidth_gb_per_s"):
+        if FLAGS[name].value is not None and FLAGS[name].value <= 0:
+            raise app.UsageError(f"--{name}={FLAGS[name].value} must be > 0")
+    if FLAGS.price_per_hour is not None and FLAGS.price_per_hour < 0:
+        raise app.UsageError(f"--price_per_hour={FLAGS.price_per_hour} must be >= 0")
+
+
 def plan() -> None:
     from jaxinfer.sizing import layout, planner
 
-    acc = accelerators.find_preset(FLAGS.device) if FLAGS.device else None
+    _check_plan_flags()
+    acc = _device(accelerators.find_preset, FLAGS.device) if FLAGS.device else None
     dtype = _served_dtype(acc.chip.platform if acc else None)
     settings = _with_checkpoint_quantization(
         dataclasses.replace(engine_config(), dtype=dtype))
@@ -233,6 +248,8 @@ def audit() -> None:
 
     if not FLAGS.input:
         raise app.UsageError("audit needs --input=PROMPTS.jsonl")
+    if FLAGS.page_size < 1:
+        raise app.UsageError(f"--page_size={FLAGS.page_size} must be a positive int")
     report = audit_lib.run(_model_path(config_only=False), FLAGS.input,
                            page_size=FLAGS.page_size)
     report_lib.write(report, sys.stdout, FLAGS.format)
@@ -242,6 +259,8 @@ def aot() -> None:
     from jaxinfer import aot as aot_lib
     from jaxinfer.cli import aot_table
 
+    device = FLAGS.device or AOT_DEFAULTS["device"]
+    _device(accelerators.get, device)  # a TPU slice's name
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
     cfg = _model_config()
     engine = _with_checkpoint_quantization(
@@ -258,7 +277,6 @@ def aot() -> None:
         if FLAGS["data_parallel_size"].present else None,  # default: one replica
         quantization=engine.quantization, quantized_head=_quantized_head(),
         expert_parallel=FLAGS.enable_expert_parallel)
-    device = FLAGS.device or AOT_DEFAULTS["device"]
     report = aot_lib.compile_report(cfg, device=device, settings=settings,
                                     buckets=FLAGS.buckets)
     if FLAGS.format == "json":

@@ -101,8 +101,8 @@ def test_sampling_flags_override_only_their_field():
     (["plan", "--model=smollm-135m", "--device=v6e-8"], "tensor_parallel_size=8 must divide "
      "the 9 query heads (by default every device of --device=v6e-8; give "
      "--tensor_parallel_size)", 1),
-    (["plan", "--model=qwen3-0.6b", "--device=h200-8"], "'h200-8' is not a known accelerator", 1),
-    (["aot", "--model=qwen3-0.6b", "--device=a3-highgpu-8g"], "aot compiles for TPU only", 1),
+    (["plan", "--model=qwen3-0.6b", "--device=h200-8"], "'h200-8' is not a known accelerator", 2),
+    (["aot", "--model=qwen3-0.6b", "--device=a3-highgpu-8g"], "aot compiles for TPU only", 2),
     (["serve", "--port=70000"], "--port=70000 must be in [0, 65536)", 2),
     (["serve", "--max_waiting_requests=0"], "--max_waiting_requests=0 must be a positive int",
      2),
@@ -112,6 +112,57 @@ def test_sampling_flags_override_only_their_field():
      "serve: --include_reasoning_content=True needs reasoning_parser", 2),
     (["serve", "--model=/no/such/model", "--port=0"],
      "model directory '/no/such/model' does not exist", 1),
+    # every command: a flag value refused on its own exits 2 before anything loads
+    (["generate", "--max_tokens=-5"], "generate: --max_tokens=-5 must be an int >= 1", 2),
+    (["generate", "--top-p", "2"], "generate: --top_p=2.0 must be in (0, 1]", 2),
+    (["generate", "--prompt="], "generate: --prompt is empty", 2),
+    (["batch", "--input=/no/such.jsonl", "--output=/no/out.jsonl", "--max_num_seqs=0"],
+     "batch: --max_num_seqs=0 must be a positive int", 2),
+    (["batch", "--input=/no/such.jsonl", "--output=/no/out.jsonl"],
+     "--input='/no/such.jsonl': no such file", 1),
+    (["serve", "--gpu-memory-utilization", "1.5", "--port=0"],
+     "serve: --gpu_memory_utilization=1.5 must be in (0, 1]", 2),
+    (["convert", "--model=checkpoints/demo", "--output=/no/out", "--quantization=awq"],
+     "convert: --quantization='awq' must be one of", 2),
+    (["convert", "--model=checkpoints/demo", "--output=/no/out", "--calibration_data=x"],
+     "convert: --calibration_data needs --quantization=int4, not None", 2),
+    (["convert", "--model=/no/such/model", "--output=/no/out"],
+     "convert: model directory '/no/such/model' does not exist", 1),
+    (["plan", "--device=v9z-8"], "plan: --device='v9z-8' is not a known accelerator preset", 2),
+    (["plan", "--memory_gb=0"], "plan: --memory_gb=0.0 must be > 0", 2),
+    (["plan", "--memory_gb=4", "--price_per_hour=-1"],
+     "plan: --price_per_hour=-1.0 must be >= 0", 2),
+    (["plan", "--memory_gb=4", "--enable_expert_parallel"],
+     "plan: enable_expert_parallel=True needs a mixture-of-experts model", 1),
+    (["audit", "--input=/no/such.jsonl", "--page_size=0"],
+     "audit: --page_size=0 must be a positive int", 2),
+    (["audit", "--input=/no/such.jsonl"], "No such file or directory", 1),
+    (["aot", "--device=v9z-8"], "aot: --device='v9z-8' is not a known TPU accelerator type", 2),
+    (["aot", "--buckets=most"], "flag --buckets=most: value should be one of", 2),
+    (["eval_ppl", "--input=/no/such.txt", "--window=1"], "eval_ppl: --window=1 must be >= 2",
+     2),
+    (["eval_ppl", "--input=/no/such.txt", "--max_tokens_per_file=0"],
+     "eval_ppl: --max_tokens_per_file=0 must be >= 1", 2),
+    (["eval_ppl", "--input=/no/such.txt"], "input file '/no/such.txt' does not exist", 1),
+    # every unknown flag at once, spelt as given, each with its suggestion
+    (["serve", "--swap-space", "4", "--max-num-seq", "8", "--prompt", "x", "--block_size=16"],
+     "serve: --swap-space is not a flag of serve (jaxinfer has no such setting); "
+     "--max-num-seq is not a flag of serve (did you mean --max-num-seqs?); --block_size is "
+     "not a flag of serve (did you mean --page-size? vLLM's KV cache block is jaxinfer's "
+     "page); --prompt is not a flag of serve (it is one of generate); see python -m "
+     "jaxinfer serve --help", 2),
+    (["generate", "--max-num-seqs", "lots", "--bogus"], "flag --max_num_seqs=lots: 'lots' is "
+     "not an integer; --bogus is not a flag of generate (jaxinfer has no such setting)", 2),
+    (["serve", "--enable-prefix-caching", "false"], "serve: --enable-prefix-caching takes "
+     "no value: give --enable-prefix-caching=false", 2),
+    (["serve", "--noenable_prefix_caching=1"],
+     "--noenable_prefix_caching=1 does not take an argument", 2),
+    # the model as a plain argument
+    (["generate", "checkpoints/demo", "--model=/no/such/model"], "generate: two models "
+     "given: 'checkpoints/demo' (the plain argument) and --model='/no/such/model'", 2),
+    (["serve", "a", "b"], "serve takes one plain argument, the model, not 'a b'", 2),
+    (["generate", "batch"], "one command at a time: 'generate batch'", 2),
+    (["generate", "/no/such/model"], "model directory '/no/such/model' does not exist", 1),
 ])
 def test_errors_print_one_line_and_exit_non_zero(args, message, code):
     result = _cli(*args)
