@@ -156,6 +156,7 @@ def write_checkpoints(src: pathlib.Path, quantized: pathlib.Path, reference: pat
 CASES = {  # name -> (family, model size overrides, quantization_config)
     "awq_llama_g32": ("llama", {}, config("awq", 32)),
     "awq_qwen2_g128": ("qwen2", WIDE, config("awq", 128)),
+    "awq_qwen2_g32": ("qwen2", {}, config("awq", 32)),  # one KV head: copied under TP=2
     "gptq_llama_g32_sym": ("llama", {}, config("gptq", 32)),
     "gptq_v2_qwen2_g64_asym": ("qwen2", {}, config("gptq", 64, sym=False,
                                                    checkpoint_format="gptq_v2")),
@@ -218,7 +219,7 @@ def test_int4_weights_dequantize_to_the_reference_exactly(dirs):
                         np.asarray(float_layer[key]), err_msg=f"{case} {key}")
 
 
-@pytest.mark.parametrize("case", ["awq_llama_g32", "gptq_llama_g32_sym"])
+@pytest.mark.parametrize("case", ["awq_llama_g32", "awq_qwen2_g32", "gptq_llama_g32_sym"])
 def test_tensor_parallel_gives_the_float_models_tokens_in_the_planned_bytes(dirs, case):
     quantized, reference, _ = dirs[case]
     prompts = [[1, 5, 9, 13, 2, 7], [40, 41, 42]]
