@@ -42,7 +42,7 @@ def test_attended_positions_is_the_sum_over_positions(window):
 
 def test_demo_model_prompt_chunk_and_decode_flops_by_hand():
     """Demo model: V 4096, D 320, F 864, 6 layers, 5 heads and 1 KV head of 64, tied."""
-    count = loading.flop_count(checkpoint.load_config(DEMO), EngineConfig())
+    count = loading.flop_count(checkpoint.load_config(DEMO), EngineConfig(dtype="float32"))
     layer = 320 * (5 + 2) * 64 + 320 * 320 + 2 * 320 * 864 + 864 * 320  # qkv, o, gate/up, down
     assert count.matmul_per_token == 2 * 6 * layer == 12_902_400
     assert count.head_per_sample == 2 * 320 * 4096 == 2_621_440  # the tied embedding
@@ -72,7 +72,7 @@ def test_sliding_window_and_expert_flops_by_hand():
     32, 8 experts of 32, 2 per token, biases on the experts (no matmul)."""
     cfg = ModelConfig.from_hf(testing.hf_config("gpt_oss").to_dict())
     assert cfg.layer_types == ("sliding_attention", "full_attention")
-    count = loading.flop_count(cfg, EngineConfig(tensor_parallel_size=2))
+    count = loading.flop_count(cfg, EngineConfig(dtype="float32", tensor_parallel_size=2))
     layer = 64 * (4 + 2 * 2) * 32 + 4 * 32 * 64 + 64 * 8 + 2 * 3 * 32 * 64  # qkv o router k=2
     assert count.matmul_per_token == 2 * 2 * layer == 149_504
     assert count.head_per_sample == 2 * 64 * 260
@@ -103,7 +103,7 @@ def test_peak_of_a_known_chip_is_its_preset_and_w8a8_takes_int8():
     assert runner_lib.device_chip(v6e).hbm_bytes_per_s == 1640e9
     assert runner_lib.device_chip() is None  # the CPU
     cfg = checkpoint.load_config(DEMO)
-    w8a8 = loading.flop_count(cfg, EngineConfig(quantization="w8a8"))
+    w8a8 = loading.flop_count(cfg, EngineConfig(dtype="float32", quantization="w8a8"))
     probes = runner_lib.flops_probe_count()
     assert w8a8.peak_flops_per_s == runner_lib.peak_flops("int8")[0]  # the int8 probe's
     assert runner_lib.flops_probe_count() == probes  # measured once per process
@@ -112,7 +112,7 @@ def test_peak_of_a_known_chip_is_its_preset_and_w8a8_takes_int8():
 def test_bound_compares_bytes_and_flops_at_one_sources_rates():
     """`bound`: the steps' bytes at the bandwidth against their FLOPs at the peak, both
     a known chip's published figures when there is one (the probe reads low on GPUs)."""
-    count = loading.flop_count(checkpoint.load_config(DEMO), EngineConfig())
+    count = loading.flop_count(checkpoint.load_config(DEMO), EngineConfig(dtype="float32"))
     step = count.chunk(0, 10, 1)  # 132_067_840 FLOPs, and 1 MB read in the step below
     probed = Metrics(flop_count=dataclasses.replace(count, peak_flops_per_s=step * 100.0),
                      bandwidth_gb_per_s=1e6 / 0.02 / 1e9)  # 1 MB: 20 ms, the FLOPs 10 ms
