@@ -47,6 +47,10 @@ flags.DEFINE_integer("num_replicas", 1, "batch --ray: engines, one Ray actor eac
 flags.DEFINE_integer("ray_batch_size", None, "batch --ray: requests handed to a replica at "
                      "a time, run together; default: 4 * max_num_seqs")
 flags.DEFINE_boolean("metrics", False, "print the engine metrics as JSON to stderr")
+flags.DEFINE_boolean("enforce_eager", False, "vLLM's flag; here: no warm-up compile of "
+                     "every bucket at start, so the model is ready sooner; each bucket "
+                     "compiles when a step first needs it (that step waits for it) and "
+                     "counts as a compilation after warm-up, so not with --strict_compile")
 flags.DEFINE_float("memory_gb", None, "memory per device for weights + KV cache, in GB; "
                   "default with --device: 90% of what one device lets a program use")
 flags.DEFINE_float("bandwidth_gb_per_s", None, "memory bandwidth per device for the decode "
@@ -116,12 +120,17 @@ def from_flags(config_class: type, **values: object) -> object:
 
 
 def make_llm(*, warm_up: bool = True, **defaults: object) -> object:
-    """An LLM from the engine flags (see `engine_config`)."""
+    """An LLM from the engine flags (see `engine_config`); no warm-up with
+    --enforce_eager."""
     from jaxinfer import LLM
 
-    settings = dataclasses.asdict(engine_config(**defaults))
+    config = engine_config(**defaults)
+    if FLAGS.enforce_eager and config.strict_compile:
+        raise app.UsageError("--enforce_eager compiles each bucket when first used, which "
+                             "--strict_compile refuses: give one of them")
     kwargs = {} if FLAGS.model is None else {"model": FLAGS.model}
-    return LLM(**kwargs, warm_up=warm_up, **settings)
+    return LLM(**kwargs, warm_up=warm_up and not FLAGS.enforce_eager,
+               **dataclasses.asdict(config))
 
 
 def check_sampling_flags() -> None:

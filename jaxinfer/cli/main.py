@@ -62,16 +62,17 @@ COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",
                         flags=("model", "prompt", "max_tokens", *SAMPLING_FLAGS, "metrics",
-                               *ENGINE_FLAGS, *DISTRIBUTED_FLAGS),
+                               *ENGINE_FLAGS, "enforce_eager", *DISTRIBUTED_FLAGS),
                         defaults=GENERATE_DEFAULTS),
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
                      "results (resumable; --ray: over Ray Data replicas)",
                      flags=("model", "input", "output", "format", "retry_errors", "ray",
-                            *RAY_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
+                            *RAY_FLAGS, *ENGINE_FLAGS, "enforce_eager", *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
                      "/ping, /version, /metrics, /docs)",
-                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, *DISTRIBUTED_FLAGS)),
+                     flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, "enforce_eager",
+                            *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "
                        "(--quantization: quantized weights)",
                        flags=("model", *_HUB_FLAGS, "output", "dtype", "quantization",
@@ -96,7 +97,7 @@ COMMANDS = {
     "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "
                         "logprobs; prints one JSON object",
                         flags=("model", "input", "window", "max_tokens_per_file",
-                               *ENGINE_FLAGS),
+                               *ENGINE_FLAGS, "enforce_eager"),
                         defaults=EVAL_PPL_DEFAULTS),
 }
 

@@ -45,7 +45,8 @@ def generate() -> None:
     llm.engine.prompt_token_ids(FLAGS.prompt)
     params = sampling_params(llm.engine.default_params)
     distributed.check_same("the prompt and sampling parameters", repr((FLAGS.prompt, params)))
-    llm.engine.warm_up()
+    if not FLAGS.enforce_eager:
+        llm.engine.warm_up()
     (out,) = llm.generate(FLAGS.prompt, params, use_tqdm=False)
     if not distributed.is_primary():  # multi-host: only process 0 prints
         return
@@ -86,6 +87,8 @@ def _batch_on_ray() -> None:
         raise app.UsageError(f"--ray cannot be combined with --{joined[0]}: each Ray "
                              "replica is its own engine, while the multi-host flags join "
                              "one engine over several processes")
+    if FLAGS.enforce_eager:
+        raise app.UsageError("--enforce_eager is not taken with --ray: each replica warms up")
     try:
         from jaxinfer import ray as ray_batch
     except ImportError as e:
@@ -158,7 +161,8 @@ def eval_ppl() -> None:
     files = evaluate.expand_inputs(FLAGS.input)  # bad inputs fail before warm-up
     llm = make_llm(**EVAL_PPL_DEFAULTS, warm_up=False)
     evaluate.resolve_window(llm, FLAGS.window)
-    llm.engine.warm_up()
+    if not FLAGS.enforce_eager:
+        llm.engine.warm_up()
     report = evaluate.perplexity(llm, files, window=FLAGS.window,
                                  max_tokens_per_file=FLAGS.max_tokens_per_file)
     sys.stdout.write(json.dumps(report) + "\n")

@@ -14,6 +14,8 @@ from jaxinfer.config.engine import setting
 REASONING_PARSERS = ("openai_gptoss", "qwen3")
 # `--tool_call_parser` values (vLLM's names): the keys of jaxinfer.text.tool_parsers.PARSERS
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
+# `--uvicorn_log_level` values (vLLM's, uvicorn's)
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +104,10 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = setting(
         False, "no access log (vLLM's flag); by default each request is logged as uvicorn "
         "logs it: '127.0.0.1:PORT - \"POST /v1/chat/completions HTTP/1.1\" 200'")
+    uvicorn_log_level: str | None = setting(
+        None, "the level of uvicorn's own logs, its access log included (vLLM's flag; "
+        "warning: no access log); default: as the rest of the logging (--verbosity)",
+        UVICORN_LOG_LEVELS)
     enable_auto_tool_choice: bool = setting(
         False, "chat: let the model decide to call tools (tool_choice 'auto', OpenAI's "
         "default when tools are given); needs --tool_call_parser. Without it such a "
@@ -131,6 +137,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
+            raise ValueError(f"uvicorn_log_level={self.uvicorn_log_level!r} must be one of "
+                             f"{', '.join(UVICORN_LOG_LEVELS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser (which "
                              "format the model writes its calls in)")

@@ -54,6 +54,7 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     url = f"http://{host}:{port}"
     server = _Server(uvicorn.Config(
         app, log_config=None, access_log=not config.disable_uvicorn_access_log, lifespan="off",
+        log_level=config.uvicorn_log_level,
         http=http.protocol_class(config.header_read_timeout, config.body_read_timeout),
         timeout_graceful_shutdown=config.shutdown_timeout + 5), state)
     loop.start()

@@ -157,6 +157,12 @@ def test_sampling_flags_override_only_their_field():
      "no value: give --enable-prefix-caching=false", 2),
     (["serve", "--noenable_prefix_caching=1"],
      "--noenable_prefix_caching=1 does not take an argument", 2),
+    (["generate", "--enforce-eager", "--strict-compile"], "generate: --enforce_eager "
+     "compiles each bucket when first used, which --strict_compile refuses", 2),
+    (["batch", "--ray", "--enforce_eager", "--input=in.jsonl", "--output=out.jsonl"],
+     "batch: --enforce_eager is not taken with --ray", 2),
+    (["serve", "--uvicorn-log-level", "loud"],
+     "flag --uvicorn_log_level=loud: value should be one of", 2),
     # the model as a plain argument
     (["generate", "checkpoints/demo", "--model=/no/such/model"], "generate: two models "
      "given: 'checkpoints/demo' (the plain argument) and --model='/no/such/model'", 2),

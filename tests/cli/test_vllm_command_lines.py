@@ -4,7 +4,11 @@ starts a real server that the official `openai` client talks to."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import shlex
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -18,6 +22,7 @@ from jaxinfer.config import DEFAULT_MODEL, ServerConfig
 
 FLAGS = flags.FLAGS
 DEMO = str(DEFAULT_MODEL)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # (a command line as vLLM's docs print it, the EngineConfig and ServerConfig fields it sets)
 VLLM_SERVE_LINES = [
@@ -129,10 +134,12 @@ def test_the_same_model_as_argument_and_flag_is_one_model(fresh_flags):
 
 
 def test_a_served_vllm_command_line_answers_the_openai_client():
-    """One real start: the documented line, dashed flags and the model as an argument."""
+    """One real start: the documented line, dashed flags and the model as an argument;
+    --enforce-eager (no warm-up) and --uvicorn-log-level warning (no access log)."""
     words = _jaxinfer("vllm serve NousResearch/Meta-Llama-3-8B-Instruct --dtype auto "
                       "--api-key token-abc123 --enable-prefix-caching "
-                      "--gpu-memory-utilization 0.9 --tensor-parallel-size 1")
+                      "--gpu-memory-utilization 0.9 --tensor-parallel-size 1 "
+                      "--enforce-eager --uvicorn-log-level warning")
     server = start_server(*words[2:])
     try:
         assert server.model == DEMO  # the model as given names it, as in vLLM
@@ -146,3 +153,19 @@ def test_a_served_vllm_command_line_answers_the_openai_client():
             openai.OpenAI(base_url=server.url, api_key="wrong").models.list()
     finally:
         assert server.stop() == 0
+    assert not any("warm-up:" in line for line in server.log)
+    assert not any("HTTP/1.1" in line for line in server.log)  # uvicorn's INFO lines
+
+
+def test_enforce_eager_skips_warm_up_and_generates_the_same():
+    def generate(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "jaxinfer", "generate", DEMO, "--max-tokens", "16",
+             "--temperature", "0", *flags], cwd=ROOT, capture_output=True, text=True,
+            timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+    eager, warmed = generate("--enforce-eager"), generate()
+    assert eager.returncode == warmed.returncode == 0, eager.stderr + warmed.stderr
+    assert eager.stdout == warmed.stdout
+    assert "warm-up:" in warmed.stderr and "warm-up:" not in eager.stderr
+    assert "compilation(s) after warm-up" in eager.stderr  # each bucket on first use
