@@ -113,7 +113,7 @@ def test_sampling_flags_override_only_their_field():
     (["serve", "--model=/no/such/model", "--port=0"],
      "model directory '/no/such/model' does not exist", 1),
     # every command: a flag value refused on its own exits 2 before anything loads
-    (["generate", "--max_tokens=-5"], "generate: --max_tokens=-5 must be an int >= 1", 2),
+    (["generate", "--max_tokens=-5"], "generate: --max_tokens=-5 must be", 2),
     (["generate", "--top-p", "2"], "generate: --top_p=2.0 must be in (0, 1]", 2),
     (["generate", "--prompt="], "generate: --prompt is empty", 2),
     (["batch", "--input=/no/such.jsonl", "--output=/no/out.jsonl", "--max_num_seqs=0"],
