@@ -47,7 +47,7 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
                       max_waiting_requests=config.max_waiting_requests)
     if lockstep is not None:
         _fail_fatally(loop, lockstep, step_timeout_s)
-    state = _state(llm, config, loop, model_name)
+    state = make_state(llm, config, loop, model_name)
     app = create_app(state)
     sock = sock or bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
@@ -94,7 +94,9 @@ def _exit_now() -> None:
     os._exit(ENGINE_FAILED_EXIT)
 
 
-def _state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:
+def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:
+    """What the routes share, for `llm` served as `model_name` (also the batch runner's
+    in-process app, jaxinfer/batch/in_process.py)."""
     tokenizer = llm.tokenizer
     for flag in ("reasoning_parser", "tool_call_parser"):
         if tokenizer is None and getattr(config, flag) is not None:

@@ -181,7 +181,7 @@ def parsing_server(demo_llm):
     loop is stopped before the other tests use the LLM again."""
     config = ServerConfig(reasoning_parser="openai_gptoss", include_reasoning_content=True)
     loop = EngineLoop(demo_llm.engine, max_waiting_requests=16)
-    uv = uvicorn.Server(uvicorn.Config(app.create_app(server._state(demo_llm, config, loop,
+    uv = uvicorn.Server(uvicorn.Config(app.create_app(server.make_state(demo_llm, config, loop,
                                                                     "demo")),
                                        log_config=None, lifespan="off"))
     sock = server.bind("127.0.0.1", 0)
