@@ -75,13 +75,18 @@ def batch() -> None:
                           input_name="--input", output_name="--output")
     batch_lib.read_requests(FLAGS.input)
     summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output,
-                            retry_errors=FLAGS.retry_errors)
+                            retry_errors=FLAGS.retry_errors,
+                            model_name=FLAGS.model or DEFAULT_MODEL.name)  # as serve's
     if primary:
         report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
+    if batch_lib.exit_code(summary):  # 3: lines that failed (docs/cli.md#exit-codes)
+        sys.exit(batch_lib.exit_code(summary))
 
 
 def _batch_on_ray() -> None:
     """batch --ray: this process reads and writes the files; Ray actors run the engines."""
+    from jaxinfer import batch as batch_lib
+
     joined = [name for name in DISTRIBUTED_FLAGS if FLAGS[name].present]
     if joined:
         raise app.UsageError(f"--ray cannot be combined with --{joined[0]}: each Ray "
@@ -104,6 +109,8 @@ def _batch_on_ray() -> None:
         ray_address=FLAGS.ray_address, batch_size=FLAGS.ray_batch_size,
         retry_errors=FLAGS.retry_errors, **kwargs, **settings)
     report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
+    if batch_lib.exit_code(summary):
+        sys.exit(batch_lib.exit_code(summary))
 
 
 def convert() -> None:

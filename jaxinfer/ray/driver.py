@@ -17,10 +17,12 @@ import ray.data
 
 from jaxinfer.batch import (
     Request,
+    check_formats,
     check_paths,
     drop_errors,
     finished,
     read_requests,
+    record_key,
     tally,
     write,
 )
@@ -49,11 +51,13 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
     4 * max_num_seqs, fewer when that would leave a replica without work). `progress`:
     Ray Data's progress bars."""
     config = EngineConfig(**engine_settings)  # bad settings fail here, not in each actor
+    model_name = DEFAULT_MODEL.name if model is None else str(model)  # as `serve` names it
     model = DEFAULT_MODEL if model is None else model
     _check(num_replicas, batch_size, accelerator, model, ray_address)
     check_paths(input_path, output_path)
     done = finished(output_path, retry_errors=retry_errors)
     requests = read_requests(input_path, done.ids, done.lines)  # duplicate ids raise here
+    check_formats(input_path, done, requests)
     started_ray = _connect(ray_address)
     try:
         accelerator = accelerator or _cluster_accelerator()
@@ -64,11 +68,12 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
             drop_errors(output_path)
         size = batch_size or max(1, min(4 * config.max_num_seqs,
                                         math.ceil(len(requests.pending) / num_replicas)))
-        replica_args = dict(engine_settings, model=str(model),
+        replica_args = dict(engine_settings, model=str(model), model_name=model_name,
                             platform="cpu" if accelerator == "cpu" else None)
         resources = _resources(accelerator, config, num_cpus_per_replica)
         started = time.perf_counter()
-        counts = {"done": 0, "errors": 0, "skipped": requests.skipped,
+        counts = {"done": 0, "errors": 0, "kept_errors": done.kept_errors,
+                  "skipped": requests.skipped,
                   "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
                   "completion_tokens": 0, "first_result_s": None}
         engines: dict[str, dict] = {}
@@ -114,10 +119,11 @@ def _write_results(rows: object, out: object, counts: dict, engines: dict,
     first = 0.0
     for row in rows:
         record = json.loads(row["record"])
-        if record["id"] not in pending:  # a batch that came back twice: written already
-            log.warning("id %r came back again; its first record is kept", record["id"])
+        key = record_key(record)
+        if key not in pending:  # a batch that came back twice: written already
+            log.warning("id %r came back again; its first record is kept", key)
             continue
-        pending.discard(record["id"])
+        pending.discard(key)
         first = first or time.perf_counter()
         write(out, record)
         tally(counts, record)

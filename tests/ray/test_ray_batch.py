@@ -101,7 +101,7 @@ def test_batch_cli_with_ray_joins_the_cluster(cluster, llm, tmp_path):
          "--num_replicas=2", f"--input={inp}", f"--output={got}", f"--model={DEMO}",
          "--format=json", *(f"--{k}={v}" for k, v in ENGINE.items())],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 3, result.stderr[-3000:]  # the 2 bad lines
     summary = json.loads(result.stderr[result.stderr.index("{\n"):])
     assert (summary["done"], summary["errors"], summary["replicas"]) == (4, 2, 2)
     assert _records(got) == _records(want)
