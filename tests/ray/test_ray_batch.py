@@ -159,3 +159,34 @@ def test_a_killed_replica_is_restarted_and_every_id_is_written_once(cluster, llm
     again = run_ray(inp, got, num_replicas=2, model=DEMO, retry_errors=False,
                     progress=False, **ENGINE)
     assert again["done"] == again["errors"] == 0 and len(_records(got)) == 42
+
+
+def test_openai_batch_format_over_ray_answers_as_the_single_process_runner(
+        cluster, llm, tmp_path):
+    """A file in OpenAI's batch format: each replica answers its lines with the server's
+    routes in-process, and the driver keys them by custom_id."""
+    inp, want, got = tmp_path / "in.jsonl", tmp_path / "want.jsonl", tmp_path / "got.jsonl"
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": prompt, "max_tokens": 12, "temperature": 0.0}}
+             if i % 2 else
+             {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+                       "temperature": 0.0}}
+             for i, prompt in enumerate(_prompts(6))]
+    lines.append({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"input": "x"}})
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    batch.run(llm, inp, want, progress=False)
+    summary = run_ray(inp, got, num_replicas=2, model=DEMO, batch_size=3, progress=False,
+                      **ENGINE)
+    assert (summary["done"], summary["errors"], summary["missing"]) == (6, 1, 0)
+    assert summary["completion_tokens"] > 0
+
+    def answers(path: pathlib.Path) -> dict[str, object]:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len({r["custom_id"] for r in records}) == len(records) == 7
+        return {r["custom_id"]: r["error"] if r["error"] else (
+            r["response"]["body"]["choices"], r["response"]["body"]["usage"]["total_tokens"])
+            for r in records}
+
+    assert answers(got) == answers(want)
