@@ -92,33 +92,39 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             tools: Sequence[Mapping[str, object]] | None = None) -> list[RequestOutput]:
+             tools: Sequence[Mapping[str, object]] | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, object] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         several, through the checkpoint's chat template: the server's path for
         /v1/chat/completions. `tools`: function definitions in OpenAI's shape
         (`{"type": "function", "function": {"name", "description", "parameters"}}`), which
-        the template shows the model (vLLM's argument). One finished RequestOutput per
-        conversation, in order."""
+        the template shows the model (vLLM's argument); `continue_final_message` and
+        `chat_template_kwargs` (template variables such as Qwen3's `enable_thinking`) as
+        vLLM's. One finished RequestOutput per conversation, in order."""
+        chat = {"continue_final_message": continue_final_message,
+                "template_kwargs": dict(chat_template_kwargs or {})}
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         prompts = []
         for index, conversation in enumerate(messages):
             try:
                 prompts.append(self._chat_prompt([dict(m) for m in conversation], tools,
-                                                 add_generation_prompt))
+                                                 add_generation_prompt, chat))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"conversation {index}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_prompt(self, messages: list[dict], tools: Sequence[Mapping] | None,
-                     add_generation_prompt: bool) -> list[int]:
+                     add_generation_prompt: bool, chat: dict) -> list[int]:
         if tools is None or self.tokenizer is None:
             return self.engine.prompt_token_ids(messages=messages,
-                                                add_generation_prompt=add_generation_prompt)
-        try:  # the engine's own path takes no template variables: rendered here, then checked
+                                                add_generation_prompt=add_generation_prompt,
+                                                **chat)
+        try:  # rendered here with the tools, then checked as a token-id prompt
             ids = self.tokenizer.prompt_ids(None, messages, tools=[dict(t) for t in tools],
                                             add_generation_prompt=add_generation_prompt,
-                                            max_tokens=self.max_model_len - 1)
+                                            max_tokens=self.max_model_len - 1, **chat)
         except TooLong as e:
             raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room to "
                              "generate") from None

@@ -39,7 +39,7 @@ def check_params(params: SamplingParams, *, config: EngineConfig, has_tokenizer:
     if params.structured_outputs is not None and not has_tokenizer:
         raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
     for name in ("top_k", "max_tokens", "min_tokens"):  # the device reads them as int32
-        if getattr(params, name) >= 2**31:
+        if (getattr(params, name) or 0) >= 2**31:
             raise ValueError(f"{name}={getattr(params, name)} must be < 2**31")
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
@@ -51,3 +51,4 @@ def check_params(params: SamplingParams, *, config: EngineConfig, has_tokenizer:
     if params.min_tokens and stops > stop_width:
         raise ValueError(f"min_tokens with {stops} stop ids: at most {stop_width} "
                          "(stop_token_ids plus EOS ids)")
+

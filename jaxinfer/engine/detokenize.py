@@ -15,9 +15,10 @@ class TextState:
     """The text of one completion as its tokens arrive."""
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None,
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), *, keep_stop: bool = False) -> None:
         self._detokenizer = detokenizer
         self._stop = tuple(stop)
+        self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""  # all text so far, cut before a stop string once one appears
         self._emitted = 0  # characters already handed out as deltas
@@ -36,7 +37,7 @@ class TextState:
         hits = [(at, s) for at, s in hits if at >= 0]
         if hits:
             at, self.stop_string = min(hits)
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(self.stop_string) if self._keep_stop else at]
 
     def finish(self) -> None:
         """The request ended: take the text of any bytes the detokenizer held back."""

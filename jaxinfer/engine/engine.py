@@ -119,13 +119,18 @@ class Engine:
 
     def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
                          messages: list[dict] | None = None, *,
-                         add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a text prompt, a token-id prompt, or chat messages; checked."""
+                         add_generation_prompt: bool = True,
+                         truncate: int | None = None, **chat: object) -> list[int]:
+        """Token ids of a text prompt, a token-id prompt, or chat messages, `truncate`d to
+        their last tokens (vLLM's truncate_prompt_tokens); checked. `chat`: the chat
+        template's options (Tokenizer.prompt_ids: tools, continue_final_message,
+        template_kwargs)."""
         if self.tokenizer is not None:
-            try:
+            try:  # a prompt to truncate may be long: its length is checked once cut
                 ids = self.tokenizer.prompt_ids(prompt, messages,
                                                 add_generation_prompt=add_generation_prompt,
-                                                max_tokens=self.max_model_len - 1)
+                                                max_tokens=None if truncate else
+                                                self.max_model_len - 1, **chat)
             except TooLong as e:
                 raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room "
                                  "to generate") from None
@@ -134,6 +139,7 @@ class Engine:
                              "give prompts as token ids, not text or chat messages")
         else:
             ids = list(prompt if prompt is not None else [])
+        ids = ids[-truncate:] if truncate else ids
         return checks.check_prompt(ids, max_model_len=self.max_model_len,
                                    vocab_size=self.model_config.vocab_size)
 
@@ -166,7 +172,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
         grammar = self.check_params(params)
-        ids = prompt_token_ids or self.prompt_token_ids(prompt, messages)
+        truncate = params.truncate_prompt_tokens
+        ids = prompt_token_ids[-truncate:] if prompt_token_ids and truncate else (
+            prompt_token_ids or self.prompt_token_ids(prompt, messages, truncate=truncate))
+        if params.max_tokens is None:  # vLLM's: what the context leaves after the prompt
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params, grammar=grammar)
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
@@ -185,8 +195,10 @@ class Engine:
                               parent_id=request_id)
             self._arrivals += 1
             self.clock.added(request.request_id)
-            detokenizer = self.tokenizer.detokenizer(ids) if self.tokenizer else None
-            self._texts[request.request_id] = TextState(detokenizer, params.stop)
+            detokenizer = self.tokenizer.detokenizer(
+                ids, params.skip_special_tokens) if self.tokenizer and params.detokenize else None
+            self._texts[request.request_id] = TextState(
+                detokenizer, params.stop, keep_stop=params.include_stop_str_in_output)
             self.constraints.add(request, prepared.grammar)
             children.append(request)
         if params.prompt_logprobs is not None:

@@ -91,5 +91,9 @@ def copy_into(out: RequestOutput, requests: Sequence[Request], texts: dict[str, 
         out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens or 0)
         completion.stop_reason = request.stop_reason
         if completion.logprobs is not None:
-            completion.logprobs.extend(request.output_logprobs[done:])
+            new = request.output_logprobs[done:]
+            completion.logprobs.extend(new)
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                entry[token].logprob for entry, token in zip(
+                    new, completion.delta_token_ids, strict=True))
     return out

@@ -29,17 +29,19 @@ class SamplingParams:
     """How to pick each next token and when to stop (vLLM's names and meanings)."""
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (max_model_len), as vLLM
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 (vLLM's): off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    logprobs: int | None = None  # top-k logprobs per token; the chosen one always added
+    # top-k logprobs per token, the chosen one always added; -1: the whole vocabulary
+    # (vLLM's), refused beyond MAX_LOGPROBS as vLLM's default max_logprobs refuses it
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # top-k per prompt token; the prompt token always added
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -48,11 +50,21 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's)
     logit_bias: dict[int, float] | None = None
+    # vLLM's output options (docs/sampling.md#sampling-parameters)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # vLLM's slow-tokenizer option; fast tokenizers (tokenizer.json) decode special
+    # tokens without added spaces either way, as vLLM's fast path does
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "structured_outputs",
                            StructuredOutputsParams.parse(self.structured_outputs))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -86,11 +98,12 @@ def fold_seed(seed: int, index: int) -> int:
 def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
     return [
         ("n", _is_int(p.n) and p.n >= 1, "an int >= 1"),
-        ("max_tokens", _is_int(p.max_tokens) and p.max_tokens >= 1, "an int >= 1"),
-        ("min_tokens", _is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens,
-         "an int in [0, max_tokens]"),
+        ("max_tokens", p.max_tokens is None or (_is_int(p.max_tokens) and p.max_tokens >= 1),
+         "None (up to the context) or an int >= 1"),
+        ("min_tokens", _is_int(p.min_tokens) and 0 <= p.min_tokens <= (
+            p.max_tokens if p.max_tokens is not None else 2**31), "an int in [0, max_tokens]"),
         ("temperature", _is_real(p.temperature) and p.temperature >= 0, "a finite number >= 0"),
-        ("top_k", _is_int(p.top_k) and p.top_k >= 0, "an int >= 0 (0 disables it)"),
+        ("top_k", _is_int(p.top_k) and p.top_k >= 0, "an int >= 0 (0 or -1 disables it)"),
         ("top_p", _is_real(p.top_p) and 0 < p.top_p <= 1, "in (0, 1]"),
         ("min_p", _is_real(p.min_p) and 0 <= p.min_p <= 1, "in [0, 1]"),
         ("repetition_penalty", _is_real(p.repetition_penalty) and p.repetition_penalty > 0,
@@ -103,14 +116,22 @@ def _checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
          "None or an int in [-2**63, 2**64)"),
         ("logprobs", p.logprobs is None or (_is_int(p.logprobs)
                                             and 0 <= p.logprobs <= MAX_LOGPROBS),
-         f"None or an int in [0, {MAX_LOGPROBS}]"),
+         f"None or an int in [0, {MAX_LOGPROBS}]"
+         + (" (-1, the whole vocabulary, is more than that)" if p.logprobs == -1 else "")),
         ("prompt_logprobs", p.prompt_logprobs is None or (
             _is_int(p.prompt_logprobs) and 0 <= p.prompt_logprobs <= MAX_LOGPROBS),
          f"None or an int in [0, {MAX_LOGPROBS}]"),
         ("stop", all(isinstance(s, str) and s for s in p.stop), "non-empty strings"),
         ("stop_token_ids", all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
          "non-negative ints"),
-        ("ignore_eos", isinstance(p.ignore_eos, bool), "a bool"),
+        *[(name, isinstance(getattr(p, name), bool), "a bool") for name in (
+            "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+            "spaces_between_special_tokens", "detokenize")],
+        ("truncate_prompt_tokens", p.truncate_prompt_tokens is None or (
+            _is_int(p.truncate_prompt_tokens) and p.truncate_prompt_tokens >= 1),
+         "None or an int >= 1"),
+        ("stop", p.detokenize or not p.stop, "empty when detokenize=False (stop strings "
+         "match text)"),
     ]
 
 
@@ -260,6 +281,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: it and the top k (vLLM's)
+    # the sum of the chosen tokens' logprobs (vLLM's); None unless logprobs were asked
+    cumulative_logprob: float | None = None
     delta_text: str = ""  # text added by the last step (held back near a stop string)
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 

@@ -140,7 +140,8 @@ async def _completions(request: fastapi.Request) -> Response:
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
     limit = protocol.max_tokens(body)
     submissions = [Submission(prompt=p, params=params, limit=limit, echo=body.echo,
-                              constraint_field=structured.field(body)) for p in prompts]
+                              constraint_field=structured.field(body),
+                              priority=body.priority) for p in prompts]
     shape = _Shape("text_completion", "cmpl", state, params, top=body.logprobs,
                    echo=body.echo, echo_only=protocol.echo_only(body))
     return await _respond(request, state, shape, submissions, body)
@@ -151,13 +152,30 @@ async def _chat(request: fastapi.Request) -> Response:
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     params, calls = tools.plan(body, state.config, params)
-    submission = Submission(messages=[m.plain() for m in body.messages], params=params,
+    messages = [m.plain() for m in body.messages]
+    submission = Submission(messages=messages, params=params,
                             add_generation_prompt=body.add_generation_prompt,
                             limit=protocol.max_tokens(body), tools=calls.tools,
-                            constraint_field=structured.field(body) or calls.field)
+                            constraint_field=structured.field(body) or calls.field,
+                            continue_final_message=body.continue_final_message,
+                            template_kwargs=tokenization.template_kwargs(
+                                body.chat_template_kwargs, body.reasoning_effort),
+                            priority=body.priority)
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
-                   reasoning=splitter(state.config, state.tokenizer, params, calls))
+                   reasoning=splitter(state.config, state.tokenizer, params, calls),
+                   chat_echo=_chat_echo(body, messages))
     return await _respond(request, state, shape, [submission], body)
+
+
+def _chat_echo(body: ChatRequest, messages: list[dict]) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message when that message is
+    the assistant's (the role the reply takes), else nothing."""
+    last = messages[-1]
+    if not body.echo or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    return content if isinstance(content, str) else "".join(
+        part.get("text", "") for part in content or [])
 
 
 def _is_batch(prompt: Any) -> bool:
@@ -178,6 +196,7 @@ class _Shape:
     echo: bool = False
     echo_only: bool = False
     reasoning: ReasoningSplitter | None = None  # chat: --reasoning_parser
+    chat_echo: str = ""  # chat `echo`: the text the reply starts with
     response_id: str = ""
 
     def __post_init__(self) -> None:
@@ -191,10 +210,13 @@ class _Shape:
                text_offset: int = 0) -> dict[str, Any]:
         """`first`: the choice's first rendering (whole, or its first chunk)."""
         if self.chat:
+            if self.chat_echo and first:
+                choice = dataclasses.replace(choice, text=self.chat_echo + choice.text)
             return out.chat_choice(choice, self.state.token_text, self.top or 0, delta,
                                    self.reasoning.names if self.reasoning else ())
         if self.echo_only:
-            choice = out.Choice(choice.index, finish_reason=choice.finish_reason)
+            choice = out.Choice(choice.index, finish_reason=choice.finish_reason,
+                                stop_reason=choice.stop_reason)
         if self.echo and first:
             echo = out.Echo(stream.prompt_text, stream.prompt_token_ids, stream.prompt_logprobs)
             choice = out.echoed(choice, echo, top=self.top, generated=not self.echo_only)
@@ -296,7 +318,7 @@ async def _collect(shape: _Shape, streams: list[Stream]) -> dict[str, Any]:
         for piece in shape.pieces(streams[prompt_index], update):
             choices[prompt_index * n + piece.index].add(
                 piece.text, piece.token_ids, piece.logprobs, piece.finish_reason,
-                piece.reasoning, piece.tool_calls)
+                piece.reasoning, piece.tool_calls, piece.stop_reason)
     generated = sum(shape.generated(c.token_ids) for c in choices)
     extra = {}
     if shape.chat and shape.params.prompt_logprobs is not None:  # vLLM's place in chat
@@ -321,7 +343,8 @@ async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
             for piece in shape.pieces(streams[prompt_index], update):
                 index = prompt_index * n + piece.index
                 choice = out.Choice(index, piece.text, piece.token_ids, piece.logprobs,
-                                    piece.finish_reason, piece.reasoning, list(piece.tool_calls))
+                                    piece.finish_reason, piece.reasoning, list(piece.tool_calls),
+                                    piece.stop_reason)
                 rendered = shape.choice(choice, streams[prompt_index], delta=True,
                                         first=index not in offsets,
                                         text_offset=offsets.get(index, 0))

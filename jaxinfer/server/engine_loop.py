@@ -42,6 +42,9 @@ class Submission:
     limit: protocol.MaxTokens = protocol.MaxTokens(16)
     echo: bool = False  # the handler needs the prompt's text (`Stream.prompt_text`)
     tools: list[dict] | None = None  # chat: the functions the template shows the model
+    continue_final_message: bool = False  # chat: go on writing the last message
+    template_kwargs: dict | None = None  # chat: the template's variables (vLLM's)
+    priority: int = 0  # lower runs first
     # the field an output constraint came in: the param of an error compiling it
     constraint_field: str | None = None
 
@@ -52,6 +55,7 @@ class Prepared:
 
     request: PreparedRequest
     text: str  # the echoed prompt (`Submission.echo`), else ""
+    priority: int = 0
 
 
 class EngineLoop:
@@ -156,15 +160,19 @@ class EngineLoop:
         except Exception as e:
             log.exception("preparing a request failed")
             raise APIError(500, f"adding the request failed: {e}") from None
-        return Prepared(request, text)
+        return Prepared(request, text, submission.priority)
 
     def _prompt_ids(self, submission: Submission) -> list[int]:
+        chat = {} if submission.messages is None else {
+            "continue_final_message": submission.continue_final_message,
+            "template_kwargs": submission.template_kwargs}
         if submission.tools is not None:
             return tools.prompt_token_ids(self.engine, submission.messages, submission.tools,
-                                          submission.add_generation_prompt)
+                                          submission.add_generation_prompt, **chat)
         return self.engine.prompt_token_ids(
             submission.prompt, submission.messages,
-            add_generation_prompt=submission.add_generation_prompt)
+            add_generation_prompt=submission.add_generation_prompt,
+            truncate=submission.params.truncate_prompt_tokens, **chat)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a client went away); unknown ids: nothing."""
@@ -253,7 +261,8 @@ class EngineLoop:
             if not self.healthy:
                 raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
             for prepared, stream in group:
-                self.engine.add_prepared(stream.request_id, prepared.request)
+                self.engine.add_prepared(stream.request_id, prepared.request,
+                                         priority=prepared.priority)
                 streams.append(stream)
         except Exception as e:
             if not isinstance(e, APIError):

@@ -94,6 +94,12 @@ class _Sampling(Body):
     # in server/structured.py, compiled by the engine
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extras (docs/serving.md#parameters)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0  # lower runs first
 
 
 TokenIds = Annotated[list[int], pydantic.Field(min_length=1)]
@@ -115,6 +121,10 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra; returned beside `choices`
+    continue_final_message: bool = False  # vLLM's: go on writing the last message
+    echo: bool = False  # vLLM's: the reply starts with the last message if it is the reply's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the template
     tools: list[Tool] | None = None  # server/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -260,7 +270,8 @@ def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams
              "stop_token_ids": tuple(body.stop_token_ids or ()), "logit_bias": body.logit_bias}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "ignore_eos",
-                 "min_tokens"):
+                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens", "truncate_prompt_tokens"):
         value = getattr(body, name)
         if value is not None:
             given[name] = value

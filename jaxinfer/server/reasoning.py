@@ -90,7 +90,8 @@ class _Choice:
                                     finish_reason=None if deltas else finish)
         rest = [Piece(piece.index, "", [], None, None, tool_calls=(delta,)) for delta in deltas]
         if rest:
-            rest[-1] = dataclasses.replace(rest[-1], finish_reason=finish)
+            rest[-1] = dataclasses.replace(rest[-1], finish_reason=finish,
+                                           stop_reason=piece.stop_reason)
         if rest and not (first.text or first.reasoning or first.token_ids):
             return rest
         return [first, *rest]

@@ -29,9 +29,12 @@ class Choice:
     finish_reason: str | None = None
     reasoning: str = ""  # chat under a reasoning parser (`text` is then the content)
     tool_calls: list[dict] = dataclasses.field(default_factory=list)  # deltas, in order
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
     def add(self, text: str, token_ids: list[int], logprobs: list[Entry] | None,
-            finish_reason: str | None, reasoning: str = "", tool_calls: tuple = ()) -> None:
+            finish_reason: str | None, reasoning: str = "", tool_calls: tuple = (),
+            stop_reason: int | str | None = None) -> None:
+        self.stop_reason = stop_reason if stop_reason is not None else self.stop_reason
         self.text += text
         self.reasoning += reasoning
         self.tool_calls += tool_calls
@@ -63,7 +66,7 @@ def echoed(choice: Choice, echo: Echo, *, top: int | None, generated: bool) -> C
             for e in echo.logprobs]
         logprobs = prompt + (rest.logprobs or [])
     return Choice(choice.index, echo.text + rest.text, echo.token_ids + rest.token_ids,
-                  logprobs, choice.finish_reason)
+                  logprobs, choice.finish_reason, stop_reason=choice.stop_reason)
 
 
 def new_id(prefix: str) -> str:
@@ -87,7 +90,7 @@ def completion_choice(choice: Choice, token_text: TokenText | None,
         logprobs = completion_logprobs(choice.token_ids, choice.logprobs, token_text,
                                        text_offset)
     return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-            "finish_reason": choice.finish_reason, "stop_reason": None}
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def completion_logprobs(token_ids: list[int], entries: list[Entry],
@@ -131,7 +134,7 @@ def chat_choice(choice: Choice, token_text: TokenText | None, top: int,
         body = {"message": {"role": "assistant", "content": content} | calls
                 | dict.fromkeys(reasoning_names, choice.reasoning or None)}
     return {"index": choice.index, **body, "logprobs": logprobs,
-            "finish_reason": choice.finish_reason}
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def merged_calls(deltas: list[dict]) -> list[dict]:

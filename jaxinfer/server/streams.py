@@ -26,6 +26,7 @@ class Piece:
     finish_reason: str | None
     reasoning: str = ""  # under a reasoning parser (server/reasoning.py): `text` is content
     tool_calls: tuple[dict, ...] = ()  # OpenAI's tool_calls deltas (server/reasoning.py)
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ def piece_of(completion: Any) -> Piece:
     new = None if logprobs is None else [{token: lp.logprob for token, lp in entry.items()}
                                          for entry in logprobs[len(logprobs) - count:]]
     return Piece(completion.index, completion.delta_text, list(completion.delta_token_ids),
-                 new, completion.finish_reason)
+                 new, completion.finish_reason, stop_reason=completion.stop_reason)
 
 
 def moved(piece: Piece, done: list[bool]) -> bool:

@@ -95,6 +95,20 @@ def _tokenizer(state: ServerState) -> Tokenizer:
     return state.tokenizer
 
 
+def template_kwargs(given: dict | None, reasoning_effort: str | None = None) -> dict:
+    """vLLM's chat_template_kwargs (and reasoning_effort, which gpt-oss's template reads)
+    as template variables; a 400 naming one the request sets itself."""
+    kwargs = dict(given or {})
+    for key in kwargs:
+        if key in RESERVED_KWARGS:
+            raise APIError(400, f"chat_template_kwargs.{key}: set by the request itself, "
+                           "not a template variable of its own",
+                           param=f"chat_template_kwargs.{key}")
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+    return kwargs
+
+
 def _token_ids(tokenizer: Tokenizer, body: TokenizeCompletionRequest | TokenizeChatRequest
                ) -> list[int]:
     """The body's ids; a 400 naming the field a ValueError or TypeError is about."""
@@ -103,12 +117,7 @@ def _token_ids(tokenizer: Tokenizer, body: TokenizeCompletionRequest | TokenizeC
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except ValueError as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
-    kwargs = body.chat_template_kwargs or {}
-    for key in kwargs:
-        if key in RESERVED_KWARGS:
-            raise APIError(400, f"chat_template_kwargs.{key}: set by the request itself, "
-                           "not a template variable of its own",
-                           param=f"chat_template_kwargs.{key}")
+    kwargs = template_kwargs(body.chat_template_kwargs)
     tools = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
     try:
         text = tokenizer.apply_chat_template(

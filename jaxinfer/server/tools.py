@@ -160,7 +160,7 @@ def error_field(field: str, message: str) -> tuple[str, str]:
 
 
 def prompt_token_ids(engine: Any, messages: list[dict], tools: list[dict],
-                     add_generation_prompt: bool) -> list[int]:
+                     add_generation_prompt: bool, **chat: Any) -> list[int]:
     """The chat prompt rendered with `tools` (the engine's own path takes no template
     variables), then checked by the engine as any token-id prompt."""
     if engine.tokenizer is None:
@@ -169,7 +169,7 @@ def prompt_token_ids(engine: Any, messages: list[dict], tools: list[dict],
     try:
         ids = engine.tokenizer.prompt_ids(None, messages, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
-                                          max_tokens=engine.max_model_len - 1)
+                                          max_tokens=engine.max_model_len - 1, **chat)
     except TooLong as e:
         raise ValueError(f"{e}; max_model_len {engine.max_model_len} leaves no room to "
                          "generate") from None

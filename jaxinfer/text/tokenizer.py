@@ -179,16 +179,20 @@ class Tokenizer:
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None,
                    messages: list[dict] | None = None, *, add_generation_prompt: bool = True,
-                   max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]:
+                   max_tokens: int | None = None, tools: list[dict] | None = None,
+                   continue_final_message: bool = False,
+                   template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages (templated, with
-        `tools` if given). A text of surely more than `max_tokens` tokens (`min_tokens`)
-        raises TooLong before it is tokenized: time and memory stay bounded whatever its
-        size."""
+        `tools`, `continue_final_message` and the template variables `template_kwargs`,
+        vLLM's chat_template_kwargs). A text of surely more than `max_tokens` tokens
+        (`min_tokens`) raises TooLong before it is tokenized: time and memory stay bounded
+        whatever its size."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of a prompt or chat messages")
         if messages is not None:
-            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tools=tools)
+            text = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         elif isinstance(prompt, str):
             text = prompt
         else:

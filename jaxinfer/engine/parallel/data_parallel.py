@@ -67,9 +67,9 @@ class DataParallelEngine:
 
     def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
                          messages: list[dict] | None = None, *,
-                         add_generation_prompt: bool = True) -> list[int]:
+                         add_generation_prompt: bool = True, **options: object) -> list[int]:
         return self.replicas[0].prompt_token_ids(
-            prompt, messages, add_generation_prompt=add_generation_prompt)
+            prompt, messages, add_generation_prompt=add_generation_prompt, **options)
 
     def check_params(self, params: SamplingParams) -> None:
         self.replicas[0].check_params(params)
