@@ -20,8 +20,6 @@ VLLM_ONLY = {
     "trust_remote_code": "jaxinfer runs no code from a checkpoint; leave it out",
     "pipeline_parallel_size": "jaxinfer has no pipeline stages: --tensor-parallel-size "
                               "splits a model over devices, --data-parallel-size copies it",
-    "generation_config": "jaxinfer always takes the model's generation_config.json "
-                         "(vLLM's auto)",
     "tokenizer_mode": "jaxinfer has no such setting",
     "disable_log_requests": "jaxinfer has no such setting",
 }

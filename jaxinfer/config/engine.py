@@ -31,6 +31,12 @@ MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")  # those that read 
 # data-parallel request routing (SGLang's names): jaxinfer/engine/parallel/routing.py
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 MAX_SPECULATIVE_TOKENS = 8
+# generation_config.json key -> SamplingParams field: the keys vLLM's generation_config
+# applies to requests that give no sampling parameters (and override_generation_config
+# may set)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +157,17 @@ class EngineConfig:
     download_dir: str | None = setting(
         None, "where Hub models are downloaded and looked for; default: $HF_HUB_CACHE "
         "(~/.cache/huggingface/hub)")
+    chat_template: str | None = setting(
+        None, "the chat template, replacing the checkpoint's (vLLM's): a file, or the "
+        "Jinja text itself (text holding {{ or {%; on one line, its \\n and \\t are read "
+        "as vLLM reads them); default: the checkpoint's")
+    generation_config: str = setting(
+        "auto", "the sampling defaults of requests that give none (vLLM's): auto, the "
+        "checkpoint's generation_config.json; vllm, SamplingParams' own (none from the "
+        "checkpoint); or a directory holding a generation_config.json")
+    override_generation_config: str | None = setting(
+        None, "a JSON object of generation_config.json values over generation_config's "
+        "(vLLM's), e.g. {\"temperature\": 0.5}; keys: " + ", ".join(GENERATION_DEFAULTS))
     dtype: str = setting(
         "auto", "weights dtype; auto: the checkpoint's (config.json's dtype), but a float32 "
         "checkpoint in bfloat16 on TPU and GPU and a float16 one in bfloat16; float: "
@@ -258,6 +275,17 @@ class EngineConfig:
             raise ValueError(f"{self.gpu_memory_utilization=} must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"{self.kv_cache_memory_bytes=} must be > 0 or None")
+        for name in ("chat_template", "generation_config"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}={value!r} must be a non-empty string")
+        object.__setattr__(self, "override_generation_config",
+                           parse_generation_overrides(self.override_generation_config))
+
+    @property
+    def generation_overrides(self) -> dict[str, int | float]:
+        """`override_generation_config` as a dict (generation_config.json's keys)."""
+        return json.loads(self.override_generation_config or "{}")
 
     @property
     def kv_dtype(self) -> str:
@@ -269,6 +297,32 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype='auto' follows dtype, which is still 'auto': "
                              "resolve it first (config.served_dtype)")
         return self.dtype
+
+
+def parse_generation_overrides(value: dict | str | None) -> str | None:
+    """vLLM's override_generation_config, a dict or a JSON object of generation_config.json
+    values, as canonical JSON (the config stays hashable); ValueError naming a key that is
+    not one of GENERATION_DEFAULTS or a value that is not a number."""
+    if value is None or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config={value!r} is not valid JSON: "
+                             f"{e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config={value!r} must be a JSON object")
+    unknown = sorted(set(value) - set(GENERATION_DEFAULTS))
+    if unknown:
+        hint = " (generation_config.json's name for max_tokens is max_new_tokens)" if \
+            "max_tokens" in unknown else ""
+        raise ValueError(f"override_generation_config has keys {unknown} that set no "
+                         f"sampling default; its keys: {list(GENERATION_DEFAULTS)}{hint}")
+    for key, number in value.items():
+        if not isinstance(number, int | float) or isinstance(number, bool):
+            raise ValueError(f"override_generation_config {key}={number!r} must be a number")
+    return json.dumps(value, sort_keys=True) if value else None
 
 
 def check_dtype_choice(dtype: object) -> None:

@@ -7,6 +7,7 @@ defaults, the runner, and with `speculative_config` the speculation
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import logging
 import os
@@ -23,6 +24,7 @@ from jaxinfer.config import (
     checkpoint_dtype,
     served_dtype,
 )
+from jaxinfer.config.engine import GENERATION_DEFAULTS
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.metrics.summary import FlopCount
@@ -36,11 +38,8 @@ from jaxinfer.text.tokenizer import Tokenizer, eos_token_ids_from_configs, read_
 
 log = logging.getLogger(__name__)
 CPU_KV_FRACTION = 0.25  # of physical memory, when sizing the CPU page pool by default
-# generation_config.json key -> SamplingParams field: the keys vLLM's
-# generation_config="auto" applies to requests that give no sampling parameters.
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                       "max_new_tokens": "max_tokens"}
+# What tells chat_template's text from a file name (vLLM's test adds braces alone)
+TEMPLATE_MARKS = ("{{", "{%", "\n")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,10 +69,12 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     ep = config.enable_expert_parallel
     ModelOptions(expert_parallel=ep).check(model_config)
     tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
-                               skip=config.skip_tokenizer_init)
+                               skip=config.skip_tokenizer_init,
+                               chat_template=config.chat_template)
     eos_token_ids = (tokenizer.eos_token_ids if tokenizer is not None
                      else eos_token_ids_from_configs(root))
-    defaults = default_sampling_params(root)
+    defaults = default_sampling_params(root, config.generation_config,
+                                       config.generation_overrides)
     config = with_checkpoint_quantization(root, config)
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
@@ -170,31 +171,70 @@ def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> En
         config, quantization=mode)
 
 
-def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False) -> Tokenizer | None:
-    """The checkpoint's tokenizer; None when `skip`. A directory without one is refused
-    with the way out: token-id prompts need no tokenizer."""
+def load_tokenizer(model_dir: pathlib.Path, *, skip: bool = False,
+                   chat_template: str | None = None) -> Tokenizer | None:
+    """The checkpoint's tokenizer, with `chat_template` (EngineConfig's: a file or the
+    template's text, `read_chat_template`) instead of its own if given; None when `skip`.
+    A directory without one is refused with the way out: token-id prompts need none."""
     if skip:
         return None
     if not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"{str(model_dir)!r} has no tokenizer.json; to serve token-id prompts without "
             "a tokenizer, pass skip_tokenizer_init=True (--skip_tokenizer_init)")
-    return Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if chat_template is None:
+        return tokenizer
+    return tokenizer.with_chat_template(read_chat_template(chat_template))
 
 
-def default_sampling_params(model_dir: pathlib.Path) -> SamplingParams:
-    """SamplingParams() with the checkpoint's generation_config.json values (temperature,
-    top_p, top_k, min_p, repetition_penalty, max_new_tokens) where it has them, as vLLM
-    does; `do_sample` is ignored, as vLLM does too."""
-    found = read_json(model_dir / "generation_config.json")
+def read_chat_template(value: str, *, unescape: bool = True) -> str:
+    """A chat template given as vLLM's --chat-template is: a file's text, else `value`
+    itself when it looks like a template (TEMPLATE_MARKS), else FileNotFoundError naming
+    chat_template. A one-line template has its backslash escapes (\\n) read, as vLLM
+    reads them, when `unescape`."""
+    if os.path.isfile(value):  # False, not an error, for a long template's text
+        try:
+            return pathlib.Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template={value!r}: the file cannot be read: {e}") \
+                from None
+    if not any(mark in value for mark in TEMPLATE_MARKS):
+        raise FileNotFoundError(
+            f"chat_template={value!r} looks like a file name, but there is no such file "
+            "(a template given as text holds {{ or {%)")
+    if not unescape or "\n" in value:
+        return value
+    try:
+        return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError:  # a backslash that starts no escape: as it is
+        return value
+
+
+def default_sampling_params(model_dir: pathlib.Path, generation_config: str = "auto",
+                            overrides: dict | None = None) -> SamplingParams:
+    """SamplingParams() with generation_config.json's values (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens) where it has them, as vLLM does; `do_sample`
+    is ignored, as vLLM does too. `generation_config` (vLLM's): "auto", the checkpoint's
+    file; "vllm", none; else a directory holding one. `overrides` (vLLM's
+    override_generation_config) go over those values."""
+    path = None if generation_config == "vllm" else (
+        model_dir if generation_config == "auto" else pathlib.Path(generation_config)
+    ) / "generation_config.json"
+    if path is not None and generation_config != "auto" and not path.is_file():
+        raise FileNotFoundError(f"generation_config={generation_config!r}: no {path} (give "
+                                "auto, vllm, or a directory holding a generation_config.json)")
+    found = (read_json(path) if path else {}) | dict(overrides or {})
     values = {field: found[key] for key, field in GENERATION_DEFAULTS.items()
               if found.get(key) is not None}
     try:
         params = SamplingParams(**values)
     except ValueError as e:
-        raise ValueError(f"{model_dir / 'generation_config.json'}: {e}") from None
+        source = " with override_generation_config" if overrides else ""
+        raise ValueError(f"{path or 'generation_config=vllm'}{source}: {e}") from None
     if values:
-        log.info("sampling defaults from generation_config.json: %s", values)
+        log.info("sampling defaults from %s%s: %s", path or "override_generation_config",
+                 " and override_generation_config" if path and overrides else "", values)
     return params
 
 

@@ -5,6 +5,7 @@ See docs/sampling.md#tokenizer-and-chat-template.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -92,6 +93,13 @@ class Tokenizer:
         logger.info("tokenizer %s: vocab_size=%d bos_token_id=%s eos_token_ids=%s", root,
                     tokenizer.vocab_size, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
         return tokenizer
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer (its vocabulary shared) rendering chats with `template`."""
+        other = copy.copy(self)
+        other.chat_template = template
+        other._name = f"{self._name} (the chat_template given)"
+        return other
 
     @property
     def vocab_size(self) -> int:
