@@ -68,19 +68,23 @@ def read_hf_config(model_dir: str | os.PathLike) -> dict:
 
 def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
                    mesh: Mesh | None = None, log: shard_source.ReadLog | None = None, *,
-                   expert_parallel: bool = False) -> Params:
+                   expert_parallel: bool = False, quantization_mode: str | None = None
+                   ) -> Params:
     """Read safetensors tensors into our params pytree, checking names and shapes. Each
     leaf is built per device from the memory-mapped tensors (`shard_source`), q/k/v and
     gate/up fused on the fly (model/fusion.py), KV heads copied when the mesh has more
     devices than KV heads, whole experts per device with `expert_parallel`. A
     compressed-tensors FP8 checkpoint's linear weights become fp8 QuantizedWeights made
     of its float8 values and scales (compressed_tensors.py); an AWQ or GPTQ checkpoint's
-    become int4 ones made of its codes, scales and zeros (prequantized_int4/)."""
+    become int4 ones made of its codes, scales and zeros (prequantized_int4/). An MXFP4
+    checkpoint's experts stay packed (mxfp4.py) unless `quantization_mode`, the mode
+    they are served in, is another: then they are decoded to `dtype` as read."""
     check_dtype(dtype)
     root = model_dir_path(model_dir)
     hf = read_hf_config(root)
     scheme = _scheme(hf, root / "config.json")
     int4 = prequantized_int4.scheme_of(hf, root / "config.json")
+    packed = mxfp4.kept_packed(hf, quantization_mode)
     tensors = _checked_tensors(root, cfg, scheme, int4)
     mesh = mesh or sharding.make_mesh(1)
     shards = mesh.shape[sharding.MODEL_AXIS]
@@ -90,7 +94,8 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     layouts = leaf_layouts(served)
     specs = quantization.partition_specs(param_partition_specs(served, shards, expert_parallel),
                                          scheme and compressed_tensors.MODE
-                                         or int4 and prequantized_int4.MODE, head=False)
+                                         or int4 and prequantized_int4.MODE
+                                         or packed and mxfp4.MODE or None, head=False)
     target = np.dtype(jnp.dtype(dtype))
 
     def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
@@ -111,6 +116,9 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
         name = leaf_name(path)
         if not quantization.is_quantized(spec):
             return array(name, layouts[name], shape, spec, target)
+        if spec.mode == mxfp4.MODE:
+            return mxfp4.packed_weight(tensors[layouts[name].names[0]], layouts[name].kind,
+                                       shape, spec, mesh, log and log.record)
         if int4 is not None:
             return prequantized_int4.quantized_leaf(reader, mesh, name, layouts[name], shape,
                                                     spec, int4.group_size)

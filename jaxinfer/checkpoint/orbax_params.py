@@ -37,18 +37,21 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 def load_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32",
                 mesh: Mesh | None = None, log: shard_source.ReadLog | None = None, *,
-                expert_parallel: bool = False) -> Params:
+                expert_parallel: bool = False, quantization_mode: str | None = None
+                ) -> Params:
     """Params from an orbax checkpoint if `params/` exists, else from safetensors;
     placed on `mesh` with the tensor-parallel shardings (each device receives only
     its slice; whole experts with `expert_parallel`) in the served layout
     (`sharding.served_config`), or on the default device. `log` records the bytes each
-    safetensors read asked for."""
+    safetensors read asked for; `quantization_mode`: the mode the params are served in
+    (an MXFP4 checkpoint's experts stay packed for None and "mxfp4": load_hf_params)."""
     root = model_dir_path(model_dir)
     mesh = mesh or sharding.make_mesh(1)
     if (root / "params").is_dir():
         return restore_orbax(root / "params", cfg, dtype, mesh,
                              expert_parallel=expert_parallel)
-    return load_hf_params(root, cfg, dtype, mesh, log, expert_parallel=expert_parallel)
+    return load_hf_params(root, cfg, dtype, mesh, log, expert_parallel=expert_parallel,
+                          quantization_mode=quantization_mode)
 
 
 def save_orbax(path: str | os.PathLike, params: Params) -> None:
@@ -129,7 +132,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
                          "to orbax (its float32 scales and group size are not the orbax "
                          "layout's); serve the directory as it is")
     quantization_mode = served_quantization(src, quantization_mode)
-    params = load_hf_params(src, cfg, dtype)
+    params = load_hf_params(src, cfg, dtype, quantization_mode=quantization_mode)
     if quantization_mode == "int4":
         params = awq.calibrate_checkpoint(params, cfg, src, calibration_data)
     if quantization_mode is not None:

@@ -97,9 +97,7 @@ def _with_checkpoint_quantization(settings: EngineConfig) -> EngineConfig:
 
     from jaxinfer import checkpoint
 
-    model = _model_path()
-    if not model.is_dir():
-        return settings
+    model = _model_path()  # a preset: its published checkpoint's (gpt-oss: mxfp4)
     return dataclasses.replace(
         settings, quantization=checkpoint.served_quantization(model, settings.quantization))
 
@@ -234,6 +232,7 @@ def plan() -> None:
                          f"{best.data_parallel_size} --tensor_parallel_size="
                          f"{best.tensor_parallel_size})") from None
     report = {"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
+              "quantization": settings.quantization,
               "data_parallel_size": dp, **result.summary(price_per_hour=price),
               "device": accelerators.describe(acc) if acc else None}
     if acc is not None:

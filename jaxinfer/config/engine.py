@@ -20,7 +20,8 @@ DTYPES = ("float32", "bfloat16")  # the dtypes weights are served in
 # float32; float16/half are refused (`check_dtype_choice`). docs/models.md#dtype.
 DTYPE_CHOICES = ("auto", *DTYPES, "float", "float16", "half")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
-QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4")  # jaxinfer/model/quantization.py
+# jaxinfer/model/quantization.py; mxfp4: experts only, packed (MXFP4 checkpoints' own)
+QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4", "mxfp4")
 # pre-quantized checkpoint formats --quantization may name (vLLM's names), served as int4:
 # jaxinfer/checkpoint/prequantized_int4/
 PREQUANTIZED_METHODS = ("awq", "gptq")
@@ -212,8 +213,10 @@ class EngineConfig:
         None, "quantize the linear weights at load (jaxinfer/model/quantization.py): int8 "
         "(weight-only), w8a8 (int8 weights and activations; the fast path on CPU), fp8 "
         "(float8_e4m3fn weight-only), int4 (group-wise, activation-aware scales: "
-        "jaxinfer/checkpoint/awq.py); awq, gptq: an AWQ or GPTQ checkpoint's int4 as it is "
-        "(also detected from its config.json); default: none, or the checkpoint's",
+        "jaxinfer/checkpoint/awq.py), mxfp4 (the experts alone, 4-bit blocks as gpt-oss "
+        "publishes them, its checkpoints' default); awq, gptq: an AWQ or GPTQ checkpoint's "
+        "int4 as it is (also detected from its config.json); default: none, or the "
+        "checkpoint's",
         QUANTIZATION_MODES + PREQUANTIZED_METHODS)
     calibration_data: str | None = setting(
         None, "int4: a JSONL file of {\"text\": ...} lines to choose the activation-aware "

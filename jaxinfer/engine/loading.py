@@ -91,7 +91,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     group_pages = tuple(group.num_pages for group in memory_plan.page_groups)
     check_same_engine(served, config, max_len, group_pages)
     params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh,
-                                                   expert_parallel=ep)
+                                                   expert_parallel=ep,
+                                                   quantization_mode=config.quantization)
     if config.quantization is not None and quantization.mode_of(params) is None:
         if config.quantization == "int4":  # activation-aware scales before rounding
             params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)

@@ -1,8 +1,9 @@
 """Mixture-of-experts layers (`moe_block`): a float32 router, then only the chosen
 experts' weights: gathered for decode-sized buckets, grouped (megablox or ragged dot)
 for larger ones, every expert on CPU; experts split whole or sliced over the model axis,
-one `psum` per layer, no token dropped. See docs/moe.md (#routing, #expert-computation,
-#expert-parallelism).
+one `psum` per layer, no token dropped; MXFP4 experts decoded from their packed bytes
+inside the step. See docs/moe.md (#routing, #expert-computation, #expert-parallelism,
+#gpt-oss).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import expert_glu, layers, quantization, sharding
+from jaxinfer.model import expert_glu, layers, mxfp4, quantization, sharding
 from jaxinfer.model.expert_glu import Glu
 from jaxinfer.model.quantization import QuantizedWeight
 
@@ -63,7 +64,9 @@ def moe_block(layer: dict, x: jax.Array, cfg: ModelConfig, *, expert_parallel: b
     gate_up = layer["we_gate_up"]
     if "be_gate_up" in layer:  # per-expert biases [E, 2F] and [E, D] (gpt-oss)
         gate_up = (gate_up, layer["be_gate_up"])
-    y = expert_mlps(x, gate_up, layer["we_down"], weights, experts, cfg, expert_parallel)
+    # MXFP4 experts compute in the model's float dtype, which the router keeps
+    y = expert_mlps(x, gate_up, layer["we_down"], weights, experts, cfg, expert_parallel,
+                    dtype=layer["w_router"].dtype)
     if "be_down" in layer:  # added once, after the devices' shares are summed
         y = y + jnp.einsum("tk,tkd->td", weights, layer["be_down"][experts].astype(
             jnp.float32))
@@ -84,15 +87,16 @@ def expert_counts(experts: jax.Array, num_tokens: jax.Array, num_experts: int
 
 def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                 weights: jax.Array, experts: jax.Array, cfg: ModelConfig,
-                expert_parallel: bool = False) -> jax.Array:
+                expert_parallel: bool = False, dtype: jnp.dtype = jnp.bfloat16
+                ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> f32[T, D]; on a mesh, each
     device its experts (`expert_parallel`) or its slice of each, and one psum.
     `w_gate_up` may be a pair (weights, biases [E, 2F]): the bias is added to the
-    gate/up outputs."""
+    gate/up outputs. `dtype`: what MXFP4 experts are decoded into and compute in."""
     shards = sharding.model_axis_size()
     glu = expert_glu.glu_of(cfg)
     local = functools.partial(_local_experts, glu=glu, shards=shards,
-                              expert_parallel=expert_parallel)
+                              expert_parallel=expert_parallel, dtype=jnp.dtype(dtype))
     if shards == 1:
         return local(x, w_gate_up, w_down, weights, experts)
     axis = sharding.MODEL_AXIS
@@ -101,9 +105,9 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     else:
         gate_up_spec, down_spec = P(None, axis, None), P(None, None, axis)
     weight, bias = _with_bias(w_gate_up)
-    if quantization.is_quantized(weight):  # scales [E, O] split as the values' E, O
-        gate_up_spec = QuantizedWeight(gate_up_spec, P(*gate_up_spec[:2]), weight.mode)
-        down_spec = QuantizedWeight(down_spec, P(*down_spec[:2]), w_down.mode)
+    if quantization.is_quantized(weight):  # scales split as the values (expert_spec)
+        gate_up_spec = quantization.expert_spec(gate_up_spec, weight.mode)
+        down_spec = quantization.expert_spec(down_spec, w_down.mode)
     if bias is not None:  # [E, 2F] split as the weights' first two axes
         gate_up_spec = (gate_up_spec, P(*(gate_up_spec.value if isinstance(
             gate_up_spec, QuantizedWeight) else gate_up_spec)[:2]))
@@ -114,7 +118,7 @@ def expert_mlps(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
 def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                    weights: jax.Array, experts: jax.Array, *, glu: Glu, shards: int,
-                   expert_parallel: bool) -> jax.Array:
+                   expert_parallel: bool, dtype: jnp.dtype) -> jax.Array:
     """One device's share: its experts [E_local, 2F_local, D], [E_local, D, F_local]."""
     held = _num_experts(w_gate_up)
     if expert_parallel and shards > 1:  # global ids -> this device's, others weigh 0
@@ -125,12 +129,12 @@ def _local_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
         experts = jnp.where(mine, experts, held)  # past the last group: sorted last
     tokens, k = experts.shape
     if tokens * k < held:
-        y = _gathered(x, w_gate_up, w_down, weights, experts, glu)
+        y = _gathered(x, w_gate_up, w_down, weights, experts, glu, dtype)
     else:  # ragged_dot where it is grouped; on CPU its masked form costs k x all experts
         y = jax.lax.platform_dependent(
             x, w_gate_up, w_down, weights, experts,
-            cpu=functools.partial(_all_experts, glu=glu),
-            default=functools.partial(_grouped, glu=glu))
+            cpu=functools.partial(_all_experts, glu=glu, dtype=dtype),
+            default=functools.partial(_grouped, glu=glu, dtype=dtype))
     return jax.lax.psum(y, sharding.MODEL_AXIS) if shards > 1 else y
 
 
@@ -144,31 +148,50 @@ def _with_bias(w: jax.Array | QuantizedWeight | tuple) -> tuple:
     return w if isinstance(w, tuple) else (w, None)
 
 
+def _unpacked(w: jax.Array | QuantizedWeight | tuple, dtype: jnp.dtype
+              ) -> jax.Array | QuantizedWeight | tuple:
+    """`w` (or its weights of a (weights, biases) pair) with MXFP4 experts decoded whole
+    to `dtype`, for the paths that read every held expert; other weights unchanged."""
+    weight, bias = _with_bias(w)
+    if not (quantization.is_quantized(weight) and weight.mode == mxfp4.MODE):
+        return w
+    # one expert at a time: the decode's temporaries stay one expert's, not a layer's
+    weight = jax.lax.map(lambda packed: mxfp4.decode(*packed, dtype),
+                         (weight.value, weight.scale))
+    return weight if bias is None else (weight, bias)
+
+
 def _swiglu_rows(h: jax.Array, glu: Glu | int) -> jax.Array:
     """The activation of gate/up columns interleaved in blocks (model/expert_glu.py)."""
     return expert_glu.gated(h, glu)
 
 
 def _gathered(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-              experts: jax.Array, glu: Glu) -> jax.Array:
-    """Each token choice gathers its expert's weights: reads T * k experts at most."""
+              experts: jax.Array, glu: Glu, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """Each token choice gathers its expert's weights: reads T * k experts at most
+    (MXFP4: their packed bytes, decoded to `dtype`)."""
     held = _num_experts(w_gate_up)
     tokens, k = experts.shape
     ids = jnp.minimum(experts, held - 1).reshape(-1)  # another device's: any, weight 0
     rows = jnp.repeat(x, k, axis=0)  # [T * k, D], one per choice
     w_gate_up, bias = _with_bias(w_gate_up)
-    h = _gathered_dot(rows, w_gate_up, ids)  # experts' [2F, D] rows, read in order
+    h = _gathered_dot(rows, w_gate_up, ids, dtype)  # experts' [2F, D] rows, read in order
     if bias is not None:
         h = h + bias[ids].astype(jnp.float32)
-    out = _gathered_dot(_swiglu_rows(h, glu), w_down, ids)
+    out = _gathered_dot(_swiglu_rows(h, glu), w_down, ids, dtype)
     return jnp.einsum("tkd,tk->td", out.reshape(tokens, k, -1), weights)
 
 
-def _gathered_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Array
-                  ) -> jax.Array:
-    """rows f[n, I], each through its expert ids[n] of w [E, O, I] -> f32[n, O]."""
+def _gathered_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Array,
+                  dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """rows f[n, I], each through its expert ids[n] of w [E, O, I] -> f32[n, O]; MXFP4
+    experts: the chosen experts' blocks decoded to `dtype`."""
     if not quantization.is_quantized(w):
         return jnp.einsum("nd,nfd->nf", rows.astype(w.dtype), w[ids],
+                          preferred_element_type=jnp.float32)
+    if w.mode == mxfp4.MODE:
+        chosen = mxfp4.decode(w.value[ids], w.scale[ids], dtype)  # [n, O, I]
+        return jnp.einsum("nd,nfd->nf", rows.astype(dtype), chosen,
                           preferred_element_type=jnp.float32)
     value, scale = w.value[ids], w.scale[ids]
     if w.mode == "w8a8":  # int8 x int8 -> int32, as quantization.linear
@@ -181,10 +204,11 @@ def _gathered_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Arra
 
 
 def _grouped(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-             experts: jax.Array, glu: Glu) -> jax.Array:
+             experts: jax.Array, glu: Glu, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Token choices sorted by expert, a grouped matmul per projection, scattered back
     weighted. Choices of another device's experts sort last, outside every group
-    (ragged_dot leaves those rows zero)."""
+    (ragged_dot leaves those rows zero). MXFP4 experts are decoded to `dtype` first."""
+    w_gate_up, w_down = _unpacked(w_gate_up, dtype), _unpacked(w_down, dtype)
     held = _num_experts(w_gate_up)
     tokens, k = experts.shape
     flat = experts.reshape(-1)
@@ -239,9 +263,11 @@ def _ragged_dot(rows: jax.Array, w: jax.Array | QuantizedWeight, sizes: jax.Arra
 
 
 def _all_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
-                 experts: jax.Array, glu: Glu) -> jax.Array:
+                 experts: jax.Array, glu: Glu, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
     """Every held expert for every token, weighted by the routing (0 where not chosen):
-    one batched matmul per projection, for buckets that read every expert anyway."""
+    one batched matmul per projection, for buckets that read every expert anyway
+    (MXFP4 experts decoded to `dtype` first)."""
+    w_gate_up, w_down = _unpacked(w_gate_up, dtype), _unpacked(w_down, dtype)
     held = _num_experts(w_gate_up)
     rows = jnp.arange(x.shape[0])[:, None]
     full = jnp.zeros((x.shape[0], held + 1), jnp.float32).at[rows, experts].add(weights)

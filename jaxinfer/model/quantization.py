@@ -1,12 +1,14 @@
 """Quantized linear weights: the `QuantizedWeight` pytree, `quantize_params` (int8, w8a8,
-fp8, int4; the LM head too; MoE experts via `quantize_experts`), their partition specs
-and byte counts, and the matmuls that use them. Modes, layouts and why:
-docs/quantization.md#weights; measured: docs/benchmarks.md#quantization.
+fp8, int4; the LM head too; MoE experts via `quantize_experts`; mxfp4: the experts alone,
+packed as gpt-oss publishes them, model/mxfp4.py), their partition specs and byte counts,
+and the matmuls that use them. Modes, layouts and why: docs/quantization.md#weights;
+measured: docs/benchmarks.md#quantization.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -15,15 +17,18 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import QUANTIZATION_MODES
-from jaxinfer.model import params_table
+from jaxinfer.config import QUANTIZATION_MODES, ModelConfig
+from jaxinfer.model import mxfp4, params_table
 
 MODES = QUANTIZATION_MODES
 QUANTIZED_WEIGHTS = params_table.QUANTIZED
 EXPERT_WEIGHTS = params_table.EXPERTS
 HEAD = "lm_head"  # quantized in every mode, a copy of a tied embedding table
 LAYOUT_VERSION = 2  # 2: values [O, I] and a quantized head; written beside orbax params
-STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
+STORAGE = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8,
+           "mxfp4": jnp.uint8}
+EXPERTS_ONLY = (mxfp4.MODE,)  # modes that quantize the experts and leave the rest float
+LINEAR_MODES = tuple(m for m in MODES if m not in EXPERTS_ONLY)  # every linear weight
 INT8_MAX = 127.0
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT4_GROUPS = (128, 64, 32)  # rows per int4 group: the first that divides the input size
@@ -34,22 +39,28 @@ INT4_TOP = 15  # int4 codes 0..15
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A linear weight w[I, O] ~= (value * scale[:, None]).T (value stored [O, I]);
-    int4: see `quantize_int4`."""
+    int4: see `quantize_int4`. An expert stack [E, O, I] (`quantize_experts`) keeps
+    that layout with a scale per expert and row; mxfp4 (experts only): model/mxfp4.py."""
 
     value: jax.Array  # int8 | float8_e4m3fn [O, I]; int4: uint8[I / 2, O] (two rows a byte)
+    # mxfp4: uint8[E, O, I / 2] (two inputs a byte, the first in the low nibble)
     scale: jax.Array  # f32[O]; int4: bf16[2, I / group, O] (step, offset)
+    # mxfp4: uint8[E, O, I / 32] (e8m0: 2 ** (scale - 127) per 32 inputs)
     mode: str = dataclasses.field(metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical weight's shape [I, O]."""
+        """The logical weight's shape [I, O]; mxfp4: the stack's [E, O, I]."""
         if self.mode == "int4":
             return (2 * self.value.shape[0], self.value.shape[1])
+        if self.mode == mxfp4.MODE:
+            return (*self.value.shape[:-1], 2 * self.value.shape[-1])
         return self.value.shape[::-1]
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The dtype the weight computes in (activations cast to it): bfloat16."""
+        """The dtype the weight computes in (activations cast to it): bfloat16; mxfp4
+        experts compute in the model's float dtype (model/moe.py)."""
         return jnp.dtype(jnp.bfloat16)
 
 
@@ -58,9 +69,18 @@ def check_mode(mode: str | None) -> None:
         raise ValueError(f"quantization={mode!r} must be one of {MODES} or None")
 
 
+def check_applies(mode: str | None, cfg: ModelConfig) -> None:
+    """ValueError unless `mode` can quantize `cfg`'s model: mxfp4 needs experts."""
+    if mode in EXPERTS_ONLY and cfg.moe is None:
+        raise ValueError(f"quantization={mode!r} quantizes mixture-of-experts weights "
+                         f"(gpt-oss's MXFP4 experts); {cfg.architecture} has no experts")
+
+
 def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
     """w [I, O] -> QuantizedWeight with per-column scales (a zero column gets scale 1),
     its value stored [O, I]; int4: per group of rows and column (`quantize_int4`)."""
+    if mode in EXPERTS_ONLY:
+        raise ValueError(f"{mode} quantizes experts only, not a linear weight {w.shape}")
     if mode == "int4":
         return quantize_int4(w)
     w = w.astype(jnp.float32).T
@@ -78,9 +98,14 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
 
 def quantize_experts(w: jax.Array, mode: str) -> QuantizedWeight:
     """A stack of expert weights [E, O, I] (stored as HF stores each, model/moe.py) ->
-    value [E, O, I] and scale f32[E, O]: each expert as `quantize` makes a weight."""
+    value [E, O, I] and scale f32[E, O]: each expert as `quantize` makes a weight;
+    mxfp4: packed blocks and scales (model/mxfp4.py). An mxfp4 stack is decoded first."""
+    if is_quantized(w):  # an MXFP4 checkpoint's experts served in another mode
+        w = dequantize_experts(w)
+    if mode == mxfp4.MODE:
+        return QuantizedWeight(*mxfp4.encode(w), mode)
     if mode == "int4":
-        raise ValueError("int4 does not apply to experts: use int8, w8a8 or fp8")
+        raise ValueError("int4 does not apply to experts: use int8, w8a8, fp8 or mxfp4")
     quantized = jax.vmap(lambda x: quantize(x.T, mode))(w)
     return QuantizedWeight(quantized.value, quantized.scale, mode)
 
@@ -112,6 +137,14 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     if w.mode == "int4":
         return _dequantize_int4_with(jnp, w.value, w.scale)
     return (w.value.astype(jnp.float32) * w.scale[:, None]).T
+
+
+def dequantize_experts(w: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """The [E, O, I] stack in `dtype` a quantized expert stack stands for (mxfp4: decoded
+    exactly, model/mxfp4.py)."""
+    if w.mode == mxfp4.MODE:
+        return mxfp4.decode(w.value, w.scale, dtype)
+    return (w.value.astype(jnp.float32) * w.scale[..., None]).astype(dtype)
 
 
 def int4_group(rows: int) -> int:
@@ -197,10 +230,15 @@ def quantize_params(params: dict, mode: str, head: bool = True) -> dict:
     """The params with every layer's linear weights and the LM head quantized
     (jittable); a tied head becomes a quantized copy of the embedding table. `head=False`
     leaves the head as it is (what a pre-quantized checkpoint that keeps it float
-    serves: `checkpoint.quantized_head`)."""
+    serves: `checkpoint.quantized_head`). mxfp4 quantizes the experts alone (a model
+    without experts is refused); already packed experts are decoded for another mode."""
+    if mode in EXPERTS_ONLY and not any(name in EXPERT_WEIGHTS for layer in params["layers"]
+                                        for name in layer):
+        raise ValueError(f"quantization={mode!r} quantizes mixture-of-experts weights "
+                         "(gpt-oss's MXFP4 experts); this model has no experts")
     layers = [{name: _quantize_leaf(name, value, mode) for name, value in layer.items()}
               for layer in params["layers"]]
-    if not head:
+    if not head or head_mode(mode) is None:
         return params | {"layers": layers}
     head_weight = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
     return params | {"layers": layers, HEAD: quantize(head_weight, head_mode(mode))}
@@ -209,7 +247,8 @@ def quantize_params(params: dict, mode: str, head: bool = True) -> dict:
 def _quantize_leaf(name: str, value: jax.Array, mode: str) -> jax.Array | QuantizedWeight:
     if name in EXPERT_WEIGHTS:
         return quantize_experts(value, mode)
-    return quantize(value, mode) if name in QUANTIZED_WEIGHTS else value
+    quantized = name in QUANTIZED_WEIGHTS and mode not in EXPERTS_ONLY
+    return quantize(value, mode) if quantized else value
 
 
 def has_quantized_head(params: dict) -> bool:
@@ -217,9 +256,18 @@ def has_quantized_head(params: dict) -> bool:
     return is_quantized(params.get(HEAD))
 
 
-def head_mode(mode: str) -> str:
-    """The LM head's mode in a model quantized in `mode` (int4: int8, weight-only)."""
+def head_mode(mode: str) -> str | None:
+    """The LM head's mode in a model quantized in `mode` (int4: int8, weight-only; None:
+    float, for modes that quantize the experts alone)."""
+    if mode in EXPERTS_ONLY:
+        return None
     return "int8" if mode == "int4" else mode
+
+
+def linear_mode(mode: str | None) -> str | None:
+    """The mode of the layers' linear weights (QUANTIZED_WEIGHTS) in a model quantized in
+    `mode`: None (float) for modes that quantize the experts alone."""
+    return None if mode in EXPERTS_ONLY else mode
 
 
 def partition_specs(specs: dict, mode: str | None, head: bool = True) -> dict:
@@ -229,18 +277,36 @@ def partition_specs(specs: dict, mode: str | None, head: bool = True) -> dict:
     (see `quantize_params`)."""
     if mode is None:
         return specs
-    layers = [{name: _expert_spec(spec, mode) if name in EXPERT_WEIGHTS
-               else _weight_spec(spec, mode) if name in QUANTIZED_WEIGHTS else spec
-               for name, spec in layer.items()} for layer in specs["layers"]]
-    if not head:
+    dense = linear_mode(mode)
+    layers = [{name: expert_spec(spec, mode) if name in EXPERT_WEIGHTS
+               else _weight_spec(spec, dense) if dense and name in QUANTIZED_WEIGHTS
+               else spec for name, spec in layer.items()} for layer in specs["layers"]]
+    if not head or head_mode(mode) is None:
         return specs | {"layers": layers}
     head_spec = specs[HEAD] if HEAD in specs else P(*reversed(tuple(specs["embed"])))
     return specs | {"layers": layers, HEAD: _weight_spec(head_spec, head_mode(mode))}
 
 
-def _expert_spec(spec: P, mode: str) -> QuantizedWeight:
-    """Experts keep their [E, O, I] layout; the scale [E, O] splits as the first two."""
+def expert_spec(spec: P, mode: str) -> QuantizedWeight:
+    """Experts keep their [E, O, I] layout; the scale [E, O] splits as the first two
+    (mxfp4: blocks [E, O, I / 2] and scales [E, O, I / 32] split as the stack)."""
+    if mode == mxfp4.MODE:
+        return QuantizedWeight(spec, spec, mode)
     return QuantizedWeight(spec, P(*(tuple(spec) + (None, None))[:2]), mode)
+
+
+def expert_bytes(name: str, shape: tuple[int, ...], spec: P, mode: str,
+                 tensor_parallel_size: int = 1) -> int:
+    """Bytes on one of `tensor_parallel_size` devices of the expert stack `name`
+    [E, O, I] split by `spec`, quantized in `mode` (`quantize_experts`): a byte an
+    element and a float32 scale per expert and row held; mxfp4 packed (model/mxfp4.py:
+    blocks of 32 inputs may not straddle devices)."""
+    tp = tensor_parallel_size
+    if mode == mxfp4.MODE:
+        return mxfp4.packed_bytes(name, shape, spec, tp)
+    split = sum(axis is not None for axis in tuple(spec))
+    rows_split = sum(axis is not None for axis in tuple(spec)[:2])
+    return math.prod(shape) // tp ** split + 4 * shape[0] * shape[1] // tp ** rows_split
 
 
 def _weight_spec(spec: P, mode: str) -> QuantizedWeight:

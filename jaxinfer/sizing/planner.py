@@ -16,7 +16,15 @@ from jax.sharding import PartitionSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import sharding
 from jaxinfer.model.params_table import EXPERTS, LAYER, param_partition_specs, param_shapes
-from jaxinfer.model.quantization import HEAD, QUANTIZED_WEIGHTS, head_mode, quantized_bytes
+from jaxinfer.model.quantization import (
+    HEAD,
+    QUANTIZED_WEIGHTS,
+    check_applies,
+    expert_bytes,
+    head_mode,
+    linear_mode,
+    quantized_bytes,
+)
 from jaxinfer.pallas import kv_layout, kv_quant
 from jaxinfer.sizing.memory_plan import GB, MemoryPlan
 from jaxinfer.sizing.page_groups import one_request_bytes, page_groups
@@ -78,16 +86,19 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
     `quantized_head=False`: the head stays in `dtype` (`checkpoint.quantized_head`);
     `expert_parallel`: each device holds whole experts (ModelOptions);
     `prequantized_group`: int4 weights read from an AWQ or GPTQ checkpoint, in its groups
-    of that many rows with float32 step and offset (`prequantized_int4_bytes`)."""
+    of that many rows with float32 step and offset (`prequantized_int4_bytes`).
+    mxfp4 packs the experts alone (17 bytes per 32 elements); the rest stays in `dtype`."""
     check_tensor_parallel(cfg, tensor_parallel_size, expert_parallel)
+    check_applies(quantization, cfg)
     tp, total = tensor_parallel_size, 0
-    head = quantization if quantized_head else None
+    linear = linear_mode(quantization)  # mxfp4: the experts alone
+    head = quantization if quantized_head and head_mode(quantization) else None
     for name, shape, n, spec in _device_shapes(cfg, tp, expert_parallel):
         if name in EXPERT_WEIGHTS:
-            total += _expert_bytes(shape, n, spec, dtype, quantization, tp)
-        elif quantization is not None and name in QUANTIZED_WEIGHTS and prequantized_group:
+            total += _expert_bytes(name, shape, n, spec, dtype, quantization, tp)
+        elif linear is not None and name in QUANTIZED_WEIGHTS and prequantized_group:
             total += prequantized_int4_bytes(name, shape, spec, prequantized_group, tp)
-        elif quantization is not None and name in QUANTIZED_WEIGHTS:
+        elif linear is not None and name in QUANTIZED_WEIGHTS:
             total += quantized_bytes(name, shape, spec, quantization, tp)
         elif head is not None and name == HEAD:
             total += quantized_bytes(name, shape, spec, head_mode(head), tp)
@@ -115,14 +126,14 @@ def prequantized_int4_bytes(name: str, shape: tuple[int, int], spec: PartitionSp
     return elements // 2 + PREQUANTIZED_SCALE_BYTES * elements // group
 
 
-def _expert_bytes(shape: tuple[int, ...], elements: int, spec: PartitionSpec, dtype: str,
-                  quantization: str | None, tp: int) -> int:
+def _expert_bytes(name: str, shape: tuple[int, ...], elements: int, spec: PartitionSpec,
+                  dtype: str, quantization: str | None, tp: int) -> int:
     """One device's bytes of an expert stack [E, O, I]: `elements` of it in `dtype`, or
-    one byte each and a float32 scale per expert and output row it holds."""
+    quantized (quantization.expert_bytes: one byte each and a float32 scale per expert
+    and output row it holds; mxfp4 packed, 17 bytes per 32 elements)."""
     if quantization is None:
         return elements * jnp.dtype(dtype).itemsize
-    split = sum(axis is not None for axis in tuple(spec)[:2])
-    return elements + 4 * shape[0] * shape[1] // tp ** split
+    return expert_bytes(name, shape, spec, quantization, tp)
 
 
 def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
@@ -130,7 +141,7 @@ def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int 
                         ) -> int:
     """The expert stacks' bytes on one device (part of `weight_bytes`)."""
     shapes = _device_shapes(cfg, tensor_parallel_size, expert_parallel)
-    return sum(_expert_bytes(shape, n, spec, dtype, quantization, tensor_parallel_size)
+    return sum(_expert_bytes(name, shape, n, spec, dtype, quantization, tensor_parallel_size)
                for name, shape, n, spec in shapes if name in EXPERT_WEIGHTS)
 
 

@@ -19,7 +19,7 @@ from jaxinfer.engine.runner import tree_bytes
 from jaxinfer.model import quantization
 from jaxinfer.sizing import planner
 
-MODES = quantization.MODES
+MODES = quantization.LINEAR_MODES  # mxfp4 (experts alone): tests/model/test_mxfp4_packed.py
 PER_COLUMN = tuple(m for m in MODES if m != "int4")  # int4's own: tests/test_int4.py
 SMALL = dict(page_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16)
 

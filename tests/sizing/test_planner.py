@@ -67,6 +67,7 @@ def test_plan_command_prints_the_plan_of_a_preset():
                             max_num_seqs=8, memory_bytes=4 * 10**9, bandwidth_gb_per_s=100.0)
     assert summary.pop("device") is None
     assert summary.pop("data_parallel_size") == 1
+    assert summary.pop("quantization") is None  # a float preset's published checkpoint
     assert summary == expected.summary()
     assert summary["peak_flops_per_s"] is None  # no device: bytes only
     assert {row["bound"] for row in summary["decode_roofline"]} == {"memory"}
