@@ -1,6 +1,7 @@
 """The public Python API: `LLM(model=..., **engine settings)`, `generate`,
 `generate_stream`, `chat`. `LLM` is a face over the engine; it also sets JAX's
-compilation cache. See docs/sampling.md#the-python-api.
+compilation cache and takes vLLM's keywords (config/vllm_keywords.py). See
+docs/sampling.md#the-python-api.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxinfer.checkpoint import hub
-from jaxinfer.config import DEFAULT_MODEL, EngineConfig
-from jaxinfer.engine import runner
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig, vllm_keywords
+from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.parallel.data_parallel import DataParallelEngine, make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
@@ -28,18 +29,25 @@ Conversation = Sequence[Mapping[str, object]]  # chat messages: {"role": ..., "c
 class LLM:
     """A model served by the engine; keyword arguments are EngineConfig fields
     (`skip_tokenizer_init=True` serves token-id prompts from a checkpoint without a
-    tokenizer: outputs carry token ids and empty text)."""
+    tokenizer: outputs carry token ids and empty text) and vLLM's keywords, each honoured,
+    accepted where it changes nothing, or refused with the reason
+    (docs/sampling.md#vllms-llm-keywords). `enforce_eager=True` (vLLM's) is
+    `warm_up=False`: each bucket compiles when a step first needs it."""
 
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, warm_up: bool = True,
                  **engine_settings: object) -> None:
-        config = EngineConfig(**engine_settings)
+        settings, eager = vllm_keywords.engine_settings(engine_settings)
+        config = EngineConfig(**settings)
+        if eager and config.strict_compile:
+            raise ValueError("enforce_eager=True compiles each bucket when first used, which "
+                             "strict_compile=True refuses: give one of them")
         if pathlib.Path(model) == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
             raise FileNotFoundError(
                 f"no model was given, and the default (the demo checkpoint, {DEFAULT_MODEL})"
                 " is not there. Give a model directory: LLM(model=DIR), or --model=DIR")
         model, config = hub.resolve_all(model, config)  # Hub ids -> local directories
         runner.use_compilation_cache(config.compilation_cache_dir)
-        self.engine = make_engine(model, config, warm_up=warm_up)  # DP > 1: replicas
+        self.engine = make_engine(model, config, warm_up=warm_up and not eager)  # DP > 1
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
@@ -94,37 +102,45 @@ class LLM:
              add_generation_prompt: bool = True, use_tqdm: bool = True,
              tools: Sequence[Mapping[str, object]] | None = None,
              continue_final_message: bool = False,
-             chat_template_kwargs: Mapping[str, object] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: Mapping[str, object] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
-        several, through the checkpoint's chat template: the server's path for
-        /v1/chat/completions. `tools`: function definitions in OpenAI's shape
-        (`{"type": "function", "function": {"name", "description", "parameters"}}`), which
-        the template shows the model (vLLM's argument); `continue_final_message` and
-        `chat_template_kwargs` (template variables such as Qwen3's `enable_thinking`) as
-        vLLM's. One finished RequestOutput per conversation, in order."""
+        several, through the chat template (the checkpoint's, or LLM's `chat_template`):
+        the server's path for /v1/chat/completions. `tools`: function definitions in
+        OpenAI's shape (`{"type": "function", "function": {"name", "description",
+        "parameters"}}`), which the template shows the model (vLLM's argument);
+        `continue_final_message`, `chat_template_kwargs` (template variables such as
+        Qwen3's `enable_thinking`) and `chat_template` (this call's template, its text or
+        a file) as vLLM's. One finished RequestOutput per conversation, in order."""
         chat = {"continue_final_message": continue_final_message,
                 "template_kwargs": dict(chat_template_kwargs or {})}
+        tokenizer = self.tokenizer
+        if chat_template is not None and tokenizer is not None:
+            tokenizer = tokenizer.with_chat_template(
+                loading.read_chat_template(chat_template, unescape=False))
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         prompts = []
         for index, conversation in enumerate(messages):
             try:
-                prompts.append(self._chat_prompt([dict(m) for m in conversation], tools,
-                                                 add_generation_prompt, chat))
+                prompts.append(self._chat_prompt(tokenizer, [dict(m) for m in conversation],
+                                                 tools, add_generation_prompt, chat))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"conversation {index}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _chat_prompt(self, messages: list[dict], tools: Sequence[Mapping] | None,
-                     add_generation_prompt: bool, chat: dict) -> list[int]:
-        if tools is None or self.tokenizer is None:
+    def _chat_prompt(self, tokenizer: Tokenizer | None, messages: list[dict],
+                     tools: Sequence[Mapping] | None, add_generation_prompt: bool,
+                     chat: dict) -> list[int]:
+        if tokenizer is None or (tools is None and tokenizer is self.tokenizer):
             return self.engine.prompt_token_ids(messages=messages,
                                                 add_generation_prompt=add_generation_prompt,
                                                 **chat)
-        try:  # rendered here with the tools, then checked as a token-id prompt
-            ids = self.tokenizer.prompt_ids(None, messages, tools=[dict(t) for t in tools],
-                                            add_generation_prompt=add_generation_prompt,
-                                            max_tokens=self.max_model_len - 1, **chat)
+        try:  # rendered here (tools, this call's template), then checked as token ids
+            ids = tokenizer.prompt_ids(None, messages,
+                                       tools=None if tools is None else [dict(t) for t in tools],
+                                       add_generation_prompt=add_generation_prompt,
+                                       max_tokens=self.max_model_len - 1, **chat)
         except TooLong as e:
             raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room to "
                              "generate") from None

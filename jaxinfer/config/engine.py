@@ -306,26 +306,26 @@ def parse_generation_overrides(value: dict | str | None) -> str | None:
     """vLLM's override_generation_config, a dict or a JSON object of generation_config.json
     values, as canonical JSON (the config stays hashable); ValueError naming a key that is
     not one of GENERATION_DEFAULTS or a value that is not a number."""
-    if value is None or value == {}:
-        return None
+    given = f"override_generation_config={value!r}"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config={value!r} is not valid JSON: "
-                             f"{e}") from None
+            raise ValueError(f"{given} is not valid JSON: {e}") from None
+    if value is None or value == {}:
+        return None
     if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config={value!r} must be a JSON object")
+        raise ValueError(f"{given} must be a JSON object")
     unknown = sorted(set(value) - set(GENERATION_DEFAULTS))
     if unknown:
         hint = " (generation_config.json's name for max_tokens is max_new_tokens)" if \
             "max_tokens" in unknown else ""
-        raise ValueError(f"override_generation_config has keys {unknown} that set no "
-                         f"sampling default; its keys: {list(GENERATION_DEFAULTS)}{hint}")
+        raise ValueError(f"{given}: {unknown} set no sampling default; its keys are "
+                         f"{list(GENERATION_DEFAULTS)}{hint}")
     for key, number in value.items():
         if not isinstance(number, int | float) or isinstance(number, bool):
-            raise ValueError(f"override_generation_config {key}={number!r} must be a number")
-    return json.dumps(value, sort_keys=True) if value else None
+            raise ValueError(f"{given}: {key}={number!r} is not a number")
+    return json.dumps(value, sort_keys=True)
 
 
 def check_dtype_choice(dtype: object) -> None:

@@ -169,6 +169,12 @@ def test_sampling_flags_override_only_their_field():
     (["serve", "a", "b"], "serve takes one plain argument, the model, not 'a b'", 2),
     (["generate", "batch"], "one command at a time: 'generate batch'", 2),
     (["generate", "/no/such/model"], "model directory '/no/such/model' does not exist", 1),
+    # vLLM's --chat-template and --override-generation-config
+    (["generate", "--chat-template", "no/such.jinja"], "generate: chat_template="
+     "'no/such.jinja' looks like a file name, but there is no such file", 1),
+    (["serve", "--override-generation-config", '{"max_tokens": 5}', "--port=0"],
+     "serve: --override_generation_config='{\"max_tokens\": 5}': ['max_tokens'] set no "
+     "sampling default", 2),
 ])
 def test_errors_print_one_line_and_exit_non_zero(args, message, code):
     result = _cli(*args)
