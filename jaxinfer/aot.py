@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,13 +38,43 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 COLLECTIVE_OP = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
+# How to get libtpu's compiler (pyproject.toml's extra; the Makefile's venv).
+INSTALL_HINT = ("pip install 'jaxinfer[tpu-aot]' (jax[tpu] and libtpu, about 700 MB), or in "
+                "a checkout `make .venv-tpu/.base` and run .venv-tpu/bin/python -m jaxinfer "
+                "aot ...")
+
+
+class TpuCompilerMissing(OSError):
+    """libtpu is not installed in this Python. An OSError, as a missing system library
+    is: the command line reports it in one line (exit 1), not as a traceback."""
+
+
+def require_tpu_compiler() -> None:
+    """Raise TpuCompilerMissing, saying how to install it, where JAX would find no
+    libtpu (neither the libtpu package nor TPU_LIBRARY_PATH)."""
+    if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu"):
+        return
+    raise TpuCompilerMissing(f"libtpu's TPU compiler is not installed in this Python "
+                             f"({sys.executable}): {INSTALL_HINT}")
+
+
 def tpu_compile_environment() -> None:
     """Settings libtpu's compiler needs on a machine without a TPU; call before JAX
     starts a backend. It leaves the CPU as JAX's default platform. Several processes may
     compile at once (a CI run beside a developer's): no chip is opened, so libtpu's
-    one-process lockfile (/tmp/libtpu_lockfile) is not taken."""
+    one-process lockfile (/tmp/libtpu_lockfile) is not taken.
+
+    Without the metadata server (TPU_SKIP_MDS_QUERY) libtpu takes a placeholder warning
+    text for this host's worker hostnames and accelerator type, and prints an
+    `INVALID_ARGUMENT ... unexpected worker hostname` error and a `Failed to find host
+    bounds` line as it loads, before its log levels (TPU_STDERR_LOG_LEVEL,
+    TPU_MIN_LOG_LEVEL) apply. Naming this host's values (one worker, one chip's bounds)
+    prevents them; the topologies compiled for are given explicitly (target_devices), so
+    they and the compiled programs are the same either way (docs/aot.md)."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     jax.config.update("jax_platforms", "cpu")
 
 
@@ -52,7 +85,13 @@ def target_devices(acc: accelerators.Accelerator) -> list[Any]:
     kwargs = {}
     if acc.chips_per_host is not None:
         kwargs["chips_per_host_bounds"] = list(acc.chips_per_host)
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=acc.topology, **kwargs)
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=acc.topology,
+                                            **kwargs)
+    except RuntimeError as err:  # JAX's "TPU support not installed"
+        if "not installed" not in str(err):
+            raise
+        raise TpuCompilerMissing(f"JAX finds no libtpu: {INSTALL_HINT}") from err
     return list(topo.devices)
 
 
@@ -167,19 +206,22 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
 def compile_buckets(served: ModelConfig, params: Any, kv: Any, buckets: list[Bucket],
                     s: Settings, mesh: jax.sharding.Mesh,
                     group_windows: tuple[int | None, ...] = (None,),
-                    feature_layers: tuple[int, ...] = ()
+                    feature_layers: tuple[int, ...] = (),
+                    on_compiled: Callable[[int, Any], None] | None = None
                     ) -> list[jax.stages.Compiled | Exception]:
     """Each bucket's step compiled for the chips of `mesh` with the Mosaic attention
     kernel (the compiler's exception in place of a bucket it refused); `group_windows`:
     the KV page groups of `kv` (the plan's, `group_windows(plan)`); `feature_layers`:
-    the features `kv`'s store keeps (step_specs)."""
+    the features `kv`'s store keeps (step_specs); `on_compiled(i, result)` as bucket i
+    is done."""
     # One compile at a time: libtpu's compiler crashed (SIGSEGV) with two TPU compiles
     # running in one process, once in four runs of the TPU compile suite.
     return runner.compile_steps_for(served, params, kv, buckets, page_size=s.page_size,
                                     max_model_len=s.max_model_len, mesh=mesh,
                                     attention=AttentionSettings(impl="tpu"), threads=1,
                                     group_windows=group_windows,
-                                    options=model_options(s, feature_layers))
+                                    options=model_options(s, feature_layers),
+                                    on_compiled=on_compiled)
 
 
 def group_windows(plan: planner.MemoryPlan) -> tuple[int | None, ...]:
@@ -238,12 +280,15 @@ def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
 
 
 def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
-                   buckets: str = "all") -> dict[str, Any]:
+                   buckets: str = "all",
+                   progress: Callable[[dict[str, Any]], None] | None = None
+                   ) -> dict[str, Any]:
     """Compile every (or the `ends`) bucket's step for `tensor_parallel_size` chips of
     `device`, for replica 0 and the last of `data_parallel_size` (each on its own chips);
     a dict with the plan per chip, the layout, one row per bucket and replica (per-chip
     memory, cost, collectives, the devices the executable was compiled for), and the
-    compiler's message for buckets that failed. `buckets`: replica 0's rows."""
+    compiler's message for buckets that failed. `buckets`: replica 0's rows.
+    `progress(event)`, if given, hears of the work as it goes (`progress_events`)."""
     acc = accelerators.get(device)
     tp, dp, why = choose_layout(cfg, acc, settings)
     report: dict[str, Any] = {
@@ -267,10 +312,12 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     devices = target_devices(acc)
     began = time.perf_counter()
     report["replicas"] = []
+    events = progress_events(progress, report, chosen, replicas_to_compile(dp))
     for replica in replicas_to_compile(dp):
         mesh = sharding.make_mesh(tp, devices[replica * tp:])  # this replica's chips
         results = compile_buckets(served, params, kv, chosen, settings, mesh,
-                                  group_windows=group_windows(plan))
+                                  group_windows=group_windows(plan),
+                                  on_compiled=functools.partial(events, replica))
         report["replicas"].append({
             "replica": replica, "chips": list(range(replica * tp, (replica + 1) * tp)),
             "device_ids": [d.id for d in mesh.devices.flat],
@@ -281,6 +328,34 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report["fits"] = all(r["compiled"] for rep in report["replicas"] for r in rep["buckets"])
     report["planned_argument_bytes"] = plan.weight_bytes + plan.kv_cache_bytes
     return report
+
+
+def progress_events(progress: Callable[[dict[str, Any]], None] | None,
+                    report: dict[str, Any], chosen: list[Bucket], replicas: list[int]
+                    ) -> Callable[[int, int, Any], None]:
+    """Tell `progress` what is to be compiled (an event with "stage": "start": the
+    layout and the count of compiles), then return the callback that tells it of each
+    bucket as its compile ends ("stage": "bucket": its number of the count, shape,
+    whether it compiled, and seconds for it (lowering and compile) and so far)."""
+    total, began = len(chosen) * len(replicas), time.perf_counter()
+    last = [began]
+    if progress is not None:
+        progress({"stage": "start", "device": report["device"], "layout": report["layout"],
+                  "buckets": len(chosen), "replicas": replicas, "total": total})
+
+    def on_compiled(replica: int, i: int, result: Any) -> None:
+        now = time.perf_counter()
+        if progress is not None:
+            bucket = chosen[i]
+            progress({"stage": "bucket", "replica": replica, "replicas": replicas,
+                      "number": replicas.index(replica) * len(chosen) + i + 1,
+                      "total": total, "tokens": bucket.num_tokens,
+                      "slots": bucket.num_slots, "decode": bucket.decode,
+                      "compiled": not isinstance(result, Exception),
+                      "seconds": now - last[0], "elapsed_s": now - began})
+        last[0] = now
+
+    return on_compiled
 
 
 def report_row(bucket: Bucket, compiled: jax.stages.Compiled | Exception,

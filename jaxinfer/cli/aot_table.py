@@ -1,5 +1,5 @@
-"""The per-bucket table `python -m jaxinfer aot` prints (jaxinfer/aot.py builds the
-report; docs/aot.md reads it)."""
+"""The per-bucket table `python -m jaxinfer aot` prints, and its progress lines on stderr
+as each bucket compiles (jaxinfer/aot.py builds the report; docs/aot.md reads it)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,27 @@ def _bucket_lines(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['roofline_estimate_ms']:11.3f} {r['collectives']['all-reduce']:>4} "
                      f"{r['collectives']['all-gather']:>3} {r['bound']}")
     return lines
+
+
+def progress_line(event: dict[str, Any]) -> str:
+    """One stderr line for `aot.compile_report`'s progress event: what is to be compiled,
+    then each bucket as its compile ends (seconds with its lowering)."""
+    if event["stage"] == "start":
+        replicas = event["replicas"]
+        which = (f"replicas {' and '.join(map(str, replicas))} of " if len(replicas) > 1
+                 else "")
+        return (f"aot: compiling {event['total']} {_plural(event['total'], 'step')} "
+                f"({event['buckets']} {_plural(event['buckets'], 'bucket')}) for {which}"
+                f"{event['device']} ({event['layout']}), one at a time: tens of seconds to "
+                "minutes each on a CPU host")
+    replica = f"replica {event['replica']}, " if len(event["replicas"]) > 1 else ""
+    kind = "decode" if event["decode"] else "mixed"
+    outcome = "compiled" if event["compiled"] else "does not compile (see the table)"
+    return (f"aot: {replica}bucket {event['number']}/{event['total']}: {event['tokens']} "
+            f"{_plural(event['tokens'], 'token')} x {event['slots']} "
+            f"{_plural(event['slots'], 'seq')} ({kind}) {outcome} in {event['seconds']:.1f} s "
+            f"({event['elapsed_s'] / 60:.1f} min so far)")
+
+
+def _plural(count: int, word: str) -> str:
+    return word if count == 1 else f"{word}s"

@@ -260,6 +260,7 @@ def aot() -> None:
 
     device = FLAGS.device or AOT_DEFAULTS["device"]
     _device(accelerators.get, device)  # a TPU slice's name
+    aot_lib.require_tpu_compiler()  # else one line on how to install it (exit 1)
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
     cfg = _model_config()
     engine = _with_checkpoint_quantization(
@@ -276,8 +277,10 @@ def aot() -> None:
         if FLAGS["data_parallel_size"].present else None,  # default: one replica
         quantization=engine.quantization, quantized_head=_quantized_head(),
         expert_parallel=FLAGS.enable_expert_parallel)
-    report = aot_lib.compile_report(cfg, device=device, settings=settings,
-                                    buckets=FLAGS.buckets)
+    report = aot_lib.compile_report(
+        cfg, device=device, settings=settings, buckets=FLAGS.buckets,
+        progress=lambda event: print(aot_table.progress_line(event), file=sys.stderr,
+                                     flush=True))
     if FLAGS.format == "json":
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:

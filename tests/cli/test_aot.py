@@ -1,15 +1,25 @@
-"""aot's choices and HLO readers that need no TPU compiler (the compiles themselves are
-in tests/tpu_aot, run in .venv-tpu)."""
+"""aot's choices, HLO readers and progress lines, which need no TPU compiler, and its
+one-line refusal where libtpu is absent (the compiles themselves are in tests/tpu_aot,
+run in .venv-tpu)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
 from jaxinfer import aot
+from jaxinfer.cli import aot_table
 from jaxinfer.config import load_preset
 from jaxinfer.sizing import accelerators
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Lines as libtpu prints them (abridged): an all-reduce, an async all-gather pair, a
 # tuple-shaped all-reduce, and instructions merely named after collectives.
@@ -81,3 +91,49 @@ def test_replicas_compiled_are_the_first_and_the_last():
     assert aot.replicas_to_compile(1) == [0]
     assert aot.replicas_to_compile(2) == [0, 1]
     assert aot.replicas_to_compile(8) == [0, 7]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None,
+                    reason="libtpu is installed in this Python")
+def test_aot_without_libtpu_says_how_to_install_it_in_one_line():
+    env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}
+    result = subprocess.run([sys.executable, "-m", "jaxinfer", "aot", "--model=qwen3-0.6b"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1  # a runtime failure: this Python lacks a library
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jaxinfer: error: aot: libtpu's TPU compiler is not "
+                               f"installed in this Python ({sys.executable})")
+    assert "pip install 'jaxinfer[tpu-aot]'" in lines[0]
+    assert "make .venv-tpu/.base" in lines[0] and ".venv-tpu/bin/python -m jaxinfer aot" in (
+        lines[0])
+
+
+def test_the_install_hint_names_an_extra_and_a_make_target_that_exist():
+    extra = re.search(r"jaxinfer\[([\w-]+)\]", aot.INSTALL_HINT).group(1)
+    target = re.search(r"`make (\S+)`", aot.INSTALL_HINT).group(1)
+    assert f"\n{extra} = [" in (ROOT / "pyproject.toml").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    venv = re.search(r"^TPU_VENV := (\S+)$", makefile, re.M).group(1)
+    assert target == f"{venv}/.base" and "\n$(TPU_VENV)/.base:" in makefile
+    assert f"{venv}/bin/python -m jaxinfer aot" in aot.INSTALL_HINT
+
+
+def test_progress_lines_name_the_work_and_each_bucket_as_it_ends():
+    start = {"stage": "start", "device": "v5e-8", "layout": "DP 8 x TP 1", "buckets": 3,
+             "replicas": [0, 7], "total": 6}
+    assert aot_table.progress_line(start) == (
+        "aot: compiling 6 steps (3 buckets) for replicas 0 and 7 of v5e-8 (DP 8 x TP 1), "
+        "one at a time: tens of seconds to minutes each on a CPU host")
+    bucket = {"stage": "bucket", "replica": 7, "replicas": [0, 7], "number": 5, "total": 6,
+              "tokens": 256, "slots": 32, "decode": False, "compiled": True,
+              "seconds": 14.23, "elapsed_s": 150.0}
+    assert aot_table.progress_line(bucket) == (
+        "aot: replica 7, bucket 5/6: 256 tokens x 32 seqs (mixed) compiled in 14.2 s "
+        "(2.5 min so far)")
+    one = bucket | {"replicas": [0], "replica": 0, "number": 1, "tokens": 1, "slots": 1,
+                    "decode": True, "compiled": False}
+    assert aot_table.progress_line(one) == (
+        "aot: bucket 1/6: 1 token x 1 seq (decode) does not compile (see the table) in "
+        "14.2 s (2.5 min so far)")

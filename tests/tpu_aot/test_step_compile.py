@@ -10,11 +10,14 @@ the largest and one mixed bucket of each; `slow` compiles every bucket.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
 from jaxinfer import aot
-from jaxinfer.config import load_preset
+from jaxinfer.config import DEFAULT_MODEL, load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.sizing import accelerators, planner
 
@@ -93,6 +96,28 @@ def test_oversized_kv_pool_is_reported_with_the_compilers_message():
         assert not row["compiled"]
         assert "RESOURCE_EXHAUSTED" in row["error"] and "HBM" in row["error"]
 
+
+
+def test_aot_command_prints_progress_and_none_of_libtpus_start_up_noise():
+    """`python -m jaxinfer aot` in a fresh process (where libtpu loads): stderr holds its
+    progress lines, one as each bucket's compile ends, and nothing else; without the
+    settings `aot.tpu_compile_environment` makes, libtpu prints an `INVALID_ARGUMENT ...
+    unexpected worker hostname` error as it loads. The demo model's smallest bucket with
+    a 0.1 GB pool: about 10 s."""
+    made_here = ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS")
+    env = {k: v for k, v in os.environ.items() if k not in made_here}  # the command's own
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer", "aot", f"--model={DEFAULT_MODEL}",
+         "--device=v5e-1", "--buckets=smallest", "--kv_cache_memory_bytes=100000000"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == ("aot: compiling 1 step (1 bucket) for v5e-1 (DP 1 x TP 1), one at "
+                        "a time: tens of seconds to minutes each on a CPU host")
+    assert len(lines) == 2 and lines[1].startswith(
+        "aot: bucket 1/1: 1 token x 1 seq (decode) compiled in "), result.stderr
+    table = result.stdout.splitlines()
+    assert table[-1].split()[:2] == ["1", "1"] and "does not compile" not in table[-1]
 
 
 def _check_quantized(device: str, mode: str, cfg) -> None:

@@ -131,8 +131,9 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                       mesh: Mesh, attention: AttentionSettings,
                       threads: int = COMPILE_THREADS,
                       group_windows: tuple[int | None, ...] = (None,),
-                      options: ModelOptions = DEFAULT_OPTIONS
-                      ) -> list[jax.stages.Compiled | Exception]:
+                      options: ModelOptions = DEFAULT_OPTIONS,
+                      on_compiled: Callable[[int, jax.stages.Compiled | Exception], None]
+                      | None = None) -> list[jax.stages.Compiled | Exception]:
     """Compile the step ahead of time for the devices of `mesh` from specs alone
     (ShapeDtypeStructs: nothing is allocated), e.g. n chips of a TPU topology on a CPU
     machine; one result per bucket, the exception where the compiler refused (out of
@@ -142,7 +143,10 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     mesh (tracing is not thread-safe); compiles run on `threads` threads.
     `attention.impl` must name the target's kernel: "auto" would read this host's
     default backend. `group_windows`: the KV page groups of `kv_cache` (kv_cache_spec's),
-    whose page tables the state and deltas carry; `options`: the engine's for the model."""
+    whose page tables the state and deltas carry; `options`: the engine's for the model.
+    `on_compiled(i, result)` is called as bucket i's compile ends, in bucket order; with
+    one thread each bucket is lowered just before its compile, so the calls come at an
+    even pace rather than after every lowering."""
     if attention.impl == "auto":
         raise ValueError("compile_steps_for needs attention.impl set for the target "
                          "('tpu', 'gpu' or 'reference'), not 'auto'")
@@ -167,10 +171,21 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
                                     page_size=page_size, max_model_len=max_model_len,
                                     experts=moe.routing_shape(cfg),
                                     group_windows=group_windows), whole)
-    with jax.set_mesh(mesh):
-        lowered = [steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
-            b, page_size=page_size, num_groups=len(group_windows)), whole), on_shardings(
-                mask_spec(b, cfg.vocab_size), whole)) for b in buckets]
+
+    def lower(b: Bucket) -> jax.stages.Lowered:
+        with jax.set_mesh(mesh):
+            return steps[b.decode].lower(params, kv_cache, state, on_shardings(input_spec(
+                b, page_size=page_size, num_groups=len(group_windows)), whole), on_shardings(
+                    mask_spec(b, cfg.vocab_size), whole))
+
+    return _compile_each(lower, buckets, threads, on_compiled)
+
+
+def _compile_each(lower: Callable[[Bucket], jax.stages.Lowered], buckets: Sequence[Bucket],
+                  threads: int, on_compiled: Callable | None
+                  ) -> list[jax.stages.Compiled | Exception]:
+    """Each bucket's compiled step (or the compiler's exception), lowered in the calling
+    thread and compiled on `threads` threads; `on_compiled(i, result)` in bucket order."""
 
     def compile_one(item: jax.stages.Lowered) -> jax.stages.Compiled | Exception:
         try:
@@ -178,8 +193,15 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
         except Exception as err:  # reported per bucket by the caller
             return err
 
+    done: list[jax.stages.Compiled | Exception] = []
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(compile_one, lowered))
+        results = ((compile_one(lower(b)) for b in buckets) if threads == 1
+                   else pool.map(compile_one, [lower(b) for b in buckets]))
+        for i, result in enumerate(results):
+            done.append(result)
+            if on_compiled is not None:
+                on_compiled(i, result)
+    return done
 
 
 def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None,
