@@ -40,7 +40,8 @@ def metric_values(server) -> dict[str, float]:
 
 
 # Small buckets: warm-up in ~20 s; 16 slots so that 64 concurrent requests queue.
-ENGINE_FLAGS = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "max_model_len": 512}
+ENGINE_FLAGS = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "max_model_len": 512,
+                "dtype": "float32"}  # pinned: exact comparisons across batch shapes
 # The shared server also compiles the prompt-scoring steps (--enable_prompt_logprobs:
 # a few seconds more with the compilation cache warm); the other servers do not.
 SCORING = {"enable_prompt_logprobs": True}
