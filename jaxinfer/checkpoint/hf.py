@@ -92,10 +92,10 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     served = sharding.served_config(cfg, shards)
     reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards), log)
     layouts = leaf_layouts(served)
+    mode = (scheme and compressed_tensors.MODE or int4 and prequantized_int4.MODE
+            or packed and mxfp4.MODE or None)
     specs = quantization.partition_specs(param_partition_specs(served, shards, expert_parallel),
-                                         scheme and compressed_tensors.MODE
-                                         or int4 and prequantized_int4.MODE
-                                         or packed and mxfp4.MODE or None, head=False)
+                                         mode, head=False)
     target = np.dtype(jnp.dtype(dtype))
 
     def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
@@ -103,14 +103,6 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
         return jax.make_array_from_callback(
             shape, NamedSharding(mesh, spec),
             lambda index: reader.slice_of(name, layout, shape, index, dtype))
-
-    def stored_value(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
-                     spec: PartitionSpec) -> jax.Array:
-        """A fp8 weight [I, O] as QuantizedWeight stores it, [O, I] (HF's own layout)."""
-        return jax.make_array_from_callback(
-            shape[::-1], NamedSharding(mesh, spec),
-            lambda index: np.ascontiguousarray(reader.slice_of(
-                name, layout, shape, index[::-1], compressed_tensors.FP8).T))
 
     def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
         name = leaf_name(path)
@@ -124,13 +116,23 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
                                                     spec, int4.group_size)
         scale_layout = compressed_tensors.scale_layout(layouts[name])
         return quantization.QuantizedWeight(
-            stored_value(name, layouts[name], shape, spec.value),
+            _fp8_value(reader, mesh, name, layouts[name], shape, spec.value),
             array(f"{name}.scale", scale_layout, shape[1:], spec.scale, np.dtype(np.float32)),
             spec.mode)
 
     shapes = param_shapes(served)
     return jax.tree_util.tree_map_with_path(
         leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _fp8_value(reader: shard_source.Reader, mesh: Mesh, name: str,
+               layout: shard_source.Layout, shape: tuple[int, ...],
+               spec: PartitionSpec) -> jax.Array:
+    """A fp8 weight [I, O] as QuantizedWeight stores it, [O, I] (HF's own layout)."""
+    return jax.make_array_from_callback(
+        shape[::-1], NamedSharding(mesh, spec),
+        lambda index: np.ascontiguousarray(reader.slice_of(
+            name, layout, shape, index[::-1], compressed_tensors.FP8).T))
 
 
 def _scheme(hf: dict, source: pathlib.Path) -> compressed_tensors.Scheme | None:

@@ -93,11 +93,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     params = params_from or checkpoint.load_params(root, model_config, config.dtype, mesh,
                                                    expert_parallel=ep,
                                                    quantization_mode=config.quantization)
-    if config.quantization is not None and quantization.mode_of(params) is None:
-        if config.quantization == "int4":  # activation-aware scales before rounding
-            params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
-        params = runner_lib.quantize_at_load(params, served, mesh, config.quantization,
-                                             options)
+    params = _quantized(params, served, root, config, mesh, options)
     spec = config.speculative_config
     buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
                         max_num_seqs=config.max_num_seqs,
@@ -119,6 +115,17 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
+
+
+def _quantized(params: dict, served: ModelConfig, root: pathlib.Path, config: EngineConfig,
+               mesh: object, options: ModelOptions) -> dict:
+    """Float `params` quantized at load to `config.quantization` (int4 with its
+    activation-aware scales); params the checkpoint already holds quantized as they are."""
+    if config.quantization is None or quantization.mode_of(params) is not None:
+        return params
+    if config.quantization == "int4":  # activation-aware scales before rounding
+        params = awq.calibrate_checkpoint(params, served, root, config.calibration_data)
+    return runner_lib.quantize_at_load(params, served, mesh, config.quantization, options)
 
 
 def check_data_parallel(config: EngineConfig) -> None:

@@ -33,6 +33,21 @@ log = logging.getLogger(__name__)
 ACCELERATORS = ("cpu", "gpu", "tpu")
 
 
+def _drop_retried(done: object, output_path: str | os.PathLike) -> None:
+    """Drop the error records of requests run again (retry_errors=True)."""
+    if done.retrying:
+        log.warning("retrying %d requests that ended in an error (retry_errors=False "
+                    "keeps their error records)", done.retrying)
+        drop_errors(output_path)
+
+
+def _initial_counts(done: object, requests: object) -> dict:
+    """The summary's counters before any result comes back."""
+    return {"done": 0, "errors": 0, "kept_errors": done.kept_errors,
+            "skipped": requests.skipped, "retried": done.retrying, "missing": 0,
+            "prompt_tokens": 0, "completion_tokens": 0, "first_result_s": None}
+
+
 def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
             num_replicas: int = 1, ray_address: str | None = None,
             model: str | os.PathLike | None = None, batch_size: int | None = None,
@@ -62,20 +77,14 @@ def run_ray(input_path: str | os.PathLike, output_path: str | os.PathLike, *,
     try:
         accelerator = accelerator or _cluster_accelerator()
         ray.data.DataContext.get_current().enable_progress_bars = progress
-        if done.retrying:
-            log.warning("retrying %d requests that ended in an error (retry_errors=False "
-                        "keeps their error records)", done.retrying)
-            drop_errors(output_path)
+        _drop_retried(done, output_path)
         size = batch_size or max(1, min(4 * config.max_num_seqs,
                                         math.ceil(len(requests.pending) / num_replicas)))
         replica_args = dict(engine_settings, model=str(model), model_name=model_name,
                             platform="cpu" if accelerator == "cpu" else None)
         resources = _resources(accelerator, config, num_cpus_per_replica)
         started = time.perf_counter()
-        counts = {"done": 0, "errors": 0, "kept_errors": done.kept_errors,
-                  "skipped": requests.skipped,
-                  "retried": done.retrying, "missing": 0, "prompt_tokens": 0,
-                  "completion_tokens": 0, "first_result_s": None}
+        counts = _initial_counts(done, requests)
         engines: dict[str, dict] = {}
         with open(output_path, "a", encoding="utf-8") as out:
             for record in requests.errors:
