@@ -126,15 +126,21 @@ EVERY_FIELD = dict(n=2, max_tokens=9, min_tokens=2, temperature=0.7, top_k=5, to
                    frequency_penalty=0.3, seed=3, logprobs=2, prompt_logprobs=1,
                    stop=["a", "bb"], stop_token_ids=[4, 5], ignore_eos=True,
                    structured_outputs={"json": {"type": "object", "required": ["a"]}},
-                   logit_bias={7: -2.5, 11: 100})
+                   logit_bias={7: -2.5, 11: 100}, include_stop_str_in_output=True,
+                   skip_special_tokens=False, spaces_between_special_tokens=False,
+                   detokenize=True, truncate_prompt_tokens=4)
+# stop strings need text, so detokenize=False travels in a second message
+NO_TEXT = dict(EVERY_FIELD, stop=[], detokenize=False)
 
 
-def test_every_sampling_field_survives_the_message():
+@pytest.mark.parametrize("changed", [EVERY_FIELD, NO_TEXT], ids=["text", "no_text"])
+def test_every_sampling_field_survives_the_message(changed):
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert set(EVERY_FIELD) == fields
-    params = SamplingParams(**EVERY_FIELD)
-    for name in fields:
-        assert getattr(params, name) != getattr(SamplingParams(), name), name
+    assert set(changed) == fields
+    params = SamplingParams(**changed)
+    defaults = SamplingParams()
+    differing = {name for name in fields if getattr(params, name) != getattr(defaults, name)}
+    assert differing | {"stop", "detokenize"} == fields
     prepared = lockstep.PreparedRequest(prompt="hi", prompt_token_ids=[1, 2], params=params)
     message = lockstep.encode(0, [lockstep.add_op("r", prepared, 3)])
     (op,) = json.loads(message)["ops"]
