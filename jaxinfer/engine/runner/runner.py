@@ -22,7 +22,7 @@ from tqdm import tqdm
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.core.scheduler import StepPlan
-from jaxinfer.engine.runner import results
+from jaxinfer.engine.runner import exported, results
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import (
@@ -35,6 +35,7 @@ from jaxinfer.engine.runner.inputs import (
 from jaxinfer.engine.runner.programs import (
     COMPILE_THREADS,
     input_spec,
+    on_shardings,
     score_input_spec,
     score_step_function,
     step_function,
@@ -124,8 +125,8 @@ class Runner:
         self.enable_prompt_logprobs = enable_prompt_logprobs
         self.uses_draft_probs = uses_draft_probs  # verify steps take the draft's q (draft model)
         self._jit_programs(cfg, page_size, param_shardings, kv_shardings, whole)
-        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, scores)
-        self._admit_compiled: jax.stages.Compiled | None = None
+        self._compiled: dict[tuple[Bucket, bool], typing.Callable] = {}  # (bucket, scores)
+        self._admit_compiled: typing.Callable | None = None
         self._lower_lock = threading.Lock()
         self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
         self.last_step_bytes = 0
@@ -138,6 +139,8 @@ class Runner:
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
         common = dict(page_size=page_size, attention=self.attention, options=self.options)
+        # what the programs are built from, for the export cache's key (exported.py)
+        self._settings = (cfg, common, self.uses_draft_probs)
         self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode, **common),
                                        in_shardings=ins, out_shardings=outs,
                                        donate_argnums=(1, 2)) for decode in (False, True)}
@@ -182,30 +185,36 @@ class Runner:
         self._compile(*job)
         return job, time.perf_counter() - began
 
-    def _compile(self, bucket: Bucket, scores: bool = False) -> jax.stages.Compiled:
+    def _compile(self, bucket: Bucket, scores: bool = False) -> typing.Callable:
         if (bucket, scores) not in self._compiled:
-            spec = input_spec(bucket, page_size=self.page_size,
-                              num_groups=len(self.group_windows))
+            whole = self.masks.sharding
+            spec = on_shardings(input_spec(bucket, page_size=self.page_size,
+                                           num_groups=len(self.group_windows)), whole)
+            args = [self.params, self.kv_cache, self.state, spec,
+                    on_shardings(self.masks.spec(bucket.num_slots), whole)]
+            if scores:
+                name, jitted = "score", self._score_step
+                args.append(on_shardings(score_input_spec(bucket), whole))
+            elif bucket.num_positions > 1:
+                name, jitted = "verify", self._verify
+                args += [jax.ShapeDtypeStruct(
+                    (bucket.num_slots, bucket.num_positions, self.cfg.vocab_size),
+                    jnp.float32, sharding=whole)][:self.uses_draft_probs]
+            else:
+                name, jitted = ("decode" if bucket.decode else "mixed"), self._steps[bucket.decode]
             with self._lower_lock, jax.set_mesh(self.mesh):
-                args = (self.params, self.kv_cache, self.state, spec,
-                        self.masks.spec(bucket.num_slots))
-                if scores:
-                    lowered = self._score_step.lower(*args, score_input_spec(bucket))
-                elif bucket.num_positions > 1:
-                    probs = jax.ShapeDtypeStruct(
-                        (bucket.num_slots, bucket.num_positions, self.cfg.vocab_size),
-                        jnp.float32)
-                    lowered = self._verify.lower(*args, *[probs][:self.uses_draft_probs])
-                else:
-                    lowered = self._steps[bucket.decode].lower(*args)
+                lowered = exported.lower(jitted, args, name=name, settings=self._settings,
+                                         donate_argnums=(1, 2))
             self._compiled[(bucket, scores)] = lowered.compile()
         return self._compiled[(bucket, scores)]
 
-    def _admission_program(self) -> jax.stages.Compiled:
+    def _admission_program(self) -> typing.Callable:
         if self._admit_compiled is None:
             empty = self.slots.empty_admission()
+            empty = on_shardings(empty, self.masks.sharding)
             with self._lower_lock, jax.set_mesh(self.mesh):
-                lowered = self._admit.lower(self.state, empty)
+                lowered = exported.lower(self._admit, (self.state, empty), name="admit",
+                                         settings=self._settings, donate_argnums=(0,))
             self._admit_compiled = lowered.compile()
         return self._admit_compiled
 
