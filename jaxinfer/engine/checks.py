@@ -36,6 +36,9 @@ def check_params(params: SamplingParams, *, config: EngineConfig, has_tokenizer:
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True): "
                          "use stop_token_ids")
+    if params.bad_words and not has_tokenizer:
+        raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True): use "
+                         "allowed_token_ids or logit_bias")
     if params.structured_outputs is not None and not has_tokenizer:
         raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
     for name in ("top_k", "max_tokens", "min_tokens"):  # the device reads them as int32
@@ -47,6 +50,10 @@ def check_params(params: SamplingParams, *, config: EngineConfig, has_tokenizer:
     outside = sorted(t for t in params.logit_bias or () if t >= vocab_size)
     if outside:
         raise ValueError(f"logit_bias keys {outside[:5]} must be token ids below {vocab_size}")
+    outside = sorted({t for t in params.allowed_token_ids or () if t >= vocab_size})
+    if outside:
+        raise ValueError(f"allowed_token_ids={outside[:5]} must be token ids below "
+                         f"{vocab_size}")
     stops = len(params.stop_token_ids) + len(eos_token_ids)
     if params.min_tokens and stops > stop_width:
         raise ValueError(f"min_tokens with {stops} stop ids: at most {stop_width} "

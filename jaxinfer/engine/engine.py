@@ -77,9 +77,10 @@ class Engine:
         self._outputs: dict[str, RequestOutput] = {}
         self._texts: dict[str, TextState] = {}  # a completion's request_id -> its text
         self._token_text = TokenTexts(self.tokenizer)  # a token's text, for logprobs
-        self.constraints = Constraints(  # structured outputs (engine/structured/grammar.py)
+        self.constraints = Constraints(  # host token masks (engine/structured/grammar.py)
             self.model_dir if self.tokenizer else None,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
+            vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids,
+            tokenizer=self.tokenizer)
         self.metrics.token_masks = self.runner.masks.counts
         self.async_scheduling = config.async_scheduling
         self.metrics.async_scheduling = self.async_scheduling
@@ -143,14 +144,16 @@ class Engine:
         return checks.check_prompt(ids, max_model_len=self.max_model_len,
                                    vocab_size=self.model_config.vocab_size)
 
-    def check_params(self, params: SamplingParams) -> object | None:
+    def check_params(self, params: SamplingParams) -> tuple[object | None, object | None]:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own); returns
-        the constraint's compiled matcher (engine/structured/grammar.py) or None. ValueError naming
-        the field."""
+        what fills the request's token mask (engine/structured/): the constraint's
+        compiled matcher and the token filter (bad_words, allowed_token_ids), each None
+        when not asked. ValueError naming the field."""
         checks.check_params(params, config=self.config, has_tokenizer=self.tokenizer is not None,
                             vocab_size=self.model_config.vocab_size,
                             eos_token_ids=self.eos_token_ids, stop_width=STOP_WIDTH)
-        return self.constraints.check(params.structured_outputs)
+        token_filter = self.constraints.token_filter(params)
+        return self.constraints.check(params.structured_outputs), token_filter
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
@@ -171,13 +174,14 @@ class Engine:
         params = params if params is not None else self.default_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
-        grammar = self.check_params(params)
+        grammar, token_filter = self.check_params(params)
         truncate = params.truncate_prompt_tokens
         ids = prompt_token_ids[-truncate:] if prompt_token_ids and truncate else (
             prompt_token_ids or self.prompt_token_ids(prompt, messages, truncate=truncate))
         if params.max_tokens is None:  # vLLM's: what the context leaves after the prompt
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params, grammar=grammar)
+        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
+                               grammar=grammar, token_filter=token_filter)
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
@@ -199,7 +203,7 @@ class Engine:
                 ids, params.skip_special_tokens) if self.tokenizer and params.detokenize else None
             self._texts[request.request_id] = TextState(
                 detokenizer, params.stop, keep_stop=params.include_stop_str_in_output)
-            self.constraints.add(request, prepared.grammar)
+            self.constraints.add(request, prepared.grammar, prepared.token_filter)
             children.append(request)
         if params.prompt_logprobs is not None:
             children[0].prompt_logprobs = []  # the first completion scores the prompt

@@ -17,6 +17,7 @@ from jaxinfer.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes when some row asks
 MAX_LOGIT_BIAS = 300  # logit_bias pairs per request (OpenAI's limit); a slot holds as many
+MAX_BAD_WORDS = 128  # bad_words token sequences per request (vLLM's VLLM_MAX_NUM_BAD_WORDS)
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS; vLLM also raises those
 # in (0, 0.01) to 0.01, jaxinfer samples them as given). The device's softmax is finite
 # at any temperature; below 1e-5 its draw is the argmax but for exact ties, and float32
@@ -50,6 +51,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's)
     logit_bias: dict[int, float] | None = None
+    # vLLM's token filters, applied with the host's token mask (engine/structured/
+    # token_filter.py): words never generated, and the only token ids that may be
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's output options (docs/sampling.md#sampling-parameters)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
@@ -69,6 +74,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        object.__setattr__(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
         for name, ok, rule in _checks(self):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be {rule}")
@@ -77,6 +84,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0, or below GREEDY_TEMPERATURE: the argmax, no draw."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_token_mask(self) -> bool:
+        """Whether the host fills this request's token mask each step (structured
+        outputs, bad_words, allowed_token_ids): it never speculates, and a step that
+        samples it waits for its last token (docs/structured_outputs.md#how-it-works)."""
+        return (self.structured_outputs is not None or bool(self.bad_words)
+                or self.allowed_token_ids is not None)
 
     @property
     def penalized(self) -> bool:
@@ -155,6 +170,39 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
     return out
 
 
+def _sequence(name: str, value: object) -> tuple:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list, not {type(value).__name__}")
+    return tuple(value)
+
+
+def _bad_words(words: object) -> tuple[str, ...]:
+    """`bad_words` as a tuple (one string: one word, as `stop`); ValueError naming a bad
+    entry. MAX_BAD_WORDS bounds the words here and their token sequences once tokenized."""
+    words = _sequence("bad_words", (words,) if isinstance(words, str) else words)
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS}")
+    bad = [w for w in words if not isinstance(w, str) or not w]
+    if bad:
+        raise ValueError(f"bad_words entries {bad[:5]!r} must be non-empty strings")
+    return words
+
+
+def _allowed_ids(ids: object) -> tuple[int, ...] | None:
+    """`allowed_token_ids` as a tuple; ValueError naming a bad entry (the list may hold
+    the whole vocabulary: the message shows only the first few)."""
+    if ids is None:
+        return None
+    ids = _sequence("allowed_token_ids", ids)
+    if not ids:
+        raise ValueError("allowed_token_ids must be None or a non-empty list of token ids")
+    bad = [t for t in ids if not _is_int(t) or t < 0]
+    if bad:
+        raise ValueError(f"allowed_token_ids entries {bad[:5]} must be token ids "
+                         "(ints >= 0)")
+    return ids
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -172,6 +220,8 @@ class PreparedRequest:
     params: SamplingParams
     # the constraint's compiled matcher (engine/structured/grammar.py), copied for each completion
     grammar: object | None = dataclasses.field(default=None, compare=False, repr=False)
+    # its token filter (engine/structured/token_filter.py), shared by its completions
+    token_filter: object | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The lockstep protocol of multi-host serving (jaxinfer/engine/parallel/lockstep.py) in one
 process: a Leader records what is added and aborted between its steps; an engine that
 applies the published messages before each of its own steps (`follow`) produces exactly
-the leader's tokens (greedy, seeded, unseeded and n=2 requests, an abort mid-run,
+the leader's tokens (greedy, seeded, unseeded, n=2 and filtered requests, an abort mid-run,
 requests added while others run) and keeps none of them afterwards. The multi-process
 server: tests/server/test_multihost_serving.py."""
 
@@ -19,6 +19,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.parallel import lockstep
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+FILTER_IDS = [7, 8, 9, 10, 11]
 
 
 class MemoryChannel:
@@ -59,6 +60,9 @@ def _lead(leader: lockstep.Leader) -> dict:
     leader.release("aborted")
     leader.add_request("two", "x = ", dataclasses.replace(sampled, n=2, seed=7))
     leader.add_request("later", [10, 11] * 9, sampled, priority=-1)
+    # a token filter is rebuilt from the params on each process
+    leader.add_request("filtered", [1, 2, 3], dataclasses.replace(
+        sampled, seed=5, allowed_token_ids=FILTER_IDS, bad_words=["x"]))
     while leader.has_unfinished():
         outputs = leader.step()
         _finished(outputs, done)
@@ -72,7 +76,8 @@ def _lead(leader: lockstep.Leader) -> dict:
 def test_a_follower_computes_exactly_the_leaders_tokens(model_dir):
     channel = MemoryChannel()
     want = _lead(lockstep.Leader(Engine(model_dir), channel))
-    assert set(want) == {"greedy", "unseeded", "two", "later"}
+    assert set(want) == {"greedy", "unseeded", "two", "later", "filtered"}
+    assert set(want["filtered"][0]) <= set(FILTER_IDS)
     follower, got = Engine(model_dir), {}
     steps = lockstep.follow(follower, channel, on_step=lambda outs: _finished(outs, got))
     assert steps == len(channel.messages) - 1  # the last message says shutdown
@@ -126,7 +131,8 @@ EVERY_FIELD = dict(n=2, max_tokens=9, min_tokens=2, temperature=0.7, top_k=5, to
                    frequency_penalty=0.3, seed=3, logprobs=2, prompt_logprobs=1,
                    stop=["a", "bb"], stop_token_ids=[4, 5], ignore_eos=True,
                    structured_outputs={"json": {"type": "object", "required": ["a"]}},
-                   logit_bias={7: -2.5, 11: 100}, include_stop_str_in_output=True,
+                   logit_bias={7: -2.5, 11: 100}, bad_words=["foo", "bar baz"],
+                   allowed_token_ids=[3, 4, 5], include_stop_str_in_output=True,
                    skip_special_tokens=False, spaces_between_special_tokens=False,
                    detokenize=True, truncate_prompt_tokens=4)
 # stop strings need text, so detokenize=False travels in a second message

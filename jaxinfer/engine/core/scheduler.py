@@ -151,11 +151,11 @@ class Scheduler:
 
     @staticmethod
     def _awaits_token(request: Request) -> bool:
-        """Whether a constrained request (structured outputs) has a token in flight: its
-        next token's mask needs that one on the host, so it sits out this step (the
-        others do not wait; engine/structured/grammar.py)."""
-        return (request.num_output_placeholders > 0
-                and request.params.structured_outputs is not None)
+        """Whether a request whose token mask the host fills (structured outputs,
+        bad_words, allowed_token_ids) has a token in flight: its next token's mask needs
+        that one on the host, so it sits out this step (the others do not wait;
+        engine/structured/grammar.py)."""
+        return request.num_output_placeholders > 0 and request.params.needs_token_mask
 
     def held_back_by_tokens(self) -> bool:
         """Whether at least half the running requests are constrained ones with a token

@@ -108,9 +108,10 @@ class Speculation:
         room = [max(0, min(c.request.params.max_tokens - len(c.request.output_token_ids),
                            scheduler.max_model_len - c.request.num_tokens) - 1)
                 for c in chunks]
-        # A constrained request never speculates: its drafts would need a mask per
+        # A request whose token mask the host fills (structured outputs, bad_words,
+        # allowed_token_ids) never speculates: its drafts would need a mask per
         # position, each after the drafts before it (engine/structured/grammar.py).
-        constrained = [c.request.params.structured_outputs is not None for c in chunks]
+        constrained = [c.request.params.needs_token_mask for c in chunks]
         self.stats.skipped["structured_outputs"] += sum(constrained)
         room = [-1 if c else r for c, r in zip(constrained, room, strict=True)]
         caps = [min(self.max_drafts, max(r, 0)) for r in room]

@@ -1,8 +1,9 @@
 """Structured outputs on the host: a request's constraint (params.py) compiled into an
 llguidance grammar (checked first by compile_process.py), its prototype matcher cached
 by `spec()`, and one matcher per constrained completion that consumes its tokens
-(`Constraints.advance`). No jax, no numpy: the runner fills the mask from these matchers.
-See docs/structured_outputs.md (#limits, #how-it-works).
+(`Constraints.advance`); beside them each completion's token filter (bad_words,
+allowed_token_ids: token_filter.py). No jax, no numpy: the runner fills the mask from
+these. See docs/structured_outputs.md (#limits, #how-it-works).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 
 import llguidance
 
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.request import Request, SamplingParams
 from jaxinfer.engine.structured import StructuredOutputsParams, compile_process
 from jaxinfer.engine.structured.compile_process import first_line
+from jaxinfer.engine.structured.token_filter import MaskRow, TokenFilter
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 64  # prototype matchers kept (distinct constraints)
@@ -113,18 +115,21 @@ class _StackThread:
 
 
 class Constraints:
-    """The engine's structured-output state: the compiler (made on first use) and the
-    matcher of each constrained completion in flight."""
+    """The engine's host-mask state: the compiler (made on first use), the matcher of
+    each constrained completion in flight, and the token filter (bad_words,
+    allowed_token_ids; token_filter.py) of each completion that has one."""
 
     def __init__(self, model_dir: pathlib.Path | None, *, vocab_size: int,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], tokenizer: Any | None = None) -> None:
         self._model_dir = model_dir  # None: no tokenizer, no constraints
+        self._tokenizer = tokenizer  # jaxinfer's Tokenizer, for bad_words; None: none
         self._vocab_size = vocab_size
         self._eos = min(eos_token_ids) if eos_token_ids else None
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # request id -> matcher
         self._consumed: dict[str, int] = {}  # request id -> output tokens consumed
+        self._filters: dict[str, TokenFilter] = {}  # request id -> its token filter
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -143,34 +148,54 @@ class Constraints:
         naming the field. None for an unconstrained request."""
         return None if params is None else self.compiler.prototype(params)
 
-    def add(self, request: Request, prototype: llguidance.LLMatcher | None = None) -> None:
-        """A matcher for a constrained completion (others are ignored): a copy of the
-        prototype `check` gave (found or built again without it)."""
+    def token_filter(self, params: SamplingParams) -> TokenFilter | None:
+        """The request's token filter (bad words tokenized now): ValueError naming the
+        field. None when it asks for none."""
+        return TokenFilter.build(params, self._tokenizer, self._vocab_size)
+
+    def add(self, request: Request, prototype: llguidance.LLMatcher | None = None,
+            token_filter: TokenFilter | None = None) -> None:
+        """A completion's host-mask state, if it needs one: a copy of the prototype
+        `check` gave and the filter `token_filter` gave (either found or built again
+        without it: a follower in lockstep gets the params alone)."""
         params = request.params.structured_outputs
         if params is not None:
             prototype = prototype or self.compiler.prototype(params)
             self._matchers[request.request_id] = prototype.deep_copy()
             self._consumed[request.request_id] = 0
+        token_filter = token_filter or self.token_filter(request.params)
+        if token_filter is not None:
+            self._filters[request.request_id] = token_filter
 
     def drop(self, request: Request) -> None:
         self._matchers.pop(request.request_id, None)
         self._consumed.pop(request.request_id, None)
+        self._filters.pop(request.request_id, None)
 
     def __len__(self) -> int:
-        return len(self._matchers)
+        """Completions in flight with a matcher or a filter."""
+        return len(self._matchers.keys() | self._filters.keys())
 
     def close(self) -> None:
         if self._compiler is not None:
             self._compiler.close()
 
-    def rows(self, chunks: Sequence) -> list[tuple[int, llguidance.LLMatcher]]:
-        """(chunk index, matcher) of the constrained chunks that sample: the rows of the
-        step's mask to fill. Such a chunk's tokens are all on the host (the scheduler
-        leaves a constrained request out until its last token is read)."""
-        if not self._matchers:
+    def rows(self, chunks: Sequence) -> list[tuple[int, MaskRow]]:
+        """(chunk index, what fills its row) of the chunks that sample and have a
+        matcher, a filter or both: the rows of the step's mask to fill. Such a chunk's
+        tokens are all on the host (the scheduler leaves a request that needs a token
+        mask out until its last token is read)."""
+        if not self._matchers and not self._filters:
             return []
-        return [(i, self._matchers[c.request.request_id]) for i, c in enumerate(chunks)
-                if c.num_samples and c.request.request_id in self._matchers]
+        out = []
+        for index, chunk in enumerate(chunks):
+            request_id = chunk.request.request_id
+            matcher = self._matchers.get(request_id)
+            token_filter = self._filters.get(request_id)
+            if chunk.num_samples and (matcher is not None or token_filter is not None):
+                out.append((index, MaskRow(matcher, token_filter,
+                                           chunk.request.output_token_ids)))
+        return out
 
     def failed(self, chunks: Sequence) -> list[tuple[Request, str]]:
         """(request, why) of the chunks' unfinished requests whose matcher is in error
