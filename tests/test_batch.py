@@ -1,6 +1,6 @@
 """The offline batch runner: results, error records, logprobs and prompt logprobs,
-exactly-once resume, error records retried, duplicate ids and bad paths refused before
-the model loads."""
+bad_words and allowed_token_ids, exactly-once resume, error records retried, duplicate
+ids and bad paths refused before the model loads."""
 
 from __future__ import annotations
 
@@ -180,6 +180,21 @@ def test_batch_records_carry_logprobs_and_prompt_logprobs(llm, tmp_path):
     batch.run(llm, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", progress=False)
     refused = _records(tmp_path / "plain.jsonl")[0]  # this engine has no scoring steps
     assert refused["id"] == "s" and "enable_prompt_logprobs=True" in refused["error"]
+
+
+def test_batch_lines_take_bad_words_and_allowed_token_ids(llm, tmp_path):
+    common = {"prompt": "import os\n", "max_tokens": 6, "temperature": 0.0}
+    lines = [{"id": "free", **common}, {"id": "bad", **common, "bad_words": ["from"]},
+             {"id": "allowed", **common, "allowed_token_ids": [7, 8]},
+             {"id": "empty", **common, "allowed_token_ids": []}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    batch.run(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    records = {r["id"]: r for r in _records(tmp_path / "out.jsonl")}
+    assert records["free"]["text"].startswith("from")  # the demo model's greedy start
+    assert not records["bad"]["text"].startswith("from")
+    assert set(records["allowed"]["token_ids"]) <= {7, 8}
+    assert records["empty"]["error"].startswith("allowed_token_ids must be None or a "
+                                                "non-empty list")
 
 
 def test_batch_cli(tmp_path):

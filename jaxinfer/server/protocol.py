@@ -96,6 +96,8 @@ class _Sampling(Body):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's extras (docs/serving.md#parameters)
     include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None  # words never generated (SamplingParams')
+    allowed_token_ids: list[int] | None = None  # the only token ids that may be
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
@@ -271,7 +273,8 @@ def sampling_params(body: _Sampling, defaults: SamplingParams) -> SamplingParams
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "ignore_eos",
                  "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "truncate_prompt_tokens"):
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "bad_words",
+                 "allowed_token_ids"):
         value = getattr(body, name)
         if value is not None:
             given[name] = value

@@ -2,7 +2,7 @@
 each with its effect: include_stop_str_in_output, stop_reason, truncate_prompt_tokens,
 continue_final_message with chat echo, chat_template_kwargs, reasoning_effort, priority,
 max_tokens=None, top_k=-1, logprobs=-1, detokenize, skip_special_tokens,
-cumulative_logprob. docs/serving.md#parameters."""
+cumulative_logprob, bad_words, allowed_token_ids. docs/serving.md#parameters."""
 
 from __future__ import annotations
 
@@ -129,3 +129,39 @@ def test_skip_special_tokens_off_keeps_them(demo_llm):
     params = greedy(demo_llm, 4, skip_special_tokens=False)
     assert demo_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text == (
         _text(demo_llm, PROMPT, 4))  # no special token generated: the same text
+
+
+def test_bad_words_through_the_client_match_the_python_api(client, server, demo_llm):
+    plain = demo_llm.generate([PROMPT], greedy(demo_llm, 12), use_tqdm=False)[0].outputs[0]
+    tokenizer = demo_llm.get_tokenizer()
+    word = tokenizer.decode(plain.token_ids[2:3])
+    banned = {*tokenizer.encode(word.lstrip(), add_special_tokens=False),
+              *tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)}
+    want = demo_llm.generate([PROMPT], greedy(demo_llm, 12, bad_words=(word,)),
+                             use_tqdm=False)[0].outputs[0]
+    assert not banned & set(want.token_ids) and want.text != plain.text
+    done = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12,
+                                     temperature=0.0, extra_body={"bad_words": [word]})
+    assert done.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"bad_words": ["ok", ""]})
+    assert error.value.body["param"] == "bad_words"
+
+
+def test_allowed_token_ids_through_the_client(client, server, demo_llm):
+    tokenizer = demo_llm.get_tokenizer()
+    allowed = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "xy"]
+    assert [tokenizer.decode([t]) for t in allowed] == ["x", "y"]
+    done = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0.0, extra_body={"allowed_token_ids": allowed})
+    choice = done.choices[0]
+    assert set(choice.message.content) <= {"x", "y"} and len(choice.message.content) == 6
+    assert choice.finish_reason == "length"  # EOS is not allowed either
+    vocab = demo_llm.engine.model_config.vocab_size
+    for ids in ([], [1, vocab]):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"allowed_token_ids": ids})
+        assert error.value.body["param"] == "allowed_token_ids"
