@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -20,8 +21,13 @@ import urllib.request
 
 from absl import app, flags
 
+import jaxinfer
+
 FLAGS = flags.DEFINE_integer("repeats", 2, "warm runs of each command (the median is kept)")
 WARMUP = re.compile(r"warm-up: .*? in ([0-9.]+)s")
+# The checkout whose package this script imported (compare_commits.sh sets PYTHONPATH):
+# `python -m` puts the working directory first on the path, so commands run there.
+CHECKOUT = pathlib.Path(jaxinfer.__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
@@ -34,7 +40,7 @@ def generate(cache: str) -> dict[str, float]:
     began = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--max_tokens=64",
                              f"--compilation_cache_dir={cache}"], capture_output=True,
-                            text=True, env=_env(), timeout=1200)
+                            text=True, env=_env(), timeout=1200, cwd=CHECKOUT)
     seconds = time.perf_counter() - began
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-2000:])
@@ -50,7 +56,7 @@ def serve(cache: str) -> dict[str, float]:
     server = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", f"--port={port}",
                                "--host=127.0.0.1", f"--compilation_cache_dir={cache}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=_env())
+                              env=_env(), cwd=CHECKOUT)
     try:
         seconds = _wait_healthy(port, server, began)
     finally:

@@ -24,7 +24,7 @@ mkdir -p "$out"
 for side in base head; do
   src=$([ "$side" = base ] && echo "$tree" || echo "$root")
   echo "== $side: $(git -C "$src" log -1 --format='%h %s' | cut -c1-80)" >&2
-  PYTHONPATH=$src "$py" -c 'import jaxinfer, sys; sys.stderr.write(jaxinfer.__file__ + "\n")'
+  (cd / && PYTHONPATH=$src "$py" -c 'import jaxinfer, sys; sys.stderr.write(jaxinfer.__file__ + "\n")')
   PYTHONPATH=$src "$py" "$script" "$@" > "$out/$side.json"
 done
 "$py" "$root/benchmarks/ratios.py" "$out/base.json" "$out/head.json" | tee "$out/ratios.json"
