@@ -34,6 +34,15 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def exit_code(report: dict[str, Any]) -> int:
+    """1 when the model does not fit the slice at all, 3 when some buckets did not
+    compile, else 0 (docs/cli.md#exit-codes)."""
+    if "plan" not in report:
+        return 1
+    rows = [r for rep in report["replicas"] for r in rep["buckets"]]
+    return 3 if any(not r["compiled"] for r in rows) else 0
+
+
 def _bucket_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [f"{'tokens':>6} {'slots':>5} {'args GB':>8} {'temp GB':>8} {'HBM %':>6} "
              f"{'GFLOP':>9} {'GB moved':>9} {'roofline ms':>11} {'AR':>4} {'AG':>3} bound"]

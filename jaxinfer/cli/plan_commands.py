@@ -285,4 +285,6 @@ def aot() -> None:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:
         sys.stdout.write(aot_table.format_table(report) + "\n")
+    if aot_table.exit_code(report):  # the table says what failed (docs/cli.md#exit-codes)
+        sys.exit(aot_table.exit_code(report))
 

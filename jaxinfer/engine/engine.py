@@ -107,8 +107,9 @@ class Engine:
         # A load from the cache counts as a compile too.
         self.metrics.warmup_compiled = self.compiles.total - before - loads.count
         self.metrics.warmup_loaded = loads.count
-        log.info("warm-up: %d programs in %.1fs: %d compiled, %d loaded from the "
-                 "compilation cache", result["buckets"], result["seconds"],
+        log.info("warm-up: %d buckets, %d programs in %.1fs: %d compiled, %d loaded from "
+                 "the compilation cache", result["buckets"],
+                 self.metrics.warmup_compiled + loads.count, result["seconds"],
                  self.metrics.warmup_compiled, loads.count)
         plan = self.memory_plan
         log.info("memory: planned %d weight + %d KV bytes (%d pages); allocated %d + %d",

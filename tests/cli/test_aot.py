@@ -137,3 +137,13 @@ def test_progress_lines_name_the_work_and_each_bucket_as_it_ends():
     assert aot_table.progress_line(one) == (
         "aot: bucket 1/6: 1 token x 1 seq (decode) does not compile (see the table) in "
         "14.2 s (2.5 min so far)")
+
+
+def test_exit_code_is_3_when_a_bucket_failed_and_1_when_nothing_fits():
+    ok = {"compiled": True}
+    failed = {"compiled": False, "error": "RESOURCE_EXHAUSTED: out of HBM"}
+    report = {"plan": {}, "replicas": [{"buckets": [ok, ok]}, {"buckets": [ok]}]}
+    assert aot_table.exit_code(report) == 0
+    report["replicas"][1]["buckets"].append(failed)
+    assert aot_table.exit_code(report) == 3
+    assert aot_table.exit_code({"error": "the weights alone need 16.1 GB"}) == 1
