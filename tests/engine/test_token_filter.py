@@ -130,6 +130,28 @@ def test_unfiltered_requests_beside_filtered_ones_are_unchanged(llm, plain):
     assert set(outputs[2].outputs[0].token_ids) <= {5, 6}
 
 
+@pytest.mark.slow  # its own engine with verify buckets: ~40 s of warm-up
+def test_filtered_requests_never_speculate_in_verify_steps(plain):
+    """n-gram speculation on: a free greedy request verifies drafts while one with
+    bad_words, in the same verify steps, samples one position under its mask."""
+    from jaxinfer.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    llm = LLM(str(DEFAULT_MODEL), **CONFIG | dict(max_num_seqs=2), speculative_config=spec)
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    word = llm.get_tokenizer().decode(plain[4:6])  # " import os", as above
+    runs = [_encode(llm, word.lstrip()), _encode(llm, " " + word.lstrip())]
+    outputs = llm.generate(["# a b c\n" * 6, PROMPT], [
+        free, SamplingParams(max_tokens=16, temperature=0.0, bad_words=[word])],
+        use_tqdm=False)
+    assert len(outputs[0].token_ids) == 40
+    assert not any(_has_run(outputs[1].token_ids, run) for run in runs)
+    metrics = llm.metrics()
+    assert metrics["spec_verify_steps"] > 0 and metrics["spec_draft_tokens"] > 0
+    assert metrics["spec_skipped_structured_outputs"] > 0
+    assert metrics["compiles_after_warmup"] == 0
+
+
 @pytest.mark.parametrize("params, message", [
     (dict(bad_words=[""]), "bad_words entries [''] must be non-empty strings"),
     (dict(bad_words=5), "bad_words must be a list"),
