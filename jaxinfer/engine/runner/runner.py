@@ -223,8 +223,8 @@ class Runner:
         """Start one step and return without waiting for it. A plan with draft tokens
         runs in a verify bucket; `draft_probs` f32[S, Q, V] (S its slots) are their q
         when the runner takes them (`uses_draft_probs=True`). `token_masks`: (chunk index,
-        llguidance matcher) of the constrained requests the step samples
-        (token_masks.py)."""
+        MaskRow: matcher and token filter) of the requests the step samples whose mask
+        the host fills (token_masks.py)."""
         requests = [c.request for c in plan.chunks]
         spans = score_spans(requests, [(c.start, c.num_tokens) for c in plan.chunks])
         scores = any(span is not None for span in spans)
