@@ -146,6 +146,25 @@ class LLM:
                              "generate") from None
         return self.engine.prompt_token_ids(ids)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: free the KV cache and move the weights to host memory
+        (level 1) or drop them (level 2: new weights come back with update_weights).
+        No request may be unfinished; compiled programs are kept
+        (docs/rl.md#sleeping-and-waking)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back the memory `sleep` freed: `tags` "weights", "kv_cache" (None:
+        both, as vLLM's); the engine serves again once both are back."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def device_memory_bytes(self) -> int:
+        """Bytes of live jax arrays on the engine's devices (JAX's own count)."""
+        return self.engine.device_memory_bytes()
+
     def metrics(self) -> dict[str, float | int]:
         """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""
         return self.engine.metrics.summary()

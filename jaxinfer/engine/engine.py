@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import checks, loading
 from jaxinfer.engine import runner as runner_lib
+from jaxinfer.engine import sleep as sleep_mode
 from jaxinfer.engine.core import kv_groups
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.detokenize import TextState
@@ -57,6 +58,7 @@ class Engine:
         self.runner = loaded.runner
         self.speculation = loaded.speculation  # None without speculative decoding
         self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
+        self.sleeper = runner_lib.Sleeper(self.runner)  # sleep mode (docs/rl.md)
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s,
                                flop_count=loaded.flops,
                                speculation=self.speculation and self.speculation.stats.summary,
@@ -187,6 +189,7 @@ class Engine:
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
         """Queue a request `prepare` made (nothing is checked again)."""
+        sleep_mode.refuse_if_asleep(self, f"request {request_id!r}")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt, ids, params = prepared.prompt, prepared.prompt_token_ids, prepared.params
@@ -241,6 +244,24 @@ class Engine:
             self._texts.pop(request.request_id, None)
             self.constraints.drop(request)
         return self._outputs.pop(request_id)
+
+    # ---- sleep mode (docs/rl.md#sleeping-and-waking; engine/sleep.py) -----------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and move the weights to host memory (level 1) or drop them
+        (level 2); no request may be unfinished."""
+        sleep_mode.put_to_sleep(self, level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None: both), as vLLM's."""
+        self.sleeper.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeper.level)
+
+    def device_memory_bytes(self) -> int:
+        """Bytes of live jax arrays on this engine's devices (JAX's own count)."""
+        return runner_lib.live_device_bytes(self.sleeper.devices)
 
     # ---- the loop -------------------------------------------------------------------
 

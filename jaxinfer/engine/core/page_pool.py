@@ -182,6 +182,16 @@ class PagePool:
             best = max(best, common)
         return best
 
+    def forget_cached(self) -> int:
+        """Drop every cached page no request holds (its content is gone, as when the
+        KV cache is freed); returns how many. Pages in use keep their registration."""
+        pages = list(self._evictable)
+        self._evictable.clear()
+        for page in pages:
+            self._forget(page)
+            self._free.append(page)
+        return len(pages)
+
     def _serial(self) -> int:
         self._serials += 1
         return self._serials

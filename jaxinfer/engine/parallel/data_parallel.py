@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import loading
+from jaxinfer.engine import sleep as sleep_mode
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.metrics.merge import ReplicaMetrics
 from jaxinfer.engine.parallel.routing import Router
@@ -124,6 +125,24 @@ class DataParallelEngine:
 
     def release(self, request_id: str) -> RequestOutput:
         return self.replicas[self._owner.pop(request_id)].release(request_id)
+
+    def sleep(self, level: int = 1) -> None:
+        """Every replica sleeps (each checks first, so none sleeps if one refuses)."""
+        for engine in self.replicas:
+            if not engine.is_sleeping():
+                sleep_mode.check_can_sleep(engine, level)
+        for engine in self.replicas:
+            engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        for engine in self.replicas:
+            engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(engine.is_sleeping() for engine in self.replicas)
+
+    def device_memory_bytes(self) -> int:
+        return sum(engine.device_memory_bytes() for engine in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work; their outputs together."""

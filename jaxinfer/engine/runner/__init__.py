@@ -24,6 +24,7 @@ from jaxinfer.engine.runner.inputs import (
     next_power_of_two,
     sampling_inputs,
 )
+from jaxinfer.engine.runner.memory import Sleeper, live_device_bytes, memory_stats
 from jaxinfer.engine.runner.programs import (
     COMPILE_THREADS,
     compile_steps_for,
@@ -43,10 +44,11 @@ from jaxinfer.engine.runner.runner import (
 
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
-    "InFlight", "PromptScores", "Runner", "Sample", "StepResult", "build_metadata",
+    "InFlight", "PromptScores", "Runner", "Sample", "Sleeper", "StepResult", "build_metadata",
     "compile_steps_for",
     "device_chip", "device_memory_limit", "flops_probe_count", "input_spec", "quantize_at_load",
-    "make_mesh", "measure_matmul_rate", "measure_memory_bandwidth", "memory_bandwidth",
+    "live_device_bytes", "make_mesh", "measure_matmul_rate", "memory_stats",
+    "measure_memory_bandwidth", "memory_bandwidth",
     "min_step_tokens", "next_power_of_two", "peak_flops",
     "probe_count", "sampling_inputs", "step_function", "tree_bytes", "use_compilation_cache",
 ]

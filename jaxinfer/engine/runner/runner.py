@@ -107,20 +107,24 @@ class Runner:
         self.buckets = buckets or BucketSet(max_num_batched_tokens=16, max_num_seqs=1)
         self.eos_token_ids = eos_token_ids
         self.group_windows = tuple(group_windows)
-        self.kv_cache = jax.jit(
+        # kept: sleep frees the KV cache and state, and wake makes them again with
+        # these, as shaped and sharded as the compiled steps take them (memory.py)
+        self.init_kv_cache = jax.jit(
             functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
                               dtype=kv_quant.storage_dtype(kv_dtype), shards=shards,
                               group_windows=self.group_windows,
                               feature_size=options.feature_size(cfg)),
-            out_shardings=kv_shardings)()
+            out_shardings=kv_shardings)
+        self.kv_cache = self.init_kv_cache()
         num_slots = self.buckets.max_num_seqs
         self.slots = SlotTable(num_slots, page_size=page_size, eos_token_ids=eos_token_ids,
                                num_groups=len(self.group_windows))
-        self.state = jax.jit(functools.partial(
+        self.init_state = jax.jit(functools.partial(
             batch_state.init, num_slots, pages_per_seq=self.pages_per_seq,
             max_model_len=max_model_len, num_stop_ids=STOP_WIDTH, bias_width=BIAS_WIDTH,
             experts=moe.routing_shape(cfg), group_windows=self.group_windows),
-            out_shardings=whole)()
+            out_shardings=whole)
+        self.state = self.init_state()
         self.masks = TokenMasks(cfg.vocab_size, whole)
         self.enable_prompt_logprobs = enable_prompt_logprobs
         self.uses_draft_probs = uses_draft_probs  # verify steps take the draft's q (draft model)

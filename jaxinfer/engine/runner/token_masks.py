@@ -56,6 +56,12 @@ class TokenMasks:
                 np.full((num_slots, self.words), -1, np.int32), self.sharding)
         return self._ones[num_slots]
 
+    def drop_ones(self) -> list[jax.Array]:
+        """Forget the all-ones masks kept on the device (a sleeping runner frees them;
+        `ones` makes them again on demand); returns them."""
+        ones, self._ones = list(self._ones.values()), {}
+        return ones
+
     def build(self, rows: Sequence[tuple[int, MaskRow]], num_slots: int
               ) -> tuple[jax.Array | np.ndarray, int]:
         """(the mask, host-to-device bytes): request row i of each (i, MaskRow) allowed
