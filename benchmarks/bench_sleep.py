@@ -34,8 +34,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 def _cycle(llm: LLM, level: int) -> dict[str, float]:
     """One sleep and wake (`before`: of the first cycle, measured as after wake: after
-    a generate, which makes the token masks the engine keeps); at level 2 the weights come back from a host copy taken
-    before (as a trainer's would), their transfer counted in the wake."""
+    a generate, which makes the token masks the engine keeps); at level 2 the weights
+    come back from a host copy taken before (as a trainer's would), their transfer
+    counted in the wake."""
     host = jax.device_get(llm.engine.runner.params) if level == 2 else None
     before = llm.device_memory_bytes()
     began = time.perf_counter()

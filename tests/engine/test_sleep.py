@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 
 SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
              compilation_cache_dir="", strict_compile=True)
@@ -101,6 +103,39 @@ def test_level_2_takes_only_weights_of_the_served_shape(llm):
     llm.engine.sleeper.set_params(_unflat(params, host))
     llm.wake_up()
     assert not llm.is_sleeping()
+
+
+def test_a_data_parallel_engine_sleeps_and_wakes_every_replica(hf_model_dirs, llm):
+    expected = _tokens(llm)
+    host = jax.device_get(llm.engine.runner.params)
+    dp = LLM(str(hf_model_dirs["llama"]), skip_tokenizer_init=True, data_parallel_size=2,
+             **SMALL)
+    assert _tokens(dp) == expected
+    # replica 0 shares device 0 with `llm`, whose arrays JAX's count sees there too:
+    # replica 1's device holds only its own
+    second = dp.engine.replicas[1]
+    before = second.device_memory_bytes()
+    dp.sleep(2)
+    assert all(engine.is_sleeping() for engine in dp.engine.replicas)
+    assert second.device_memory_bytes() == 0
+    with pytest.raises(RuntimeError, match="dropped by sleep"):
+        dp.wake_up()
+    for engine in dp.engine.replicas:  # placed on each replica's own devices
+        engine.sleeper.set_params(host)
+    dp.wake_up()
+    assert _tokens(dp) == expected
+    assert second.device_memory_bytes() == before
+    assert dp.metrics()["compiles_after_warmup"] == 0
+
+
+def test_speculation_with_a_draft_model_refuses_to_sleep_by_name(hf_model_dirs):
+    spec = {"method": "draft_model", "model": str(hf_model_dirs["llama"]),
+            "num_speculative_tokens": 2}
+    engine = Engine(hf_model_dirs["llama"], EngineConfig(**SMALL, speculative_config=spec),
+                    warm_up=False)
+    with pytest.raises(NotImplementedError, match="'draft_model'.*own weights"):
+        engine.sleep(1)
+    assert not engine.is_sleeping()
 
 
 @pytest.mark.skip(reason="on CPU every array is host memory: that a trainer can use the "
