@@ -105,6 +105,35 @@ def test_level_2_takes_only_weights_of_the_served_shape(llm):
     assert not llm.is_sleeping()
 
 
+def test_leaves_given_back_while_asleep_are_kept_at_wake(llm):
+    """Asleep, params are specs (shape, dtype, sharding) the weight update path fills:
+    a leaf that is an array at wake time was given back and is kept, the rest come
+    from the level-1 host copy; at level 2 a leaf not given back is an error."""
+    expected = _tokens(llm)
+    runner = llm.engine.runner
+    first = jax.tree_util.tree_flatten_with_path(runner.params)[0][0][0]
+    full = jax.device_get(runner.params)
+    host = np.asarray(_flat(full)[jax.tree_util.keystr(first)])
+    for level in (1, 2):
+        llm.sleep(level)
+        flat = _flat(runner.params)
+        spec = flat[jax.tree_util.keystr(first)]
+        assert isinstance(spec, jax.ShapeDtypeStruct)
+        given = jax.device_put(host, spec.sharding)
+        runner.params = _unflat(runner.params, flat | {jax.tree_util.keystr(first): given})
+        if level == 2:
+            with pytest.raises(RuntimeError, match=r"\d+ of \d+ params leaves are not back"):
+                llm.wake_up()
+            llm.sleep(1)  # asleep already: nothing changes
+            llm.wake_up(tags=["kv_cache"])
+            assert llm.is_sleeping()
+            llm.engine.sleeper.set_params(full)
+        llm.wake_up()
+        if level == 1:
+            assert _flat(runner.params)[jax.tree_util.keystr(first)] is given
+        assert _tokens(llm) == expected
+
+
 def test_a_data_parallel_engine_sleeps_and_wakes_every_replica(hf_model_dirs, llm):
     expected = _tokens(llm)
     host = jax.device_get(llm.engine.runner.params)

@@ -51,7 +51,10 @@ def _delete(tree: object) -> None:
 
 class Sleeper:
     """What one runner keeps while asleep, and the steps in and out of sleep. `level`:
-    0 awake, else the level it sleeps at; `asleep`: the tags not woken yet."""
+    0 awake, else the level it sleeps at; `asleep`: the tags not woken yet. Asleep,
+    `runner.params` is a tree of `jax.ShapeDtypeStruct`s (shape, dtype, sharding):
+    the weight update path (weights.py) places new leaves by them, and a leaf that is
+    an array again at wake time was given back."""
 
     def __init__(self, runner: typing.Any) -> None:
         self.runner = runner
@@ -59,7 +62,6 @@ class Sleeper:
         self.asleep: set[str] = set()
         self._host_params: object | None = None  # level 1: the params in host memory
         self._param_specs: object | None = None  # their shapes, dtypes and shardings
-        self.given_back = False  # level 2: new weights came while asleep
 
     @property
     def devices(self) -> set[jax.Device]:
@@ -78,12 +80,13 @@ class Sleeper:
         _delete(runner.kv_cache)
         _delete(runner.state)
         _delete(runner.masks.drop_ones())
-        runner.params = runner.kv_cache = runner.state = None
-        self.level, self.asleep, self.given_back = level, set(TAGS), False
+        runner.params, runner.kv_cache, runner.state = self._param_specs, None, None
+        self.level, self.asleep = level, set(TAGS)
 
     def set_params(self, params: object) -> None:
-        """Weights given back while asleep (level 2 drops them): placed now, as the
-        step shards them; shapes and dtypes must match the ones slept with."""
+        """Weights given back while asleep (level 2 drops them), the whole tree: placed
+        now, as the step shards them; shapes and dtypes must match the ones slept
+        with. They replace a level-1 sleep's host copy."""
         if self.level == 0:
             raise RuntimeError("set_params is for a sleeping runner; awake, use "
                                "update_weights")
@@ -91,24 +94,18 @@ class Sleeper:
         self.runner.params = jax.device_put(params, jax.tree.map(
             lambda s: s.sharding, self._param_specs))
         self._host_params = None
-        self.given_back = True
         self.asleep.discard("weights")
 
     def wake_up(self, tags: typing.Sequence[str] | None = None) -> None:
-        """Bring back `tags` (None: all): "weights" from host memory (level 1) or the
-        weights given back (level 2); "kv_cache" (with the batch state) from the
-        runner's jitted inits, empty."""
+        """Bring back `tags` (None: all): "weights" (each leaf given back while asleep
+        kept, the others from host memory at level 1); "kv_cache" (with the batch
+        state) from the runner's jitted inits, empty."""
         tags = set(TAGS if tags is None else tags)
         if unknown := tags - set(TAGS):
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; the tags are "
                              f"{list(TAGS)}")
         if "weights" in tags & self.asleep:
-            if self._host_params is None:
-                raise RuntimeError(
-                    "the weights were dropped by sleep(level=2): give new ones while "
-                    "asleep (update_weights(...), or engine.sleeper.set_params(params) "
-                    "with the tree the engine serves), then wake_up()")
-            self.set_params(self._host_params)
+            self._wake_weights()
         if "kv_cache" in tags & self.asleep:
             runner = self.runner
             runner.kv_cache = runner.init_kv_cache()
@@ -119,6 +116,27 @@ class Sleeper:
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.level, self._param_specs = 0, None
+
+    def _wake_weights(self) -> None:
+        """The params' leaves still specs, from the host copy; RuntimeError when there
+        is none (level 2) and some were not given back."""
+        leaves, treedef = jax.tree.flatten(self.runner.params)
+        missing = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.Array)]
+        if missing and self._host_params is None:
+            raise RuntimeError(
+                f"the weights were dropped by sleep(level=2) and {len(missing)} of "
+                f"{len(leaves)} params leaves are not back: give new ones while asleep "
+                "(update_weights(...), or engine.sleeper.set_params(params) with the "
+                "tree the engine serves), then wake_up()")
+        if missing:
+            host = jax.tree.leaves(self._host_params)
+            placed = jax.device_put([host[i] for i in missing],
+                                    [leaves[i].sharding for i in missing])
+            for index, leaf in zip(missing, placed, strict=True):
+                leaves[index] = leaf
+        self.runner.params = jax.tree.unflatten(treedef, leaves)
+        self._host_params = None
+        self.asleep.discard("weights")
 
 
 def check_like(params: object, specs: object) -> None:
