@@ -117,6 +117,11 @@ class ServerConfig:
         "(vLLM's names): hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>), "
         "llama3_json (Llama 3.1-3.3 JSON calls), mistral ([TOOL_CALLS]...), openai "
         "(gpt-oss: harmony's commentary to=functions.NAME)", TOOL_CALL_PARSERS)
+    server_dev_mode: bool = setting(
+        False, "serve the routes that change the model's state, for RL rollouts (vLLM's "
+        "VLLM_SERVER_DEV_MODE=1): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, "
+        "/pause, /resume, /is_paused and SGLang's /update_weights_from_disk, /flush_cache, "
+        "/release_memory_occupation, /resume_memory_occupation; under --api_key")
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):

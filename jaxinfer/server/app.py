@@ -19,7 +19,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
-from jaxinfer.server import openapi, prometheus, protocol, structured, tokenization, tools
+from jaxinfer.server import (
+    dev_routes,
+    openapi,
+    prometheus,
+    protocol,
+    structured,
+    tokenization,
+    tools,
+)
 from jaxinfer.server import responses as out
 from jaxinfer.server.bodies import SHUTTING_DOWN
 from jaxinfer.server.engine_loop import EngineLoop, Submission
@@ -67,6 +75,8 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
     for path, handler in handlers.items():
         for method in ROUTES[path]:  # a route per method: one operation id each
             app.add_api_route(path, handler, methods=[method])
+    if state.config.server_dev_mode:
+        dev_routes.install(app)
     return app
 
 

@@ -260,6 +260,9 @@ class EngineLoop:
         try:
             if not self.healthy:
                 raise APIError(503, f"the engine failed: {self.failure}", code="engine_failed")
+            if self.engine.is_sleeping():  # vLLM's answer while asleep
+                raise APIError(503, "the model is sleeping: POST /wake_up first",
+                               code="sleeping")
             for prepared, stream in group:
                 self.engine.add_prepared(stream.request_id, prepared.request,
                                          priority=prepared.priority)
