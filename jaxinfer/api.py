@@ -165,6 +165,32 @@ class LLM:
         """Bytes of live jax arrays on the engine's devices (JAX's own count)."""
         return self.engine.device_memory_bytes()
 
+    def update_weights(self, weights: object, policy: str = "abort") -> dict:
+        """New weights without recompiling: a params pytree (whole or part), a mapping
+        of HF tensor names to numpy or jax arrays, or a checkpoint directory. Requests
+        in flight: "abort", "wait" or "keep"; the prefix cache is reset. Returns bytes
+        sent from host and what was dropped (docs/rl.md#updating-weights)."""
+        return self._single_engine("update_weights").update_weights(weights, policy)
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> int:
+        """vLLM's: requests in flight aborted ("abort"), finished ("wait") or kept
+        ("keep"), then no step runs until resume_generation; returns how many aborted."""
+        return self._single_engine("pause_generation").pause_generation(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self._single_engine("resume_generation").resume_generation()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (vLLM's); returns how many."""
+        return self._single_engine("reset_prefix_cache").reset_prefix_cache()
+
+    def _single_engine(self, what: str) -> Engine:
+        if isinstance(self.engine, DataParallelEngine):
+            raise NotImplementedError(f"{what} with data_parallel_size > 1: not supported "
+                                      "yet; use one replica (tensor_parallel_size spans "
+                                      "devices)")
+        return self.engine
+
     def metrics(self) -> dict[str, float | int]:
         """Throughput, batching, padding, KV pages, preemptions, compiles, roofline."""
         return self.engine.metrics.summary()
@@ -172,6 +198,8 @@ class LLM:
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                  priority: Sequence[int] | None = None) -> list[str]:
+        if getattr(self.engine, "paused", False):  # its steps would never run
+            raise RuntimeError("generation is paused: call resume_generation() first")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list),
                                  self.engine.default_params)

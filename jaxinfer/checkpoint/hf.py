@@ -100,9 +100,7 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
 
     def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
               spec: PartitionSpec, dtype: np.dtype) -> jax.Array:
-        return jax.make_array_from_callback(
-            shape, NamedSharding(mesh, spec),
-            lambda index: reader.slice_of(name, layout, shape, index, dtype))
+        return placed_leaf(reader, mesh, name, layout, shape, spec, dtype)
 
     def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
         name = leaf_name(path)
@@ -123,6 +121,53 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
     shapes = param_shapes(served)
     return jax.tree_util.tree_map_with_path(
         leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def placed_leaf(reader: shard_source.Reader, mesh: Mesh, name: str,
+                layout: shard_source.Layout, shape: tuple[int, ...], spec: PartitionSpec,
+                dtype: np.dtype) -> jax.Array:
+    """The float leaf `name` built on `mesh`, each device's slice cut from `reader`'s
+    HF tensors (fused on the fly): what loading and a weight update by HF names share."""
+    return jax.make_array_from_callback(
+        shape, NamedSharding(mesh, spec),
+        lambda index: reader.slice_of(name, layout, shape, index, dtype))
+
+
+def leaves_from_hf_tensors(tensors: dict, cfg: ModelConfig, dtype: str, mesh: Mesh, *,
+                           expert_parallel: bool = False) -> dict[str, jax.Array]:
+    """leaf_name -> float leaf placed on `mesh`, for each params leaf whose HF tensors
+    are all in `tensors` (HF name -> host array; a subset: a partial update). A name
+    that is no HF tensor of `cfg`, a wrong shape, or a fused leaf given in part is a
+    ValueError naming it."""
+    expected, shapes = hf_names(cfg), hf_shapes(cfg)
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(f"unknown tensor name(s) {unknown[:5]} for {cfg.architecture}")
+    for name, array in tensors.items():
+        want = hf_shape(shapes, expected[name])
+        want = want[::-1] if expected[name].transposed else want
+        if tuple(array.shape) != tuple(want):
+            raise ValueError(f"tensor {name} has shape {tuple(array.shape)}, expected "
+                             f"{tuple(want)}")
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    served = sharding.served_config(cfg, shards)
+    reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards))
+    specs = param_partition_specs(served, shards, expert_parallel)
+    leaf_shapes, out = param_shapes(served), {}
+    for leaf, layout in leaf_layouts(served).items():
+        names = [n.format(e=e) for n in layout.names
+                 for e in (range(layout.experts) if layout.experts else [0])]
+        given = [n for n in names if n in tensors]
+        if not given:
+            continue
+        if len(given) < len(names):
+            missing = sorted(set(names) - set(given))
+            raise ValueError(f"{leaf} is made of {len(names)} tensors; also give "
+                             f"{missing[:5]}")
+        path = tuple(int(k) if k.isdigit() else k for k in leaf.split("."))
+        out[leaf] = placed_leaf(reader, mesh, leaf, layout, get_leaf(leaf_shapes, path),
+                                get_leaf(specs, path), np.dtype(jnp.dtype(dtype)))
+    return out
 
 
 def _fp8_value(reader: shard_source.Reader, mesh: Mesh, name: str,

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import checks, loading
+from jaxinfer.engine import checks, loading, weights_update
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine import sleep as sleep_mode
 from jaxinfer.engine.core import kv_groups
@@ -87,6 +87,7 @@ class Engine:
         self.async_scheduling = config.async_scheduling
         self.metrics.async_scheduling = self.async_scheduling
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
+        self.paused = False  # pause_generation: no step runs (engine/weights_update.py)
         self.clock = StepClock(self.metrics)  # the loop's timestamps (metrics/clock.py)
         if warm_up:
             self.warm_up()
@@ -263,12 +264,30 @@ class Engine:
         """Bytes of live jax arrays on this engine's devices (JAX's own count)."""
         return runner_lib.live_device_bytes(self.sleeper.devices)
 
+    # ---- weight updates (docs/rl.md#updating-weights; engine/weights_update.py) -------
+
+    def update_weights(self, weights: object, policy: str = "abort") -> dict:
+        """New weights (a params pytree, HF-named arrays or a checkpoint directory);
+        in-flight requests per `policy` ("abort", "wait", "keep"); the prefix cache reset."""
+        return weights_update.update(self, weights, policy)
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> int:
+        return weights_update.pause(self, mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        weights_update.resume(self)
+
+    def reset_prefix_cache(self) -> int:
+        return weights_update.reset_prefix_cache(self)
+
     # ---- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One device step. Returns the outputs of prompts that changed, with deltas:
         of the step dispatched now, or with `async_scheduling` of the one the previous
         call dispatched (this call's is read by the next)."""
+        if self.paused:  # pause_generation: nothing runs until resume_generation
+            return []
         self.clock.schedule(device_done=self._in_flight is not None
                             and self.runner.is_done(self._in_flight.step))
         read = []
