@@ -17,15 +17,18 @@ from fastapi.responses import JSONResponse, Response
 from jaxinfer.server.protocol import APIError, Body
 from jaxinfer.server.state import authorized, parsed
 
-POLICIES = ("abort", "wait", "keep")  # what update_weights does to requests in flight
+# What a pause or update does to requests in flight, over HTTP: vLLM's "wait" finishes
+# them first, which the engine thread cannot do while streams wait on it
+POLICIES = ("abort", "keep")
 
 
 class UpdateFromDiskRequest(Body):
     """SGLang's /update_weights_from_disk body (`load_format` accepted as "auto")."""
 
+    model: str | None = None  # the served model's name, when given (checked)
     model_path: str
     load_format: str | None = None
-    policy: str = "abort"  # vLLM's names for requests in flight (docs/rl.md)
+    policy: str = "abort"  # requests in flight: abort or keep (docs/rl.md)
 
 
 async def _on_engine(request: fastapi.Request, fn: Callable[[Any], Any]) -> Any:
@@ -67,9 +70,17 @@ async def reset_prefix_cache(request: fastapi.Request) -> Response:
     return Response(status_code=200)
 
 
+def _policy(value: str, name: str) -> str:
+    if value not in POLICIES:
+        raise APIError(400, f"{name}={value!r} must be one of {', '.join(POLICIES)} (over "
+                       "HTTP; 'wait' is the Python API's)", param=name)
+    return value
+
+
 async def pause(request: fastapi.Request) -> Response:
-    await _on_engine(request, lambda engine: engine.pause_generation())
-    return Response(status_code=200)
+    mode = _policy(request.query_params.get("mode", "abort"), "mode")
+    aborted = await _on_engine(request, lambda engine: engine.pause_generation(mode))
+    return JSONResponse({"success": True, "aborted": aborted})
 
 
 async def resume(request: fastapi.Request) -> Response:
@@ -78,16 +89,14 @@ async def resume(request: fastapi.Request) -> Response:
 
 
 async def is_paused(request: fastapi.Request) -> Response:
-    paused = await _on_engine(request, lambda engine: engine.is_paused())
+    paused = await _on_engine(request, lambda engine: engine.paused)
     return JSONResponse({"is_paused": paused})
 
 
 async def update_weights_from_disk(request: fastapi.Request) -> Response:
     """SGLang's shape: {"success": bool, "message": str}; a mismatch is a 400 naming it."""
     _, body = await parsed(request, UpdateFromDiskRequest)
-    if body.policy not in POLICIES:
-        raise APIError(400, f"policy={body.policy!r} must be one of {', '.join(POLICIES)}",
-                       param="policy")
+    _policy(body.policy, "policy")
     if body.load_format not in (None, "auto"):
         raise APIError(400, f"load_format={body.load_format!r}: only 'auto' (the "
                        "directory's own files)", param="load_format")

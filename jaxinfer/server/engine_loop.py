@@ -216,17 +216,22 @@ class EngineLoop:
 
     def _iterate(self) -> None:
         """Handle the commands waiting (wait for one when idle), then run one step."""
-        busy = self.healthy and self.engine.has_unfinished()
+        busy = self._runnable()
         self._drain(block=not busy)
         with self._lock:  # aborts free slots too, and may leave the engine idle
             self._count()
-        if not (self.healthy and self.engine.has_unfinished()):
+        if not self._runnable():
             return
         outputs = self.engine.step()
         for output in outputs:
             self._deliver(output)
         with self._lock:
             self._count()
+
+    def _runnable(self) -> bool:
+        """Whether a step would do work: paused (pause_generation), requests wait."""
+        return (self.healthy and self.engine.has_unfinished()
+                and not getattr(self.engine, "paused", False))
 
     def _drain(self, block: bool) -> None:
         try:
