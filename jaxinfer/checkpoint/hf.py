@@ -136,9 +136,46 @@ def placed_leaf(reader: shard_source.Reader, mesh: Mesh, name: str,
 def leaves_from_hf_tensors(tensors: dict, cfg: ModelConfig, dtype: str, mesh: Mesh, *,
                            expert_parallel: bool = False) -> dict[str, jax.Array]:
     """leaf_name -> float leaf placed on `mesh`, for each params leaf whose HF tensors
-    are all in `tensors` (HF name -> host array; a subset: a partial update). A name
-    that is no HF tensor of `cfg`, a wrong shape, or a fused leaf given in part is a
-    ValueError naming it."""
+    are all in `tensors` (HF name -> host array; a subset: a partial update), cut per
+    device by the loader's reader. A name that is no HF tensor of `cfg`, a wrong shape,
+    or a fused leaf given in part is a ValueError naming it."""
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    served = sharding.served_config(cfg, shards)
+    reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards))
+    specs = param_partition_specs(served, shards, expert_parallel)
+    leaf_shapes, out = param_shapes(served), {}
+    for leaf, (layout, _) in given_leaves(tensors, cfg, served).items():
+        path = _leaf_path(leaf)
+        out[leaf] = placed_leaf(reader, mesh, leaf, layout, get_leaf(leaf_shapes, path),
+                                get_leaf(specs, path), np.dtype(jnp.dtype(dtype)))
+    return out
+
+
+def fused_on_device(arrays: dict, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """leaf_name -> leaf for HF-named jax.Arrays, fused where they are (jnp ops on
+    their devices, no host copy; the caller reshards): for a mesh that needs no KV
+    head copies (sharding.served_config(cfg, shards) == cfg). Checked as
+    `leaves_from_hf_tensors` checks."""
+    names, out = hf_names(cfg), {}
+    for leaf, (_, parts) in given_leaves(arrays, cfg, cfg).items():
+        layer: dict = {}
+        for name in parts:
+            tensor = names[name]
+            value = arrays[name].T if tensor.transposed else arrays[name]
+            layer.setdefault(tensor.path[-1], []).append(value)
+        layer = {k: jnp.stack(v) if len(v) > 1 or names[parts[0]].expert is not None
+                 else v[0] for k, v in layer.items()}
+        if leaf.startswith("layers."):
+            layer = fusion.fuse_layer(layer, cfg)
+        (out[leaf],) = layer.values()
+    return out
+
+
+def given_leaves(tensors: dict, cfg: ModelConfig, served: ModelConfig
+                 ) -> dict[str, tuple[shard_source.Layout, list[str]]]:
+    """leaf_name -> (its layout, its HF tensor names) for each leaf all of whose
+    tensors `tensors` holds; ValueError for an unknown name, a wrong shape, or a
+    fused leaf given in part."""
     expected, shapes = hf_names(cfg), hf_shapes(cfg)
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -149,25 +186,22 @@ def leaves_from_hf_tensors(tensors: dict, cfg: ModelConfig, dtype: str, mesh: Me
         if tuple(array.shape) != tuple(want):
             raise ValueError(f"tensor {name} has shape {tuple(array.shape)}, expected "
                              f"{tuple(want)}")
-    shards = mesh.shape[sharding.MODEL_AXIS]
-    served = sharding.served_config(cfg, shards)
-    reader = shard_source.Reader(tensors, served, sharding.kv_replicas(cfg, shards))
-    specs = param_partition_specs(served, shards, expert_parallel)
-    leaf_shapes, out = param_shapes(served), {}
+    out = {}
     for leaf, layout in leaf_layouts(served).items():
         names = [n.format(e=e) for n in layout.names
                  for e in (range(layout.experts) if layout.experts else [0])]
         given = [n for n in names if n in tensors]
-        if not given:
-            continue
-        if len(given) < len(names):
+        if given and len(given) < len(names):
             missing = sorted(set(names) - set(given))
             raise ValueError(f"{leaf} is made of {len(names)} tensors; also give "
                              f"{missing[:5]}")
-        path = tuple(int(k) if k.isdigit() else k for k in leaf.split("."))
-        out[leaf] = placed_leaf(reader, mesh, leaf, layout, get_leaf(leaf_shapes, path),
-                                get_leaf(specs, path), np.dtype(jnp.dtype(dtype)))
+        if given:
+            out[leaf] = (layout, names)
     return out
+
+
+def _leaf_path(leaf: str) -> tuple:
+    return tuple(int(k) if k.isdigit() else k for k in leaf.split("."))
 
 
 def _fp8_value(reader: shard_source.Reader, mesh: Mesh, name: str,

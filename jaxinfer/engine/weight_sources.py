@@ -17,6 +17,7 @@ from jaxinfer import checkpoint
 from jaxinfer.checkpoint import hf as hf_checkpoint
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.runner import weights as device_weights
+from jaxinfer.model import sharding
 
 
 def leaves_of(weights: object, params: dict, cfg: ModelConfig, *,
@@ -37,8 +38,13 @@ def leaves_of(weights: object, params: dict, cfg: ModelConfig, *,
 
 def _from_hf_names(weights: Mapping, cfg: ModelConfig, dtype: str, mesh: object,
                    expert_parallel: bool) -> tuple[dict, int]:
-    """HF-named arrays cut per device by the loader's reader. jax.Arrays are read back
-    to host first (counted): the reader slices host memory."""
+    """HF-named arrays: jax.Arrays fused where they are (no host copy) when the
+    engine's mesh needs no KV head copies; host arrays (or jax.Arrays otherwise, read
+    back first and counted) cut per device by the loader's reader."""
+    on_device = all(isinstance(v, jax.Array) for v in weights.values())
+    shards = mesh.shape[sharding.MODEL_AXIS]
+    if on_device and sharding.served_config(cfg, shards) == cfg:
+        return hf_checkpoint.fused_on_device(dict(weights), cfg), 0
     host = sum(v.nbytes for v in weights.values())
     tensors = {k: np.asarray(jax.device_get(v)) if isinstance(v, jax.Array) else
                np.asarray(v) for k, v in weights.items()}

@@ -71,10 +71,11 @@ def _placed(leaves: dict, params: dict) -> dict:
 
 
 def _like(new: object, old: jax.Array) -> jax.Array:
-    if isinstance(new, jax.Array):
-        if new.sharding == old.sharding and new.dtype == old.dtype:
-            return new
-        return jax.jit(lambda x: x.astype(old.dtype), out_shardings=old.sharding)(new)
+    if isinstance(new, jax.Array):  # device to device, cast where it lands
+        placed = jax.device_put(new, old.sharding)
+        if placed.dtype == old.dtype:
+            return placed
+        return jax.jit(lambda x: x.astype(old.dtype), out_shardings=old.sharding)(placed)
     return jax.device_put(np.asarray(new, dtype=old.dtype), old.sharding)
 
 
