@@ -58,6 +58,12 @@ def reset_prefix_cache(engine: typing.Any) -> int:
     return dropped
 
 
+def forget_kept_pages(engine: typing.Any) -> int:
+    """Unregister the pages requests kept across an update hold, so that no later
+    prompt hits their old-weights KV; returns how many."""
+    return sum(group.pool.forget_in_use() for group in engine.scheduler.pages.groups)
+
+
 def update(engine: typing.Any, weights: object, policy: str = "abort") -> dict:
     """`Engine.update_weights`: converted first (a mismatch raises before anything
     changes), then in-flight requests handled per `policy` (unless already paused),
@@ -74,7 +80,7 @@ def update(engine: typing.Any, weights: object, policy: str = "abort") -> dict:
     was_paused = engine.paused
     aborted = 0 if was_paused else pause(engine, policy, clear_cache=False)
     device_weights.apply(engine.runner, leaves)
-    dropped = reset_prefix_cache(engine)
+    dropped = reset_prefix_cache(engine) + forget_kept_pages(engine)
     if not was_paused:
         resume(engine)
     return {"bytes_from_host": host_bytes, "leaves": len(leaves), "aborted": aborted,

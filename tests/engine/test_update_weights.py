@@ -162,6 +162,9 @@ def test_keep_policy_continues_on_new_weights(two_models):
     kept = _finish(llm)
     assert len(kept) == 12 and kept != plain
     assert kept[:2] == plain[:2]  # the tokens before the update came from the old weights
+    hits = llm.metrics()["prefix_cache_hit_tokens"]
+    llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)  # the kept request's pages: old KV
+    assert llm.metrics()["prefix_cache_hit_tokens"] == hits
 
 
 def test_pause_and_resume(two_models):

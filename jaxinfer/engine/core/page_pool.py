@@ -192,6 +192,16 @@ class PagePool:
             self._free.append(page)
         return len(pages)
 
+    def forget_in_use(self) -> int:
+        """Unregister the cached pages requests still hold (their KV came from weights
+        since replaced): freed later, they go back uncached; returns how many. Pages
+        those requests register next chain off the forgotten ones, so no lookup from
+        the root reaches them."""
+        pages = [page for page in self._cached if self._refs[page] > 0]
+        for page in pages:
+            self._forget(page)
+        return len(pages)
+
     def _serial(self) -> int:
         self._serials += 1
         return self._serials
