@@ -80,3 +80,12 @@ def test_int8_engine_requantizes_float_weights(tmp_path_factory):
     llm.update_weights(str(new))
     assert _tokens(llm) == expected
     assert llm.metrics()["compiles_after_warmup"] == 0
+
+
+def test_data_parallel_engines_refuse_by_name(tmp_path_factory):
+    old, _ = _pair(tmp_path_factory, "llama")
+    llm = LLM(str(old), **SMALL, data_parallel_size=2)
+    for call in (lambda: llm.update_weights(str(old)), llm.reset_prefix_cache,
+                 llm.pause_generation):
+        with pytest.raises(NotImplementedError, match="data_parallel_size"):
+            call()
