@@ -4,12 +4,14 @@ compile, the prefix cache is reset, and requests in flight follow the policy
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxinfer import LLM, SamplingParams, testing
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
 
 SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
              enable_prefix_caching=True, compilation_cache_dir="")
@@ -180,3 +182,15 @@ def test_pause_and_resume(two_models):
     assert llm.reset_prefix_cache() >= 0
     with pytest.raises(ValueError, match="policy"):
         llm.update_weights({}, policy="later")
+
+
+def test_orbax_directory_update(two_models, expected, tmp_path):
+    old, new = two_models
+    orbax_dir = tmp_path / "orbax"
+    orbax_dir.mkdir()
+    shutil.copy(new / "config.json", orbax_dir)
+    params = checkpoint.load_params(new, checkpoint.load_config(new))
+    checkpoint.save_orbax(orbax_dir / "params", params)
+    llm = LLM(str(old), **SMALL, strict_compile=True)
+    assert llm.update_weights(str(orbax_dir))["bytes_from_host"] == 0
+    assert _tokens(llm) == expected
