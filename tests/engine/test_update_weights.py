@@ -194,3 +194,12 @@ def test_orbax_directory_update(two_models, expected, tmp_path):
     llm = LLM(str(old), **SMALL, strict_compile=True)
     assert llm.update_weights(str(orbax_dir))["bytes_from_host"] == 0
     assert _tokens(llm) == expected
+
+
+def test_update_while_asleep_gives_the_weights_back(two_models, expected):
+    old, new = two_models
+    llm = LLM(str(old), **SMALL, strict_compile=True)
+    llm.sleep(level=2)  # weights dropped: the update brings new ones
+    llm.update_weights(_hf_tensors(new))
+    llm.wake_up()
+    assert _tokens(llm) == expected and _compiles(llm) == 0
