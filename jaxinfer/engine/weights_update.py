@@ -36,6 +36,7 @@ def pause(engine: typing.Any, mode: str = "abort", clear_cache: bool = True) -> 
                 aborted += count
                 engine.abort(prompt_id)
     elif mode == "wait":
+        engine.paused = False  # paused already, steps would never run
         while engine.has_unfinished():
             engine.step()
     engine.paused = True
