@@ -24,12 +24,12 @@ from jaxinfer.training import llm_sequence_logprobs
 flags.DEFINE_integer("max_tokens", 32, "tokens sampled per request")
 FLAGS = flags.FLAGS
 
-WORDS = "Once upon a time there was a little dog who liked to run in the park with Tom".split()
+TEXT = "Once upon a time there was a little dog who liked to run in the park with Tom"
 
 
 def prompts(count: int) -> list[str]:
     """Prompts of mixed lengths: 1 to ~100 words."""
-    return [" ".join(WORDS * 8)[: 1 + (37 * i) % 400] for i in range(count)]
+    return [" ".join([TEXT] * 8)[: 1 + (37 * i) % 400] for i in range(count)]
 
 
 def mismatch(llm: LLM, batch: int) -> dict:
