@@ -1,6 +1,8 @@
 """Weight-sync time for RL rollouts: `LLM.update_weights` on the demo model (or
-`--model`), from a params pytree already on the devices and from HF-named numpy
-arrays (read from the checkpoint's safetensors). Prints one JSON line: per input,
+`--model`), from a params pytree already on the devices, from HF-named numpy arrays
+(read from the checkpoint's safetensors) and from the same as jax.Arrays sharded over
+every device along their first axis (a trainer's FSDP layout: fused and resharded on
+device). Prints one JSON line: per input,
 the median seconds over `--repeats` (each waited for) and the bytes sent from host.
 See docs/rl.md#updating-weights and docs/benchmarks.md#weight-updates.
 """
@@ -15,6 +17,8 @@ import tempfile
 import time
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
 from jaxinfer import LLM, testing
@@ -67,7 +71,23 @@ def run(model: str | os.PathLike | None, args: argparse.Namespace) -> None:
         "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
         "weight_bytes": runner.weight_bytes, "devices": len(jax.devices()),
         "pytree_on_device": timed(llm, copy, args.repeats),
-        "hf_numpy": timed(llm, tensors, args.repeats)}))
+        "hf_numpy": timed(llm, tensors, args.repeats),
+        "hf_on_device": timed(llm, fsdp_sharded(tensors), args.repeats)}))
+
+
+def fsdp_sharded(tensors: dict) -> dict:
+    """`tensors` put on every device, each split along its first axis the device count
+    divides (else replicated): a trainer's FSDP layout, not the engine's."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    out = {}
+    for name, value in tensors.items():
+        axes = [a for a in range(value.ndim) if value.shape[a] % len(devices) == 0]
+        spec = [None] * value.ndim
+        if axes:
+            spec[axes[0]] = "fsdp"
+        out[name] = jax.device_put(value, NamedSharding(mesh, PartitionSpec(*spec)))
+    return jax.block_until_ready(out)
 
 
 if __name__ == "__main__":

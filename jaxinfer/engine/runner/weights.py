@@ -7,6 +7,9 @@ See docs/rl.md#updating-weights.
 
 from __future__ import annotations
 
+import functools
+import typing
+
 import jax
 import numpy as np
 
@@ -75,8 +78,20 @@ def _like(new: object, old: jax.Array) -> jax.Array:
         placed = jax.device_put(new, old.sharding)
         if placed.dtype == old.dtype:
             return placed
-        return jax.jit(lambda x: x.astype(old.dtype), out_shardings=old.sharding)(placed)
+        return _cast(old.dtype, old.sharding)(placed)
     return jax.device_put(np.asarray(new, dtype=old.dtype), old.sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _cast(dtype: object, sharding: jax.sharding.Sharding) -> typing.Callable:
+    """One jitted cast per (dtype, sharding), kept: the next update reuses it."""
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _quantize(mode: str, head: bool) -> typing.Callable:
+    """quantize_params jitted once per mode: later updates of the same shapes reuse it."""
+    return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode, head=head))
 
 
 def _quantized(leaves: dict, runner: object, mode: str) -> dict:
@@ -92,7 +107,7 @@ def _quantized(leaves: dict, runner: object, mode: str) -> dict:
                          f"{len(names) - len(leaves)} leaves missing")
     tree = _tree_of(leaves, runner.params)
     head = quantization_lib.has_quantized_head(runner.params)
-    quantized = jax.jit(lambda p: quantization_lib.quantize_params(p, mode, head=head))(tree)
+    quantized = _quantize(mode, head)(tree)
     return _pytree_leaves(quantized)
 
 
