@@ -14,9 +14,10 @@ import random
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import checks, loading, weights_update
+from jaxinfer.engine import checks, loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine import sleep as sleep_mode
+from jaxinfer.engine.controls import RolloutControls
 from jaxinfer.engine.core import kv_groups
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.detokenize import TextState
@@ -38,7 +39,7 @@ from jaxinfer.text.tokenizer import TooLong
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(RolloutControls):
     """A model served with continuous batching over a paged KV cache."""
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
@@ -246,39 +247,9 @@ class Engine:
             self.constraints.drop(request)
         return self._outputs.pop(request_id)
 
-    # ---- sleep mode (docs/rl.md#sleeping-and-waking; engine/sleep.py) -----------------
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV cache and move the weights to host memory (level 1) or drop them
-        (level 2); no request may be unfinished."""
-        sleep_mode.put_to_sleep(self, level)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Bring back `tags` ("weights", "kv_cache"; None: both), as vLLM's."""
-        self.sleeper.wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return bool(self.sleeper.level)
-
     def device_memory_bytes(self) -> int:
         """Bytes of live jax arrays on this engine's devices (JAX's own count)."""
         return runner_lib.live_device_bytes(self.sleeper.devices)
-
-    # ---- weight updates (docs/rl.md#updating-weights; engine/weights_update.py) -------
-
-    def update_weights(self, weights: object, policy: str = "abort") -> dict:
-        """New weights (a params pytree, HF-named arrays or a checkpoint directory);
-        in-flight requests per `policy` ("abort", "wait", "keep"); the prefix cache reset."""
-        return weights_update.update(self, weights, policy)
-
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> int:
-        return weights_update.pause(self, mode, clear_cache)
-
-    def resume_generation(self) -> None:
-        weights_update.resume(self)
-
-    def reset_prefix_cache(self) -> int:
-        return weights_update.reset_prefix_cache(self)
 
     # ---- the loop -------------------------------------------------------------------
 
