@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.training import llm_sequence_logprobs
+from jaxinfer.training import llm_sequence_logprobs, sampled_sequences
 
 flags.DEFINE_integer("max_tokens", 32, "tokens sampled per request")
 FLAGS = flags.FLAGS
@@ -34,13 +34,8 @@ def prompts(count: int) -> list[str]:
 
 def mismatch(llm: LLM, batch: int) -> dict:
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=FLAGS.max_tokens, logprobs=0)
-    outs = llm.generate(prompts(batch), params, use_tqdm=False)
-    seqs, engine, starts = [], [], []
-    for out in outs:
-        c = out.outputs[0]
-        seqs.append(list(out.prompt_token_ids) + list(c.token_ids))
-        engine.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-        starts.append(len(out.prompt_token_ids) - 1)
+    seqs, engine, starts = sampled_sequences(llm.generate(prompts(batch), params,
+                                                          use_tqdm=False))
     ours = llm_sequence_logprobs(llm, seqs)
     got = np.concatenate([np.asarray(o[s:s + len(e)], np.float32)
                           for o, e, s in zip(ours, engine, starts, strict=True)])

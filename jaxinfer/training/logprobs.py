@@ -94,3 +94,16 @@ def llm_sequence_logprobs(llm: object, sequences: list[list[int]]) -> list[list[
     lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
     out = jax.device_get(_jitted(params, ids, lengths, cfg))
     return [out[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+
+def sampled_sequences(outputs: list) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """From `LLM.generate` outputs sampled with `logprobs=0`, each first completion's
+    (prompt + completion ids, the engine's logprob of each sampled token, the column of
+    `sequence_logprobs` that scores the first sampled token)."""
+    sequences, engine, starts = [], [], []
+    for out in outputs:
+        c = out.outputs[0]
+        sequences.append(list(out.prompt_token_ids) + list(c.token_ids))
+        engine.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+        starts.append(len(out.prompt_token_ids) - 1)
+    return sequences, engine, starts

@@ -8,7 +8,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model import quantization
-from jaxinfer.training import llm_sequence_logprobs, sequence_logprobs
+from jaxinfer.training import llm_sequence_logprobs, sampled_sequences, sequence_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -18,15 +18,8 @@ def llm(hf_model_dirs):
 
 
 def sampled(llm, prompts):
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=3,
-                                                logprobs=0))
-    seqs, engine, starts = [], [], []
-    for out in outs:
-        c = out.outputs[0]
-        seqs.append(list(out.prompt_token_ids) + list(c.token_ids))
-        engine.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-        starts.append(len(out.prompt_token_ids) - 1)
-    return seqs, engine, starts
+    return sampled_sequences(llm.generate(prompts, SamplingParams(
+        max_tokens=12, temperature=1.0, seed=3, logprobs=0)))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
