@@ -50,6 +50,12 @@ class FlatProgram:
     def __call__(self, *args: object) -> object:
         return jax.tree.unflatten(self.out_tree, self.compiled(*jax.tree.leaves(args)))
 
+    def __getattr__(self, name: str) -> object:
+        """The rest of `jax.stages.Compiled` (as_text, cost_analysis, ...) as compiled."""
+        if name.startswith("__") or name == "compiled":  # copy and pickle probe these
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatLowering:
