@@ -194,6 +194,12 @@ class EngineConfig:
         "stops may compute one extra position, discarded). Speculative decoding runs "
         "synchronous steps")
     strict_compile: bool = setting(False, "raise on any compilation after warm-up")
+    batch_invariant: bool = setting(
+        False, "matmuls and RoPE by fixed blocks of 16 rows, so a token's logits do not "
+        "depend on the batch or step it ran in, and jaxinfer.training's "
+        "sequence_logprobs(batch_invariant=True) equals the engine's logprobs bitwise on "
+        "CPU (vLLM's VLLM_BATCH_INVARIANT); dense models, tensor_parallel_size=1; costs "
+        "compute (docs/rl.md#batch-invariant-mode)")
     compilation_cache_dir: str | None = setting(
         None, "directory of JAX's persistent compilation cache, one per process (set by "
         "LLM and the CLI, not by Engine); default: $JAX_COMPILATION_CACHE_DIR, else "

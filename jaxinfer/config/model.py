@@ -184,12 +184,20 @@ class ModelOptions:
     LM head reads). When set, the KV cache has one more entry, the feature store
     [pages * page_size, len * hidden_size], written at each computed token's KV slot.
     From the speculative heads' config."""
+    batch_invariant: bool = False
+    """Matmuls and RoPE by fixed blocks of rows, so a token's logits do not depend on
+    the step it ran in, and the dense forward rounds as the paged one
+    (model/invariance.py); from `EngineConfig.batch_invariant`."""
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError, naming the field, unless these options suit `cfg`."""
         if self.expert_parallel and cfg.moe is None:
             raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts "
                              f"model; {cfg.architecture} has no experts")
+        if self.batch_invariant and cfg.moe is not None:
+            raise ValueError(f"batch_invariant=True covers dense models; "
+                             f"{cfg.architecture} routes tokens to experts, whose "
+                             f"grouped matmuls are not made invariant")
         bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "

@@ -67,7 +67,12 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     root = pathlib.Path(model_dir)
     model_config = checkpoint.load_config(root)
     ep = config.enable_expert_parallel
-    ModelOptions(expert_parallel=ep).check(model_config)
+    ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant).check(
+        model_config)
+    if config.batch_invariant and config.tensor_parallel_size > 1:
+        raise ValueError("batch_invariant=True runs each replica on one device; "
+                         f"tensor_parallel_size={config.tensor_parallel_size} sums "
+                         "matmuls across devices")
     tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
                                skip=config.skip_tokenizer_init,
                                chat_template=config.chat_template)
@@ -80,7 +85,8 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
                                 config.data_parallel_size, replica, ep)
     parts = spec_loading.prepare(root, model_config, config, max_len)
-    options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers)
+    options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers,
+                           batch_invariant=config.batch_invariant)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     group = prequantized_int4.group_size(root)  # an AWQ or GPTQ checkpoint's int4 groups
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),

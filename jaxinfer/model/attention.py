@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, layers, sharding
+from jaxinfer.model import fusion, invariance, layers, sharding
 from jaxinfer.pallas import (
     DEFAULT_SETTINGS,
     AttentionSettings,
@@ -179,7 +179,14 @@ def init_kv_cache(cfg: ModelConfig, *, num_pages: int | Sequence[int], page_size
 def project_qkv(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig,
                 rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
     """q f32[..., N, H], k and v f32[..., G, H] of normed x f[..., D]: one fused matmul
-    (grouped by KV head, model/fusion.py), q/k norms when configured, then RoPE."""
+    (grouped by KV head, model/fusion.py), q/k norms when configured, then RoPE. In
+    batch-invariant mode all of it by blocks of rows: RoPE fused into the attention that
+    reads it rounds by that program (docs/rl.md#batch-invariant-mode)."""
+    if invariance.active():
+        cos, sin = (jnp.broadcast_to(t, (*x.shape[:-1], *t.shape[-2:])) for t in rope)
+        with invariance.rows_in_blocks(False):
+            return invariance.map_rows(
+                lambda rows, c, s: project_qkv(layer, rows, cfg, (c, s)), x, cos, sin)
     q, k, v = fusion.split_qkv(layers.linear(x, layer["wqkv"], layer.get("bqkv")), cfg)
     if cfg.qk_norm:
         q = layers.norm(q, layer["q_norm"], cfg)
@@ -266,7 +273,12 @@ def dense_causal_attention(
                               layers.rope_scale(cfg, rope_kind))
     q, k, v = project_qkv(layer, x, cfg, rope)
     dtype = layer["wqkv"].dtype
-    if cfg.attn_logit_softcapping is None and "sinks" not in layer:
+    if invariance.active():  # as the step computes it: K/V stored in the weights' dtype
+        out = reference.causal_attention_by_blocks(
+            q, k.astype(dtype), v.astype(dtype), sm_scale=cfg.attention_scale(),
+            sliding_window=window, soft_cap=cfg.attn_logit_softcapping,
+            sinks=layer["sinks"].astype(jnp.float32) if "sinks" in layer else None)
+    elif cfg.attn_logit_softcapping is None and "sinks" not in layer:
         out = jax.nn.dot_product_attention(
             q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
             scale=cfg.attention_scale(),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.config.model import FINAL_NORMED
-from jaxinfer.model import layers, moe, sharding
+from jaxinfer.model import invariance, layers, moe, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
     KVCache,
@@ -59,7 +59,14 @@ def forward(
     `routing` the tokens each MoE layer sent to each expert, i32[L_moe, E].
     `options`: the engine's (experts split by expert, features kept for heads).
     `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
-    k + 1 in a verify bucket), so attention takes its slot-by-slot path alone."""
+    k + 1 in a verify bucket), so attention takes its slot-by-slot path alone.
+    `options.batch_invariant`: each token rounded alike in any step."""
+    with invariance.rows_in_blocks(options.batch_invariant):
+        return _paged(params, kv_cache, token_ids, md, cfg, options, max_q_len, routing)
+
+
+def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: AttentionMetadata,
+           cfg: ModelConfig, options: ModelOptions, max_q_len: int, routing: bool) -> tuple:
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
     ropes = {kind: layers.rope_tables(md.positions, layers.rope_inv_freq(cfg, kind),
                                       layers.rope_scale(cfg, kind))
@@ -120,7 +127,14 @@ def forward_dense(params: Params, token_ids: jax.Array, *, cfg: ModelConfig,
                   options: ModelOptions = DEFAULT_OPTIONS, with_features: bool = False
                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal forward over whole sequences i32[B, T] without a cache -> f32[B, T, V];
-    `with_features`: (logits, f32[B, T, feature_size]) of `options.feature_layers`."""
+    `with_features`: (logits, f32[B, T, feature_size]) of `options.feature_layers`.
+    `options.batch_invariant`: rounded as the paged forward rounds each token."""
+    with invariance.rows_in_blocks(options.batch_invariant):
+        return _dense(params, token_ids, cfg, options, with_features)
+
+
+def _dense(params: Params, token_ids: jax.Array, cfg: ModelConfig, options: ModelOptions,
+           with_features: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)
     captured = {}
     for index, layer in enumerate(params["layers"]):
@@ -160,18 +174,26 @@ def compute_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     head = params.get("lm_head", params["embed"])  # a quantized model always has one
     rows = x.shape[0] if x.ndim == 2 else None
     min_rows = layers.min_matmul_rows(head.dtype)
-    if rows is not None and rows < min_rows:  # see layers.min_matmul_rows
-        x = jnp.pad(x, ((0, min_rows - rows), (0, 0)))
-    if "lm_head" in params:
-        logits = layers.linear(x, params["lm_head"])
+    if invariance.active():
+        with invariance.rows_in_blocks(False):
+            logits = invariance.map_rows(lambda block: lm_head(params, block), x)
+    elif rows is not None and rows < min_rows:  # see layers.min_matmul_rows
+        logits = lm_head(params, jnp.pad(x, ((0, min_rows - rows), (0, 0))))
     else:
-        # Contract with the [V, D] table as stored: `x @ embed.T` made XLA:CPU convert the
-        # whole bf16 table to f32 every step (27 ms vs 5 ms on the SmolLM shape).
-        table = params["embed"]
-        logits = jnp.einsum("...d,vd->...v", x.astype(table.dtype), table,
-                            preferred_element_type=jnp.float32)
+        logits = lm_head(params, x)
     logits = sharding.split_vocab(logits)
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)
     return logits if rows is None else logits[:rows]
+
+
+def lm_head(params: Params, x: jax.Array) -> jax.Array:
+    """Normed x f[..., D] -> f32[..., V] by the LM head, or the embedding when tied."""
+    if "lm_head" in params:
+        return layers.linear(x, params["lm_head"])
+    # Contract with the [V, D] table as stored: `x @ embed.T` made XLA:CPU convert the
+    # whole bf16 table to f32 every step (27 ms vs 5 ms on the SmolLM shape).
+    table = params["embed"]
+    return jnp.einsum("...d,vd->...v", x.astype(table.dtype), table,
+                      preferred_element_type=jnp.float32)

@@ -373,3 +373,47 @@ def _dequantize(x: jax.Array, scale: float | None, dtype: jnp.dtype) -> jax.Arra
     if scale is None:
         return x.astype(dtype)
     return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def causal_attention_by_blocks(
+    q: jax.Array,  # f32[B, T, N, H]
+    k: jax.Array,  # f32[B, T, G, H]
+    v: jax.Array,  # f32[B, T, G, H]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
+) -> jax.Array:  # f32[B, T, N, H]
+    """Causal attention over whole sequences with the paged path's arithmetic: the same
+    online softmax over KV blocks of KV_BLOCK_TOKENS, each query with its own copy of
+    the block's KV, so a token's output rounds as the engine's step rounds it (the
+    batch-invariant dense forward, docs/rl.md#batch-invariant-mode)."""
+    batch, tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    num_blocks = -(-tokens // KV_BLOCK_TOKENS)
+    pad = ((0, 0), (0, num_blocks * KV_BLOCK_TOKENS - tokens), (0, 0), (0, 0))
+    k, v = jnp.pad(k.astype(jnp.float32), pad), jnp.pad(v.astype(jnp.float32), pad)
+    qg = q.reshape(batch * tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q_pos = jnp.tile(jnp.arange(tokens, dtype=jnp.int32), batch)
+    kv_len = jnp.full((batch * tokens,), tokens, jnp.int32)
+    carry = _init_carry(qg.shape, DEFAULT_MASK_VALUE, sinks)
+    for b in range(num_blocks):
+        pos = b * KV_BLOCK_TOKENS + jnp.arange(KV_BLOCK_TOKENS, dtype=jnp.int32)
+        k_own, v_own = (_each_token_block(x, b, tokens) for x in (k, v))
+        carry = _kv_block_update(carry, qg, k_own, v_own, pos, kv_len, q_pos,
+                                 sm_scale=sm_scale, sliding_window=sliding_window,
+                                 soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE,
+                                 k_scale=None, v_scale=None, kv_scales=None)
+    _, total, acc = carry
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(batch, tokens, num_heads, head_dim)
+
+
+def _each_token_block(x: jax.Array, block: int, tokens: int) -> jax.Array:
+    """KV block `block` of x f32[B, T', G, H], one copy per query token:
+    f32[B * tokens, KV_BLOCK_TOKENS, G, H] (the step's per-token gather)."""
+    rows = x[:, None, block * KV_BLOCK_TOKENS:(block + 1) * KV_BLOCK_TOKENS]
+    batch, _, width, heads, head_dim = rows.shape
+    return jnp.broadcast_to(rows, (batch, tokens, width, heads, head_dim)).reshape(
+        batch * tokens, width, heads, head_dim)

@@ -12,19 +12,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, ModelOptions
 from jaxinfer.model import transformer
 from jaxinfer.model.quantization import QuantizedWeight
 
 
 def sequence_logprobs(params: dict, token_ids: jax.Array, *, cfg: ModelConfig,
-                      lengths: jax.Array | None = None) -> jax.Array:
+                      lengths: jax.Array | None = None, batch_invariant: bool = False
+                      ) -> jax.Array:
     """f32[B, T]: out[b, t] is the logprob of token_ids[b, t + 1] given token_ids[b, :t + 1]
     (the last column, and every column at or past lengths[b] - 1, is 0).
 
     `token_ids` i32[B, T], right-padded; `lengths` i32[B] the real tokens of each row
     (None: all T). Attention is causal, so the padding after a row never reaches its
-    real tokens. Pure over the params pytree: jax.jit and jax.grad apply."""
+    real tokens. Pure over the params pytree: jax.jit and jax.grad apply.
+    `batch_invariant`: rounded as an engine with `batch_invariant=True` rounds, so equal
+    to its logprobs bitwise on CPU (docs/rl.md#batch-invariant-mode)."""
     check_params(params)
     token_ids = jnp.asarray(token_ids)
     if token_ids.ndim != 2:
@@ -33,7 +36,8 @@ def sequence_logprobs(params: dict, token_ids: jax.Array, *, cfg: ModelConfig,
     batch, steps = token_ids.shape
     lengths = (jnp.full((batch,), steps, jnp.int32) if lengths is None
                else jnp.asarray(lengths, jnp.int32))
-    logits = transformer.forward_dense(params, token_ids, cfg=cfg)  # f32[B, T, V]
+    logits = transformer.forward_dense(params, token_ids, cfg=cfg,  # f32[B, T, V]
+                                       options=ModelOptions(batch_invariant=batch_invariant))
     return _token_logprobs(logits, token_ids, lengths)
 
 
@@ -74,17 +78,18 @@ def check_ids(token_ids: jax.Array, cfg: ModelConfig) -> None:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got [{low}, {high}]")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _jitted(params: dict, token_ids: jax.Array, lengths: jax.Array, cfg: ModelConfig
-            ) -> jax.Array:
-    return _token_logprobs(transformer.forward_dense(params, token_ids, cfg=cfg),
-                           token_ids, lengths)
+@functools.partial(jax.jit, static_argnames=("cfg", "batch_invariant"))
+def _jitted(params: dict, token_ids: jax.Array, lengths: jax.Array, cfg: ModelConfig,
+            batch_invariant: bool) -> jax.Array:
+    return sequence_logprobs(params, token_ids, cfg=cfg, lengths=lengths,
+                             batch_invariant=batch_invariant)
 
 
 def llm_sequence_logprobs(llm: object, sequences: list[list[int]]) -> list[list[float]]:
     """Logprobs of each sequence's tokens after the first, on the params an `LLM` serves
-    (llm.llm_engine.runner.params, its model config): for comparing with what it
-    sampled. Rows are right-padded into one batch."""
+    (llm.llm_engine.runner.params, its model config), batch-invariant where the
+    engine is: for comparing with what it sampled. Rows are right-padded into one
+    batch."""
     params = llm.llm_engine.runner.params
     cfg = llm.llm_engine.model_config
     check_params(params)
@@ -92,7 +97,8 @@ def llm_sequence_logprobs(llm: object, sequences: list[list[int]]) -> list[list[
     ids = jnp.asarray([list(s) + [0] * (steps - len(s)) for s in sequences], jnp.int32)
     check_ids(ids, cfg)
     lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
-    out = jax.device_get(_jitted(params, ids, lengths, cfg))
+    out = jax.device_get(_jitted(params, ids, lengths, cfg,
+                                 llm.llm_engine.config.batch_invariant))
     return [out[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 
