@@ -251,7 +251,8 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array,
         query_dtype = jnp.float32 if stored_bits else pages.dtype
     settings = dataclasses.replace(
         md.attention, sm_scale=cfg.attention_scale(), sliding_window=window,
-        soft_cap=cfg.attn_logit_softcapping, num_kv_heads=num_kv_heads, max_q_len=max_q_len)
+        soft_cap=cfg.attn_logit_softcapping, num_kv_heads=num_kv_heads, max_q_len=max_q_len,
+        fixed_order=invariance.active())
     out = ragged_paged_attention(
         q.astype(query_dtype), pages, md.kv_lens, md.page_indices, md.cu_q_lens,
         md.num_seqs, settings, kv_scales=kv_scales, sinks=sinks)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.pallas.row_sum import row_sum
+
 # XLA:CPU rounds a row of a float32 dot by the dot's row count and the row's place in
 # it; a dot of a fixed [ROW_BLOCK, K] block does not (benchmarks/bench_row_invariance.py).
 ROW_BLOCK = 16
@@ -57,3 +59,11 @@ def map_rows(fn: Callable[..., object], *arrays: jax.Array) -> object:
     out = jax.lax.map(lambda xs: fn(*xs), tuple(block(x) for x in arrays))
     return jax.tree.map(lambda y: y.reshape(padded, *y.shape[2:])[:rows].reshape(
         *lead, *y.shape[2:]), out)
+
+
+def logsumexp(x: jax.Array) -> jax.Array:
+    """log(sum(exp(x))) over the last axis with the sum in `row_sum`'s one order:
+    XLA:CPU's reduction of a row rounds by how many rows it reduces with."""
+    top = jnp.max(x, axis=-1)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows of -inf: log(0) = -inf
+    return top + jnp.log(row_sum(jnp.exp(x - top[..., None])))

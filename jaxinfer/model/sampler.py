@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.model import invariance
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,8 @@ def describe(logits: jax.Array, token_ids: jax.Array, inputs: SamplingInputs, *,
              num_logprobs: int, proposed_ids: jax.Array | None = None) -> SampleOutput:
     """The SampleOutput of tokens i32[R] chosen from f32[R, V] raw logits: their logprobs,
     the top ones where rows ask, and the proposed ids' logprobs."""
-    log_total = jax.nn.logsumexp(logits, axis=-1)  # f32[R]: logprobs = logits - log_total
+    log_total = (invariance.logsumexp(logits) if invariance.active()  # f32[R]
+                 else jax.nn.logsumexp(logits, axis=-1))  # logprobs = logits - it
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_total
     num_rows = logits.shape[0]
     skipped = (jnp.full((num_rows, num_logprobs), -jnp.inf),

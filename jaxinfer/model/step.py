@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
-from jaxinfer.model import rejection, sampler, scoring, sharding, transformer
+from jaxinfer.model import invariance, rejection, sampler, scoring, sharding, transformer
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
 
@@ -34,6 +34,14 @@ def step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
     `decode_only`: every request has one token (a decode bucket; see transformer).
     `token_mask`: i32[S, W] allowed-token bits per request (structured outputs,
     `sampler.constrain`), applied at each of its positions; None: no constraint."""
+    with invariance.rows_in_blocks(options.batch_invariant):  # the sampler's logprobs too
+        return _step(params, kv_cache, inputs, cfg, options, num_logprobs, decode_only,
+                     token_mask)
+
+
+def _step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs,
+          cfg: ModelConfig, options: ModelOptions, num_logprobs: int, decode_only: bool,
+          token_mask: jax.Array | None) -> tuple[KVCache, jax.Array]:
     kv_cache, logits, *routed = transformer.forward(
         params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, options=options,
         max_q_len=int(decode_only), routing=cfg.moe is not None)  # f32[S * Q, V]

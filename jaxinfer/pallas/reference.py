@@ -107,7 +107,7 @@ def ragged_paged_attention(
                  mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
                  k_scale=settings.k_scale, v_scale=settings.v_scale,
                  pages_per_block=pages_per_block, num_kv_heads=num_kv_heads,
-                 kv_scales=kv_scales, sinks=sinks)
+                 kv_scales=kv_scales, sinks=sinks, fixed_order=settings.fixed_order)
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     # Single-token requests in the first `prefix` rows (decodes, which engines put first)
     # gather per token; every other request goes by blocks of its queries, gathering its
@@ -336,8 +336,11 @@ def _kv_block_update(
     k_scale: float | None,
     v_scale: float | None,
     kv_scales: jax.Array | None,
+    fixed_order: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """One KV block of the online softmax, per-token KV or one block shared by all rows."""
+    """One KV block of the online softmax, per-token KV or one block shared by all rows;
+    `fixed_order`: its two dots as products summed by `row_sum`, whose rounding no
+    shape changes (XLA:CPU's dots with a head_dim under 64 round by the batch)."""
     del k_scale, v_scale, kv_scales  # applied by _gather_kv
     running_max, total, acc = carry
     shared = k.ndim == 3
@@ -346,7 +349,11 @@ def _kv_block_update(
     # Scores as [Tb, G, R, Cb]: with these operand orders both dots lower to XLA:CPU's
     # fast (ynn) path; other orders fall back to a loop of small dots several times slower.
     spec = "tgrh,cgh->tgrc" if shared else "tgrh,tcgh->tgrc"
-    scores = jnp.einsum(spec, qg.astype(jnp.float32), k) * sm_scale
+    if fixed_order:
+        kt = (k.transpose(1, 0, 2) if shared else k.transpose(0, 2, 1, 3))[..., None, :, :]
+        scores = row_sum(qg.astype(jnp.float32)[..., None, :] * kt) * sm_scale
+    else:
+        scores = jnp.einsum(spec, qg.astype(jnp.float32), k) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     q_pos = q_pos if q_pos.ndim == 2 else q_pos[:, None]  # [Tb, Q]
@@ -365,7 +372,11 @@ def _kv_block_update(
     probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
     scale = jnp.exp(running_max - new_max)
     total = total * scale + row_sum(probs)
-    update = jnp.einsum("tgrc,cgh->tgrh" if shared else "tgrc,tcgh->tgrh", probs, v)
+    if fixed_order:  # [Tb, G, R, H, Cb] products, summed over the block's keys
+        vt = (v.transpose(1, 2, 0) if shared else v.transpose(0, 2, 3, 1))[..., None, :, :]
+        update = row_sum(probs[..., None, :] * vt)
+    else:
+        update = jnp.einsum("tgrc,cgh->tgrh" if shared else "tgrc,tcgh->tgrh", probs, v)
     return new_max, total, acc * scale[..., None] + update
 
 
@@ -384,6 +395,7 @@ def causal_attention_by_blocks(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]
+    fixed_order: bool = True,
 ) -> jax.Array:  # f32[B, T, N, H]
     """Causal attention over whole sequences with the paged path's arithmetic: the same
     online softmax over KV blocks of KV_BLOCK_TOKENS, each query with its own copy of
@@ -404,7 +416,8 @@ def causal_attention_by_blocks(
         carry = _kv_block_update(carry, qg, k_own, v_own, pos, kv_len, q_pos,
                                  sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE,
-                                 k_scale=None, v_scale=None, kv_scales=None)
+                                 k_scale=None, v_scale=None, kv_scales=None,
+                                 fixed_order=fixed_order)
     _, total, acc = carry
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(batch, tokens, num_heads, head_dim)

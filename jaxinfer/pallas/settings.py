@@ -26,6 +26,8 @@ class AttentionSettings:
     v_scale: float | None = None
     num_kv_heads: int | None = None  # real heads when 8-bit pages pad an odd count
     max_q_len: int = 0  # a promise that no request has more query tokens; 0: any
+    fixed_order: bool = False  # the reference's dots as products summed in one order,
+    # whatever the step's shape (batch-invariant mode, docs/rl.md#batch-invariant-mode)
     impl: str = "auto"  # "tpu", "gpu", "reference", or "auto": the backend's kernel
     interpret: bool | Any = False  # a Pallas kernel in interpret mode (TPU: or its
     # InterpretParams, as given)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, ModelOptions
-from jaxinfer.model import transformer
+from jaxinfer.model import invariance, transformer
 from jaxinfer.model.quantization import QuantizedWeight
 
 
@@ -38,15 +38,16 @@ def sequence_logprobs(params: dict, token_ids: jax.Array, *, cfg: ModelConfig,
                else jnp.asarray(lengths, jnp.int32))
     logits = transformer.forward_dense(params, token_ids, cfg=cfg,  # f32[B, T, V]
                                        options=ModelOptions(batch_invariant=batch_invariant))
-    return _token_logprobs(logits, token_ids, lengths)
+    return _token_logprobs(logits, token_ids, lengths, batch_invariant)
 
 
-def _token_logprobs(logits: jax.Array, token_ids: jax.Array, lengths: jax.Array
-                    ) -> jax.Array:
+def _token_logprobs(logits: jax.Array, token_ids: jax.Array, lengths: jax.Array,
+                    batch_invariant: bool = False) -> jax.Array:
     """The engine's sampler arithmetic (model/sampler.py `describe`): logits of the next
     token minus logsumexp of the float32 row, masked to each row's real next tokens."""
     logits = logits[:, :-1].astype(jnp.float32)
-    log_total = jax.nn.logsumexp(logits, axis=-1)
+    log_total = (invariance.logsumexp(logits) if batch_invariant
+                 else jax.nn.logsumexp(logits, axis=-1))
     nxt = token_ids[:, 1:]
     chosen = jnp.take_along_axis(logits, nxt[..., None], axis=-1)[..., 0]
     steps = token_ids.shape[1]
