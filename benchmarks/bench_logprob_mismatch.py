@@ -3,7 +3,8 @@ for float32 and bfloat16 engines, batch 1 and a mixed batch of 32 (prompt length
 ~100 tokens, all submitted together so they share steps and buckets), the sampled
 tokens' logprobs the engine returns (logprobs=0) against jaxinfer.training's
 sequence_logprobs on prompt + output: mean and max |delta|, and how many are bitwise
-equal. Prints JSON.
+equal; with batch_invariant off and on (the trainer's function in the same mode), and
+the seconds each batch took to generate in each mode, same run. Prints JSON.
 
     python benchmarks/bench_logprob_mismatch.py [--max_tokens=32]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import time
 
 import jax
 import numpy as np
@@ -34,25 +36,31 @@ def prompts(count: int) -> list[str]:
 
 def mismatch(llm: LLM, batch: int) -> dict:
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=FLAGS.max_tokens, logprobs=0)
-    seqs, engine, starts = sampled_sequences(llm.generate(prompts(batch), params,
-                                                          use_tqdm=False))
+    llm.generate(prompts(batch), params, use_tqdm=False)  # first run: compiles nothing new
+    start = time.perf_counter()
+    outputs = llm.generate(prompts(batch), params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    seqs, engine, starts = sampled_sequences(outputs)
     ours = llm_sequence_logprobs(llm, seqs)
     got = np.concatenate([np.asarray(o[s:s + len(e)], np.float32)
                           for o, e, s in zip(ours, engine, starts, strict=True)])
     want = np.concatenate([np.asarray(e, np.float32) for e in engine])
     delta = np.abs(got - want)
     return {"batch": batch, "tokens": int(delta.size), "mean_abs": float(delta.mean()),
-            "max_abs": float(delta.max()), "bitwise_equal": int((got == want).sum())}
+            "max_abs": float(delta.max()), "bitwise_equal": int((got == want).sum()),
+            "generate_s": round(seconds, 3)}
 
 
 def main(argv: list[str]) -> None:
     del argv
     rows = []
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(dtype=dtype)
-        for batch in (1, 32):
-            rows.append({"dtype": dtype, **mismatch(llm, batch)})
-        del llm
+        for invariant in (False, True):
+            llm = LLM(dtype=dtype, batch_invariant=invariant)
+            for batch in (1, 32):
+                rows.append({"dtype": dtype, "batch_invariant": invariant,
+                             **mismatch(llm, batch)})
+            del llm
     print(json.dumps({"date": datetime.date.today().isoformat(),
                       "backend": jax.default_backend(), "machine": platform.machine(),
                       "max_tokens": FLAGS.max_tokens, "rows": rows}, indent=1))
