@@ -21,6 +21,7 @@ from jaxinfer.pallas import (
     AttentionSettings,
     kv_layout,
     kv_quant,
+    online_softmax,
     ragged_paged_attention,
     reference,
     resolve_impl,
@@ -275,7 +276,7 @@ def dense_causal_attention(
     q, k, v = project_qkv(layer, x, cfg, rope)
     dtype = layer["wqkv"].dtype
     if invariance.active():  # as the step computes it: K/V stored in the weights' dtype
-        out = reference.causal_attention_by_blocks(
+        out = online_softmax.causal_attention_by_blocks(
             q, k.astype(dtype), v.astype(dtype), sm_scale=cfg.attention_scale(),
             sliding_window=window, soft_cap=cfg.attn_logit_softcapping,
             sinks=layer["sinks"].astype(jnp.float32) if "sinks" in layer else None)
