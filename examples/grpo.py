@@ -35,6 +35,10 @@ LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-4, "Adam's learning rate"
 CLIP = flags.DEFINE_float("clip", 0.2, "PPO's ratio clip")
 RETURN_WITHIN = flags.DEFINE_integer("return_within", 3, "the reward's line budget")
 SEED = flags.DEFINE_integer("seed", 0, "sampling seed of the first step")
+BATCH_INVARIANT = flags.DEFINE_bool(
+    "batch_invariant", False, "engine and loss in batch-invariant mode: the engine's "
+    "logprobs equal the trainer's bitwise, so the first ratio is exactly 1 "
+    "(docs/rl.md#batch-invariant-mode)")
 
 # Function headers the demo model (trained on Python) continues.
 PROMPTS = ["def add(a, b):\n", "def is_even(n):\n", "def first(items):\n",
@@ -89,34 +93,38 @@ def batch_arrays(groups: list[list[dict]]) -> dict[str, jax.Array]:
             "advantages": jnp.asarray(advantages, jnp.float32)}
 
 
-def grpo_loss(params: dict, batch: dict[str, jax.Array], *, cfg: ModelConfig, clip: float
-              ) -> jax.Array:
+def grpo_loss(params: dict, batch: dict[str, jax.Array], *, cfg: ModelConfig, clip: float,
+              batch_invariant: bool) -> tuple[jax.Array, jax.Array]:
     """PPO's clipped objective with group-normalized advantages, averaged over the
-    completion tokens; the old policy's logprobs are the engine's own."""
-    new = sequence_logprobs(params, batch["ids"], cfg=cfg, lengths=batch["lengths"])
+    completion tokens; the old policy's logprobs are the engine's own. Also returns the
+    largest |trainer - engine| logprob over those tokens (0: exactly on-policy)."""
+    new = sequence_logprobs(params, batch["ids"], cfg=cfg, lengths=batch["lengths"],
+                            batch_invariant=batch_invariant)
     ratio = jnp.exp(new - batch["old"])
     advantage = batch["advantages"][:, None]
     objective = jnp.minimum(ratio * advantage,
                             jnp.clip(ratio, 1 - clip, 1 + clip) * advantage)
-    return -(objective * batch["mask"]).sum() / batch["mask"].sum()
+    mismatch = jnp.max(jnp.abs(new - batch["old"]) * batch["mask"])
+    return -(objective * batch["mask"]).sum() / batch["mask"].sum(), mismatch
 
 
 def main(argv: list[str]) -> None:
     del argv
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", batch_invariant=BATCH_INVARIANT.value)
     cfg = llm.llm_engine.model_config
     params = llm.llm_engine.runner.params
     optimizer = optax.adam(LEARNING_RATE.value)
     opt_state = optimizer.init(params)
-    loss_grad = jax.jit(jax.value_and_grad(functools.partial(grpo_loss, cfg=cfg,
-                                                             clip=CLIP.value)))
+    loss_grad = jax.jit(jax.value_and_grad(
+        functools.partial(grpo_loss, cfg=cfg, clip=CLIP.value,
+                          batch_invariant=BATCH_INVARIANT.value), has_aux=True))
     for step in range(STEPS.value):
         prompts = [PROMPTS[(step * GROUPS.value + i) % len(PROMPTS)]
                    for i in range(GROUPS.value)]
         began = time.perf_counter()
         groups = rollout(llm, prompts, step)
         rolled = time.perf_counter()
-        loss, grads = loss_grad(params, batch_arrays(groups))
+        (loss, mismatch), grads = loss_grad(params, batch_arrays(groups))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = jax.block_until_ready(optax.apply_updates(params, updates))
         trained = time.perf_counter()
@@ -125,6 +133,7 @@ def main(argv: list[str]) -> None:
         rewards = [r["reward"] for group in groups for r in group]
         print(json.dumps({"step": step, "mean_reward": round(float(np.mean(rewards)), 4),
                           "loss": round(float(loss), 5),
+                          "max_logprob_mismatch": float(mismatch),
                           "rollout_s": round(rolled - began, 3),
                           "train_s": round(trained - rolled, 3),
                           "weight_sync_s": round(synced - trained, 4),
