@@ -279,6 +279,10 @@ class EngineConfig:
         if self.calibration_data is not None and self.quantization != "int4":
             raise ValueError(f"calibration_data={self.calibration_data!r} needs "
                              f"quantization='int4', not {self.quantization!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant=True runs each replica on one device; "
+                             f"tensor_parallel_size={self.tensor_parallel_size} sums "
+                             "matmuls across devices")
         if not (isinstance(self.gpu_memory_utilization, int | float)
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"{self.gpu_memory_utilization=} must be in (0, 1]")

@@ -69,10 +69,6 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     ep = config.enable_expert_parallel
     ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant).check(
         model_config)
-    if config.batch_invariant and config.tensor_parallel_size > 1:
-        raise ValueError("batch_invariant=True runs each replica on one device; "
-                         f"tensor_parallel_size={config.tensor_parallel_size} sums "
-                         "matmuls across devices")
     tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
                                skip=config.skip_tokenizer_init,
                                chat_template=config.chat_template)

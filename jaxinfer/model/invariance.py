@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 
 import jax
@@ -44,10 +45,8 @@ def active() -> bool:
 def map_rows(fn: Callable[..., object], *arrays: jax.Array) -> object:
     """fn over row blocks of `arrays` (each [..., rest] with the same leading axes, rows
     flattened), results un-blocked to those leading axes; rows padded with zeros."""
-    lead = arrays[0].shape[:-1] if arrays[0].ndim > 1 else arrays[0].shape
-    rows = 1
-    for size in lead:
-        rows *= size
+    lead = arrays[0].shape[:-1]
+    rows = math.prod(lead)
     blocks = max(MIN_BLOCKS, -(-rows // ROW_BLOCK))
     padded = blocks * ROW_BLOCK
 
