@@ -20,19 +20,23 @@ from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.parallel.data_parallel import DataParallelEngine, make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.pooling.calls import PoolingCalls
+from jaxinfer.pooling.engine import PoolingEngine
 from jaxinfer.text.tokenizer import Tokenizer, TooLong
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, object]]  # chat messages: {"role": ..., "content": ...}
 
 
-class LLM:
+class LLM(PoolingCalls):
     """A model served by the engine; keyword arguments are EngineConfig fields
     (`skip_tokenizer_init=True` serves token-id prompts from a checkpoint without a
     tokenizer: outputs carry token ids and empty text) and vLLM's keywords, each honoured,
     accepted where it changes nothing, or refused with the reason
     (docs/sampling.md#vllms-llm-keywords). `enforce_eager=True` (vLLM's) is
-    `warm_up=False`: each bucket compiles when a step first needs it."""
+    `warm_up=False`: each bucket compiles when a step first needs it. A pooling model
+    (`runner="pooling"`, or found so by "auto": docs/pooling.md) serves `embed`,
+    `classify` and `score` instead of `generate`."""
 
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, warm_up: bool = True,
                  **engine_settings: object) -> None:
@@ -47,9 +51,13 @@ class LLM:
                 " is not there. Give a model directory: LLM(model=DIR), or --model=DIR")
         model, config = hub.resolve_all(model, config)  # Hub ids -> local directories
         runner.use_compilation_cache(config.compilation_cache_dir)
-        self.engine = make_engine(model, config, warm_up=warm_up and not eager)  # DP > 1
+        config = loading.with_runner(model, config)
+        if config.runner == "pooling":
+            self.engine = make_pooling_engine(model, config, warm_up=warm_up and not eager)
+        else:
+            self.engine = make_engine(model, config, warm_up=warm_up and not eager)
         self.tokenizer = self.engine.tokenizer
-        self.config = self.engine.model_config
+        self.config = getattr(self.engine, "model_config", None)
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
 
@@ -74,6 +82,7 @@ class LLM:
         `sampling_params`: the checkpoint's defaults (`engine.default_params`).
         `priority`: one int per prompt, lower runs first (as in vLLM). `use_tqdm`: a
         progress bar of finished prompts on stderr (vLLM's)."""
+        self._generating("generate")
         ids = self._add_all(prompts, sampling_params, priority)
         pending = set(ids)  # a step reports the prompts it changed: no scan of all of them
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -88,6 +97,7 @@ class LLM:
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                         ) -> Iterator[RequestOutput]:
         """Yield a prompt's RequestOutput each time a step adds to it (see deltas)."""
+        self._generating("generate_stream")
         ids = self._add_all(prompts, sampling_params)
         try:
             while any(not self.engine.output(i).finished for i in ids):
@@ -112,6 +122,7 @@ class LLM:
         `continue_final_message`, `chat_template_kwargs` (template variables such as
         Qwen3's `enable_thinking`) and `chat_template` (this call's template, its text or
         a file) as vLLM's. One finished RequestOutput per conversation, in order."""
+        self._generating("chat")
         chat = {"continue_final_message": continue_final_message,
                 "template_kwargs": dict(chat_template_kwargs or {})}
         tokenizer = self.tokenizer
@@ -184,6 +195,11 @@ class LLM:
         """Forget every cached prefix page (vLLM's); returns how many."""
         return self._single_engine("reset_prefix_cache").reset_prefix_cache()
 
+    def _generating(self, what: str) -> None:
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError(f"{what} needs a generative model: this is a pooling model "
+                             "(runner='pooling'); use embed(), classify() or score()")
+
     def _single_engine(self, what: str) -> Engine:
         if isinstance(self.engine, DataParallelEngine):
             raise NotImplementedError(f"{what} with data_parallel_size > 1: not supported "
@@ -216,6 +232,17 @@ class LLM:
         for request_id, request, rank in zip(ids, prepared, priority, strict=True):
             self.engine.add_prepared(request_id, request, priority=rank)
         return ids
+
+
+def make_pooling_engine(model: str | os.PathLike, config: EngineConfig, *,
+                        warm_up: bool) -> PoolingEngine:
+    if config.data_parallel_size > 1 or config.tensor_parallel_size > 1:
+        raise ValueError("a pooling model runs on one device: data_parallel_size and "
+                         "tensor_parallel_size must be 1")
+    if config.speculative_config is not None or config.enable_prompt_logprobs:
+        raise ValueError("a pooling model samples nothing: no speculative_config or "
+                         "enable_prompt_logprobs")
+    return PoolingEngine(model, config, warm_up=warm_up)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

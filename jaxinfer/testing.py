@@ -251,3 +251,75 @@ def evictable(pool: PagePool) -> list[int]:
     """A PagePool's cached pages with no owner, least recently used first: its LRU, in
     the order it evicts them."""
     return list(pool._evictable)
+
+
+ENCODERS = {  # tiny encoders: HF class prefix, position ids' offset past the padding id
+    "bert": dict(prefix="Bert", vocab_size=300, max_position_embeddings=128,
+                 type_vocab_size=2, pad_token_id=0),
+    "xlm_roberta": dict(prefix="XLMRoberta", vocab_size=300, max_position_embeddings=130,
+                        type_vocab_size=1, pad_token_id=1),
+}
+ENCODER_SPECIALS = {"bert": ("[PAD]", "[UNK]", "[CLS]", "[SEP]"),
+                    "xlm_roberta": ("<s>", "<pad>", "</s>", "<unk>"),
+                    "decoder": ("<pad>", "<unk>", "<s>", "</s>")}
+
+
+def make_encoder_model(path: str | os.PathLike, architecture: str, *, num_labels: int = 0,
+                       seed: int = 0, **overrides: Any) -> Any:
+    """Save a random tiny BERT or XLM-RoBERTa (`XModel`, or with `num_labels` its
+    `XForSequenceClassification`) at `path` with a word-level tokenizer whose words are
+    "w<id>" (`encoder_text`); returns the torch model."""
+    import torch
+    import transformers
+
+    spec = dict(ENCODERS[architecture])
+    prefix = spec.pop("prefix")
+    config = getattr(transformers, f"{prefix}Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        initializer_range=0.2, **spec | overrides)
+    torch.manual_seed(seed)
+    if num_labels:
+        config.num_labels = num_labels
+        cls = getattr(transformers, f"{prefix}ForSequenceClassification")
+    else:
+        cls = getattr(transformers, f"{prefix}Model")
+    model = cls(config).to(torch.float32).eval()
+    model.save_pretrained(pathlib.Path(path))
+    write_word_tokenizer(path, config.vocab_size, architecture)
+    return model
+
+
+def write_word_tokenizer(path: str | os.PathLike, vocab_size: int, architecture: str) -> None:
+    """A word-level tokenizer.json: the encoder's four special tokens at ids 0-3, then
+    "w4" .. "w<vocab_size - 1>", one token a word; BERT's [CLS] a [SEP] (b [SEP]) or
+    XLM-R's <s> a </s></s> b </s> around inputs and pairs, as their tokenizers add;
+    nothing around them for a "decoder"."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ENCODER_SPECIALS[architecture]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab |= {f"w{i}": i for i in range(len(specials), vocab_size)}
+    unk = specials[3] if architecture == "xlm_roberta" else specials[1]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if architecture == "bert":
+        tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+        names = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
+                 "sep_token": "[SEP]"}
+    elif architecture == "xlm_roberta":
+        tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+        names = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>",
+                 "eos_token": "</s>", "cls_token": "<s>", "sep_token": "</s>"}
+    else:
+        names = {"pad_token": "<pad>", "unk_token": "<unk>", "eos_token": "</s>"}
+    root = pathlib.Path(path)
+    tok.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 100000} | names
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def encoder_text(ids: Sequence[int]) -> str:
+    """The text `write_word_tokenizer`'s tokenizer reads as exactly `ids` (each >= 4)."""
+    return " ".join(f"w{i}" for i in ids)

@@ -31,6 +31,7 @@ from jaxinfer.checkpoint.names import (
     hf_shapes,
     leaf_layouts,
     leaf_name,
+    with_model_prefix,
 )
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import fusion, quantization, sharding
@@ -232,6 +233,7 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
     or GPTQ `int4` scheme, each projection's packed tensors as its int4 views."""
     hf = read_hf_config(root)
     tensors = text_tower.text_tower_tensors(hf, _read_tensors(root), root)
+    tensors = with_model_prefix(tensors)  # a bare decoder's names (an embedding model)
     if mxfp4.is_mxfp4(hf):  # experts' blocks and scales, decoded as slices are read
         tensors = mxfp4.decoded_tensors(tensors)
     fp8_names, scales = set(), {}
@@ -273,7 +275,7 @@ def _checked_tensors(root: pathlib.Path, cfg: ModelConfig,
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return name.endswith(IGNORED_SUFFIXES) or (
-        cfg.tie_word_embeddings and name == "lm_head.weight")
+        (cfg.tie_word_embeddings or cfg.head != "lm") and name == "lm_head.weight")
 
 
 def _read_tensors(root: pathlib.Path) -> dict[str, np.ndarray]:

@@ -16,6 +16,17 @@ from jaxinfer.model.transformer import Params
 LAYER_PREFIX = "model.layers.{}."
 
 
+# The decoder's own tensors, saved without the "model." of *ForCausalLM when a bare
+# `XModel` (an embedding model: Qwen3-Embedding, gte-Qwen2) is saved alone.
+BARE_DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+def with_model_prefix(tensors: dict) -> dict:
+    """`tensors` with a bare decoder's names given *ForCausalLM's "model." prefix."""
+    return {("model." + name if name.startswith(BARE_DECODER_PREFIXES) else name): tensor
+            for name, tensor in tensors.items()}
+
+
 class HFTensor(NamedTuple):
     """Where one HF tensor goes in the unfused params."""
 

@@ -53,9 +53,12 @@ def _model_config() -> object:
 
     from jaxinfer import checkpoint
     from jaxinfer.config import ModelOptions, load_preset
+    from jaxinfer.engine import loading
 
     model = _model_path()
     cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
+    if model.is_dir():  # a pooling model's decoder has no LM head (docs/pooling.md)
+        cfg = loading.served_head(cfg, loading.with_runner(model, engine_config()))
     # a model without experts is the model's answer, not a bad flag value: exit 1
     ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
     return cfg
@@ -214,6 +217,8 @@ def plan() -> None:
     _check_plan_flags()
     acc = _device(accelerators.find_preset, FLAGS.device) if FLAGS.device else None
     dtype = _served_dtype(acc.chip.platform if acc else None)
+    if _encoder_config() is not None:
+        return _plan_encoder(dtype, acc)
     settings = _with_checkpoint_quantization(
         dataclasses.replace(engine_config(), dtype=dtype))
     cfg = _model_config()
@@ -242,6 +247,47 @@ def plan() -> None:
     report_lib.write(report, sys.stdout, FLAGS.format)
 
 
+def _encoder_config() -> object | None:
+    """The EncoderConfig of a --model directory holding an encoder (BERT, XLM-R)."""
+    from jaxinfer.config.encoder import EncoderConfig, is_encoder
+    from jaxinfer.text.tokenizer import read_json
+
+    model = _model_path()
+    hf = read_json(model / "config.json") if model.is_dir() else {}
+    return EncoderConfig.from_hf(hf) if is_encoder(hf) else None
+
+
+def _plan_encoder(dtype: str, acc: accelerators.Accelerator | None) -> None:
+    """An encoder's plan: weights and the largest packed step, no KV cache."""
+    from jaxinfer.pooling.plan import encoder_plan
+
+    settings = engine_config()
+    memory = int(FLAGS.memory_gb * 1e9) if FLAGS.memory_gb is not None else (
+        int(acc.chip.usable_hbm_bytes * settings.gpu_memory_utilization) if acc else None)
+    report = {"model": str(FLAGS.model), **encoder_plan(
+        _encoder_config(), dtype=dtype, max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len, memory_bytes=memory),
+        "device": accelerators.describe(acc) if acc else None}
+    report_lib.write(report, sys.stdout, FLAGS.format)
+
+
+def _aot_encoder(device: str) -> None:
+    """An encoder's packed steps compiled for one chip of --device (JSON report)."""
+    from jaxinfer import aot as aot_lib
+    from jaxinfer.pooling.compile import compile_encoder
+
+    acc = accelerators.get(device)
+    settings = engine_config()
+    report = {"device": acc.name, "model": str(FLAGS.model), **compile_encoder(
+        _encoder_config(), aot_lib.target_devices(acc), dtype=_served_dtype("tpu"),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len, buckets=FLAGS.buckets,
+        row=lambda compiled: aot_lib.bucket_row(compiled, acc))}
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    if not report["fits"]:
+        sys.exit(1)
+
+
 def audit() -> None:
     from jaxinfer.cli import audit as audit_lib
 
@@ -262,6 +308,8 @@ def aot() -> None:
     _device(accelerators.get, device)  # a TPU slice's name
     aot_lib.require_tpu_compiler()  # else one line on how to install it (exit 1)
     aot_lib.tpu_compile_environment()  # before anything starts a JAX backend
+    if _encoder_config() is not None:
+        return _aot_encoder(device)
     cfg = _model_config()
     engine = _with_checkpoint_quantization(
         dataclasses.replace(engine_config(), dtype=_served_dtype("tpu")))

@@ -11,6 +11,7 @@ import pathlib
 from typing import Any
 
 from jaxinfer.config.model import ATTENTION_IMPLS
+from jaxinfer.config.pooling import RUNNERS
 
 # The demo checkpoint, package data (in a checkout, a link to checkpoints/demo).
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[1] / "demo"
@@ -211,6 +212,10 @@ class EngineConfig:
         "gpt-oss): keep every page in every layer, as for other models, instead of giving "
         "the sliding layers their own pages, freed as they slide out of the window "
         "(vLLM's name; docs/kv_cache.md)")
+    runner: str = setting(
+        "auto", "what the model serves (vLLM's name): generate (text), pooling (embeddings, "
+        "scores: docs/pooling.md); auto: pooling for an encoder, a checkpoint without an "
+        "LM head, or a sentence-transformers directory, else generate", RUNNERS)
     attention_impl: str = setting("auto", "attention kernel; auto: the backend's kernel, "
                                    "else the pure-jnp reference", ATTENTION_IMPLS)
     skip_tokenizer_init: bool = setting(

@@ -21,6 +21,7 @@ from jaxinfer.config.rope import RopeScaling, YarnScaling, rope_to_hf, scaling_o
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
+HEADS = ("lm", "none", "score")  # ModelConfig.head
 ATTENTION_IMPLS = ("auto", "tpu", "gpu", "reference")  # as in pallas/settings.py
 FINAL_NORMED = -1  # a feature layer: the last layer's output after the final norm
 # Model shapes by name (llama3.1-8b, ...), package data: installed with the wheel.
@@ -69,6 +70,11 @@ class ModelConfig:
     to everything (no window)."""
     max_position_embeddings: int = 2048
     moe: MoEConfig | None = None  # experts in place of the MLP (config/moe.py)
+    head: str = "lm"
+    """What reads the last hidden states: "lm" the LM head, "none" nothing (an embedding
+    model, pooled: docs/pooling.md), "score" a classifier of `num_labels` outputs
+    (HF's *ForSequenceClassification `score`)."""
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         family = families.family(self.architecture)
@@ -88,6 +94,11 @@ class ModelConfig:
         self._check_numerics()
         if self.rms_norm_eps <= 0:
             raise ValueError(f"{self.rms_norm_eps=} must be > 0")
+        if self.head not in HEADS:
+            raise ValueError(f"head={self.head!r} must be one of {HEADS}")
+        if (self.head == "score") != (self.num_labels > 0):
+            raise ValueError(f"num_labels={self.num_labels} must be > 0 exactly when "
+                             f"head is 'score' (head={self.head!r})")
         if self.moe is not None and not family.has_experts:
             raise ValueError(f"moe given for {self.architecture}, a family without experts")
         family.check(self)
@@ -150,7 +161,7 @@ class ModelConfig:
         family = families.family(self.architecture)
         rope = rope_to_hf(self.rope_theta, self.rope_scaling)
         out: dict[str, Any] = {
-            "architectures": [family.architectures[0]],
+            "architectures": [_hf_architecture(family.architectures[0], self.head)],
             "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -166,6 +177,8 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.qkv_bias,
         }
+        if self.head == "score":
+            out["num_labels"] = self.num_labels
         return out | family.to_hf(self, rope)
 
 
@@ -218,6 +231,20 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return _common_fields(family.name, hf) | family.from_hf(hf)
 
 
+def _hf_architecture(causal_lm: str, head: str) -> str:
+    """The HF class name of a family's model with `head` (families.HEAD_SUFFIXES)."""
+    suffix = next(s for s, h in families.HEAD_SUFFIXES.items() if h == head)
+    return causal_lm.removesuffix("ForCausalLM") + suffix
+
+
+def _head_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    head = families.head_of(hf)
+    if head != "score":
+        return {"head": head}
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # HF's default
+    return {"head": head, "num_labels": int(labels)}
+
+
 def _common_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     """The fields every family reads alike."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -237,7 +264,7 @@ def _common_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-    }
+    } | _head_fields(hf)
 
 
 def preset_names() -> list[str]:

@@ -24,6 +24,7 @@ from jaxinfer.engine.detokenize import TextState
 from jaxinfer.engine.metrics.clock import Sent, StepClock
 from jaxinfer.engine.metrics.summary import Metrics
 from jaxinfer.engine.output import TokenTexts, copy_into, output_logprobs, record_prompt_scores
+from jaxinfer.engine.pooled import PoolBook, PromptPools
 from jaxinfer.engine.request import (
     CompletionOutput,
     PreparedRequest,
@@ -90,6 +91,8 @@ class Engine(RolloutControls):
         self._in_flight: _Dispatched | None = None  # async: the step the next call reads
         self.paused = False  # pause_generation: no step runs (engine/weights_update.py)
         self.clock = StepClock(self.metrics)  # the loop's timestamps (metrics/clock.py)
+        # a pooling model's pooled hidden states per request (engine/pooled.py)
+        self.pools = PoolBook() if self.runner.pooling else None
         if warm_up:
             self.warm_up()
 
@@ -244,8 +247,15 @@ class Engine(RolloutControls):
         """Forget a finished prompt and return its final output."""
         for request in self._requests.pop(request_id):
             self._texts.pop(request.request_id, None)
+            if self.pools is not None:
+                self.pools.pop(request.request_id)
             self.constraints.drop(request)
         return self._outputs.pop(request_id)
+
+    def pooled(self, request_id: str) -> PromptPools | None:
+        """A pooling model's finished prompt: its chunks' pooled hidden states (taken:
+        asked once, before `release`); None where no step pooled it."""
+        return self.pools.pop(self._requests[request_id][0].request_id)
 
     def device_memory_bytes(self) -> int:
         """Bytes of live jax arrays on this engine's devices (JAX's own count)."""
@@ -328,6 +338,8 @@ class Engine(RolloutControls):
         stopped before the step was read (its positions discarded)."""
         plan = done.plan
         record_prompt_scores(plan.chunks, result.prompt_scores, self._token_text)
+        if result.pooled is not None:
+            self.pools.record(plan.chunks, result.pooled)
         dropped = [c.request.finished for c in plan.chunks]
         lengths = [len(c.request.output_token_ids) for c in plan.chunks]
         self.clock.scheduled(c.request.request_id for c in plan.chunks)

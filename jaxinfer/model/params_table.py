@@ -70,7 +70,10 @@ TOP = (
           "whole"),
     Param("lm_head", (Part("lm_head", "lm_head.weight", lambda c: (_d(c), c.vocab_size),
                            transposed=True),),
-          "vocab_columns", when=lambda c, _: not c.tie_word_embeddings),
+          "vocab_columns", when=lambda c, _: not c.tie_word_embeddings and c.head == "lm"),
+    Param("score", (Part("score", "score.weight", lambda c: (_d(c), c.num_labels),
+                         transposed=True),),
+          "whole", when=lambda c, _: c.head == "score"),
 )
 
 

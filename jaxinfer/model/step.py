@@ -1,7 +1,8 @@
 """The jittable entry points the runner compiles; no jit here: `step` (forward, then
 sample Q positions of each request row, packed into one int32 array), `verify_step`
-(rejection sampling of proposed tokens), `score_step` (prompt logprobs) and
-`draft_prefill` (a draft model's K/V only). See docs/architecture.md#one-step,
+(rejection sampling of proposed tokens), `score_step` (prompt logprobs),
+`pool_step` (a pooling model's hidden states) and `draft_prefill` (a draft model's K/V
+only). See docs/architecture.md#one-step,
 docs/speculative_decoding.md#a-speculative-step and docs/sampling.md#sampling-parameters.
 """
 
@@ -13,7 +14,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
-from jaxinfer.model import invariance, rejection, sampler, scoring, sharding, transformer
+from jaxinfer.model import (
+    invariance,
+    pooling,
+    rejection,
+    sampler,
+    scoring,
+    sharding,
+    transformer,
+)
 from jaxinfer.model.attention import AttentionMetadata, KVCache
 
 
@@ -100,6 +109,25 @@ def score_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs
     sampled = _sample_packed(logits[inputs.md.logits_indices], inputs, num_logprobs,
                              token_mask)
     return kv_cache, sampled, scores, *routed
+
+
+def pool_step(params: transformer.Params, kv_cache: KVCache, inputs: StepInputs, *,
+              cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, num_logprobs: int,
+              decode_only: bool = False, token_mask: jax.Array | None = None
+              ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+    """A pooling model's step (docs/pooling.md#decoder-models): K/V written as `step`
+    writes them, no LM head; returns (kv_cache, i32[S, Q, 3 + 2k] zeros in place of
+    samples, f32[S, 3, D] each request row's chunk pooled (first token, last token, sum),
+    f32[S, num_labels] the score head on the last token, [S, 0] without one)."""
+    del token_mask  # nothing is sampled
+    num_slots, num_positions = inputs.proposed_ids.shape
+    kv_cache, hidden, *routed = transformer.forward(
+        params, kv_cache, inputs.token_ids, inputs.md, cfg=cfg, options=options,
+        max_q_len=int(decode_only), routing=cfg.moe is not None, hidden=True)  # f32[T, D]
+    pools = pooling.chunk_pools(hidden, inputs.md.cu_q_lens)
+    scores = pooling.score_head(params, pools[:, pooling.LAST], cfg)
+    samples = jnp.zeros((num_slots, num_positions, 3 + 2 * num_logprobs), jnp.int32)
+    return kv_cache, samples, pools, scores, *routed
 
 
 def _sample_packed(logits: jax.Array, inputs: StepInputs, num_logprobs: int,

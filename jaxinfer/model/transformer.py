@@ -54,19 +54,23 @@ def forward(
     options: ModelOptions = DEFAULT_OPTIONS,
     max_q_len: int = 0,
     routing: bool = False,
+    hidden: bool = False,
 ) -> tuple:
     """One step over ragged requests: writes K/V, returns (kv_cache, f32[R, V]), and with
     `routing` the tokens each MoE layer sent to each expert, i32[L_moe, E].
     `options`: the engine's (experts split by expert, features kept for heads).
     `max_q_len`: the caller promises no request has more tokens (1 in a decode bucket,
     k + 1 in a verify bucket), so attention takes its slot-by-slot path alone.
-    `options.batch_invariant`: each token rounded alike in any step."""
+    `options.batch_invariant`: each token rounded alike in any step. `hidden`: every
+    token's final-normed hidden state f32[T, D] in place of the logits (pooling)."""
     with invariance.rows_in_blocks(options.batch_invariant):
-        return _paged(params, kv_cache, token_ids, md, cfg, options, max_q_len, routing)
+        return _paged(params, kv_cache, token_ids, md, cfg, options, max_q_len, routing,
+                      hidden)
 
 
 def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: AttentionMetadata,
-           cfg: ModelConfig, options: ModelOptions, max_q_len: int, routing: bool) -> tuple:
+           cfg: ModelConfig, options: ModelOptions, max_q_len: int, routing: bool,
+           hidden: bool = False) -> tuple:
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
     ropes = {kind: layers.rope_tables(md.positions, layers.rope_inv_freq(cfg, kind),
                                       layers.rope_scale(cfg, kind))
@@ -96,7 +100,10 @@ def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: Attentio
         captured[cfg.num_layers] = x
         features = gather_features(captured, params, cfg, options.feature_layers)
         new_cache.append(write_features(store, md.slot_mapping, features))
-    logits = compute_logits(params, x[md.logits_indices], cfg)
+    if hidden:
+        logits = layers.norm(x, params["final_norm"], cfg).astype(jnp.float32)
+    else:
+        logits = compute_logits(params, x[md.logits_indices], cfg)
     if not routing:
         return new_cache, logits
     return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)

@@ -115,12 +115,25 @@ class Tokenizer:
 
         Other threads run meanwhile: `encode_batch` lets go of the GIL, `encode` holds it
         (a long prompt tokenized on one thread stalled the server's engine thread)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from JSON's "\ud800"
-            raise ValueError(f"the text is not valid Unicode ({e.reason} at character "
-                             f"{e.start})") from None
+        _check_unicode(text)
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_for_pooling(self, text: str, pair: str | None = None, *,
+                           max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """(ids, token type ids) of `text`, or of the pair (text, pair) as a cross-encoder
+        reads it, with special tokens; `max_length`: cut to that many tokens as
+        transformers' `truncation=True` cuts (special tokens kept)."""
+        _check_unicode(text)
+        _check_unicode(pair or "")
+        backend = self._backend if max_length is None else self._truncating(max_length)
+        encoding = backend.encode_batch([(text, pair) if pair is not None else text])[0]
+        return encoding.ids, encoding.type_ids
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (a few lengths, for the tokenizer's life)
+    def _truncating(self, max_length: int) -> tokenizers.Tokenizer:
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.enable_truncation(max_length=max_length)
+        return backend
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -288,6 +301,14 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from JSON's "\ud800"
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at character "
+                         f"{e.start})") from None
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:

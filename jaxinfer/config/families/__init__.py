@@ -33,8 +33,15 @@ FAMILIES: tuple[Family, ...] = (
     gpt_oss.FAMILY,
 )
 BY_NAME = {family.name: family for family in FAMILIES}  # ModelConfig.architecture -> family
+# The head an HF class name gives a family's decoder (ModelConfig.head): `XForCausalLM`'s
+# LM head; the bare `XModel` (an embedding model) none; `XForSequenceClassification` a
+# score head. The other two names are derived from each family's *ForCausalLM name.
+HEAD_SUFFIXES = {"ForCausalLM": "lm", "Model": "none", "ForSequenceClassification": "score"}
 ARCHITECTURES = {arch: family.name for family in FAMILIES  # HF architecture -> our name
                  for arch in family.architectures}
+ARCHITECTURES |= {arch.removesuffix("ForCausalLM") + suffix: name
+                  for arch, name in list(ARCHITECTURES.items()) if arch.endswith("ForCausalLM")
+                  for suffix in HEAD_SUFFIXES}
 MODEL_TYPES = {family.model_type: family.name for family in FAMILIES}
 MOE_ARCHITECTURES = tuple(family.name for family in FAMILIES if family.has_experts)
 DEFAULT_ARCHITECTURE = llama.FAMILY.name  # of a ModelConfig that names none: the plain block
@@ -63,6 +70,17 @@ def wraps_text_model(hf: HFConfig) -> bool:
     return any(each.text_config(hf) is not None for each in FAMILIES)
 
 
+def head_of(hf: HFConfig) -> str:
+    """The head of a config.json's first known architecture (HEAD_SUFFIXES); "lm"
+    where it names none of them."""
+    for arch in hf.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return next((head for suffix, head in HEAD_SUFFIXES.items()
+                         if arch.endswith(suffix) and arch.removesuffix(suffix) + "ForCausalLM"
+                         in ARCHITECTURES), "lm")
+    return "lm"
+
+
 def family_of(hf: HFConfig) -> Family:
     """The family of a text model's config.json: its first known `architectures` name,
     else (no architectures) its `model_type`; errors list what is supported."""
@@ -78,5 +96,5 @@ def family_of(hf: HFConfig) -> Family:
 
 
 __all__ = ["ARCHITECTURES", "BY_NAME", "DEFAULT_ARCHITECTURE", "FAMILIES", "MODEL_TYPES",
-           "MOE_ARCHITECTURES", "Family", "HFConfig", "family", "family_of",
+           "MOE_ARCHITECTURES", "Family", "HFConfig", "family", "family_of", "head_of",
            "text_model_config", "wraps_text_model"]

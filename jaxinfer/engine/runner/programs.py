@@ -1,7 +1,7 @@
 """What the runner compiles: the jittable step functions (`step_function`,
-`score_step_function`), a bucket's input and state specs, their shardings on a mesh, and
-`compile_steps_for`, which compiles from specs alone (for a TPU topology from any host:
-docs/aot.md). See docs/architecture.md#buckets.
+`score_step_function`, `pool_step_function`), a bucket's input and state specs, their
+shardings on a mesh, and `compile_steps_for`, which compiles from specs alone (for a
+TPU topology from any host: docs/aot.md). See docs/architecture.md#buckets.
 """
 
 from __future__ import annotations
@@ -58,6 +58,18 @@ def score_step_function(cfg: ModelConfig, *, page_size: int,
         model_step.score_step, cfg=cfg, options=options, num_logprobs=MAX_LOGPROBS),
         page_size=page_size,
         routing=cfg.moe is not None, attention=attention)
+
+
+def pool_step_function(cfg: ModelConfig, *, page_size: int, decode_only: bool = False,
+                       attention: AttentionSettings = DEFAULT_SETTINGS,
+                       options: ModelOptions = DEFAULT_OPTIONS) -> Callable:
+    """A pooling model's step in place of `step_function`'s: (params, kv_cache, state,
+    delta, mask) -> (kv_cache, state, zero samples, f32[S, 3, D] pools, f32[S, labels]
+    scores); model/step.py `pool_step`."""
+    return batch_state.stateful(functools.partial(
+        model_step.pool_step, cfg=cfg, options=options, num_logprobs=MAX_LOGPROBS,
+        decode_only=decode_only),
+        page_size=page_size, routing=cfg.moe is not None, attention=attention)
 
 
 def verify_step_function(cfg: ModelConfig, *, page_size: int,
@@ -160,11 +172,14 @@ def compile_steps_for(cfg: ModelConfig, params: object, kv_cache: object,
     kv_shardings = kv_cache_shardings(mesh, kv_cache)  # float or 8-bit with scales
     params, kv_cache = on_shardings(params, param_shardings), on_shardings(
         kv_cache, kv_shardings)
-    steps = {decode: jax.jit(step_function(cfg, page_size=page_size, decode_only=decode,
-                                           attention=attention, options=options),
+    # a model without an LM head is a pooling model: its step pools (two more outputs)
+    make, pooled = ((pool_step_function, (whole, whole)) if cfg.head != "lm"
+                    else (step_function, ()))
+    steps = {decode: jax.jit(make(cfg, page_size=page_size, decode_only=decode,
+                                  attention=attention, options=options),
                              in_shardings=(param_shardings, kv_shardings, whole, whole,
                                            whole),
-                             out_shardings=(kv_shardings, whole, whole),
+                             out_shardings=(kv_shardings, whole, whole) + pooled,
                              donate_argnums=(1, 2))
              for decode in (False, True)}
     state = on_shardings(state_spec(max((b.num_slots for b in buckets), default=1),

@@ -1,4 +1,5 @@
-"""What a step gives back to the host: samples per chunk and prompt scores."""
+"""What a step gives back to the host: samples per chunk, prompt scores, and a pooling
+model's pooled hidden states."""
 
 from __future__ import annotations
 
@@ -43,6 +44,16 @@ class StepResult(typing.NamedTuple):
     bucket: Bucket
     samples: list[list[Sample]]
     prompt_scores: list[PromptScores | None]
+    pooled: list[ChunkPools] | None = None  # a pooling runner's, per chunk
+
+
+class ChunkPools(typing.NamedTuple):
+    """A chunk's hidden states pooled by a pooling runner's step (model/pooling.py)."""
+
+    first: np.ndarray  # f32[D]: the chunk's first token
+    last: np.ndarray  # f32[D]: its last token
+    total: np.ndarray  # f32[D]: the sum over its tokens
+    scores: np.ndarray  # f32[num_labels]: the score head on its last token ([0]: none)
 
 
 def samples(packed: np.ndarray, chunks: Sequence) -> list[list[Sample]]:
@@ -55,6 +66,12 @@ def samples(packed: np.ndarray, chunks: Sequence) -> list[list[Sample]]:
     return [[Sample(token_ids[i][q], logprobs[i][q], out.top_ids[i, q], out.top_logprobs[i, q],
                     proposed[i][q])
              for q in range(chunk.num_samples)] for i, chunk in enumerate(chunks)]
+
+
+def pooled(pools: np.ndarray, scores: np.ndarray, chunks: Sequence) -> list[ChunkPools]:
+    """Per chunk, its row of a pooling step's f32[S, 3, D] pools and f32[S, L] scores."""
+    return [ChunkPools(pools[i, 0], pools[i, 1], pools[i, 2], scores[i])
+            for i in range(len(chunks))]
 
 
 def prompt_scores(packed: np.ndarray, spans: Sequence[ScoreSpan | None]

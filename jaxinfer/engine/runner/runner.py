@@ -36,6 +36,7 @@ from jaxinfer.engine.runner.programs import (
     COMPILE_THREADS,
     input_spec,
     on_shardings,
+    pool_step_function,
     score_input_spec,
     score_step_function,
     step_function,
@@ -62,6 +63,7 @@ class InFlight(typing.NamedTuple):
     packed: jax.Array  # i32[S, Q, 3 + 2k]
     packed_scores: jax.Array | None  # i32[T, 2 + 2k] when the step scores prompts
     spans: list[ScoreSpan | None]
+    pooled: tuple[jax.Array, jax.Array] | None = None  # a pooling runner's pools, scores
 
 
 def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str,
@@ -85,13 +87,18 @@ class Runner:
                  mesh: Mesh | None = None,
                  enable_prompt_logprobs: bool = False, uses_draft_probs: bool = False,
                  group_windows: typing.Sequence[int | None] = (None,),
-                 options: ModelOptions = DEFAULT_OPTIONS) -> None:
+                 options: ModelOptions = DEFAULT_OPTIONS, pooling: bool = False) -> None:
         """`num_pages`: the pages of each KV page group (engine/core/kv_groups.py), whose
         layers' windows are `group_windows` (model/attention.py, `page_group`);
+        `pooling`: every step is a pooling model's (`pool_step_function`: hidden states
+        pooled per request row, nothing sampled);
         `attention`: the attention kernel the engine chose (impl, interpret); `options`:
         the engine's for the model (experts split by expert, features kept for heads)."""
         options.check(cfg)
-        self.cfg, self.options = cfg, options
+        if pooling and (enable_prompt_logprobs or uses_draft_probs):
+            raise ValueError("a pooling runner samples nothing: no prompt logprobs or "
+                             "speculative decoding")
+        self.cfg, self.options, self.pooling = cfg, options, pooling
         self.attention = attention
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
@@ -144,9 +151,11 @@ class Runner:
         outs = (kv_shardings, whole, whole)
         common = dict(page_size=page_size, attention=self.attention, options=self.options)
         # what the programs are built from, for the export cache's key (exported.py)
-        self._settings = (cfg, common, self.uses_draft_probs)
-        self._steps = {decode: jax.jit(step_function(cfg, decode_only=decode, **common),
-                                       in_shardings=ins, out_shardings=outs,
+        self._settings = (cfg, common, self.uses_draft_probs, self.pooling)
+        make, pooled = ((pool_step_function, (whole, whole)) if self.pooling
+                        else (step_function, ()))
+        self._steps = {decode: jax.jit(make(cfg, decode_only=decode, **common),
+                                       in_shardings=ins, out_shardings=outs + pooled,
                                        donate_argnums=(1, 2)) for decode in (False, True)}
         self._score_step = jax.jit(score_step_function(cfg, **common),
                                    in_shardings=ins + (whole,), out_shardings=outs + (whole,),
@@ -258,10 +267,11 @@ class Runner:
                 self.params, self.kv_cache, self.state, delta, mask,
                 scoring.ScoreInputs(targets, num_top))
         else:
-            self.kv_cache, self.state, packed = compiled(self.params, self.kv_cache,
-                                                         self.state, delta, mask)
+            self.kv_cache, self.state, packed, *pooled = compiled(
+                self.params, self.kv_cache, self.state, delta, mask)
         self.bytes_sent += self.last_step_bytes
-        return InFlight(bucket, plan.chunks, packed, packed_scores, spans)
+        return InFlight(bucket, plan.chunks, packed, packed_scores, spans,
+                        tuple(pooled) if self.pooling else None)
 
     def _send(self, chunks: tuple, bucket: Bucket) -> batch_state.StepDelta:
         """The step's delta; admission calls first for newly placed requests (their
@@ -280,8 +290,11 @@ class Runner:
         prompt_scores = [None] * len(step.chunks)
         if step.packed_scores is not None:
             prompt_scores = results.prompt_scores(np.asarray(step.packed_scores), step.spans)
+        pooled = None
+        if step.pooled is not None:
+            pooled = results.pooled(*(np.asarray(x) for x in step.pooled), step.chunks)
         return StepResult(step.bucket, results.samples(np.asarray(step.packed), step.chunks),
-                          prompt_scores)
+                          prompt_scores, pooled)
 
     def expert_tokens(self) -> dict[int, list[int]]:
         """A mixture of experts' tokens routed to each expert so far, by MoE decoder
@@ -311,7 +324,7 @@ class Runner:
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            self.kv_cache, self.state, packed = compiled(
+            self.kv_cache, self.state, packed, *_ = compiled(
                 self.params, self.kv_cache, self.state, delta,
                 self.masks.ones(bucket.num_slots), *extra)
             np.asarray(packed)
