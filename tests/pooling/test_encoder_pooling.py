@@ -150,3 +150,20 @@ def test_bad_inputs_name_the_problem(tmp_path):
         llm.generate("w5")
     with pytest.raises(ValueError, match="no classification head"):
         llm.classify("w5")
+
+
+def test_plan_of_an_encoder_has_no_kv_cache(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model = testing.make_encoder_model(tmp_path, "bert")
+    result = subprocess.run([sys.executable, "-m", "jaxinfer", "plan", f"--model={tmp_path}",
+                             "--memory_gb=1", "--format=json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["kind"] == "encoder" and plan["kv_cache_bytes"] == 0 and plan["fits"]
+    assert plan["largest_step"]["tokens"] == 512 and plan["max_model_len"] == 128
+    pooler = sum(p.numel() for p in model.pooler.parameters())  # read by no head here
+    assert plan["weight_bytes"] == 4 * (sum(p.numel() for p in model.parameters()) - pooler)

@@ -101,3 +101,24 @@ def test_bert_base_packed_step_compiles(which):
     assert flops >= matmul  # every layer's matmuls over every packed token
     assert compiled.memory_analysis().temp_size_in_bytes < accelerators.get(
         "v5e-1").chip.usable_hbm_bytes
+
+
+def test_aot_command_compiles_an_encoder_directory(tmp_path):
+    """`aot --model=<a BERT directory>` compiles its packed steps (config.json only)."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522,
+        "hidden_size": 768, "num_hidden_layers": 2, "num_attention_heads": 12,
+        "intermediate_size": 3072, "max_position_embeddings": 512, "type_vocab_size": 2,
+        "torch_dtype": "float32"}))
+    result = subprocess.run([sys.executable, "-m", "jaxinfer", "aot", f"--model={tmp_path}",
+                             "--buckets=ends", "--max_num_batched_tokens=2048"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kind"] == "encoder" and report["fits"]
+    assert [(b["rows"], b["row_len"]) for b in report["buckets"]] == [(1, 32), (4, 512)]
+    assert all(b["flops"] > 0 for b in report["buckets"])
