@@ -95,8 +95,9 @@ def _architecture(hf: dict[str, Any]) -> str:
             return name
     if not hf.get("architectures") and hf.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[hf["model_type"]]
-    raise ValueError(f"not an encoder this engine runs: {hf.get('architectures')} "
-                     f"(supported: {list(ARCHITECTURES)})")
+    raise ValueError(f"config.json architectures={hf.get('architectures')} "
+                     f"(model_type={hf.get('model_type')!r}) is not an encoder this engine "
+                     f"runs (supported: {list(ARCHITECTURES)})")
 
 
 def is_encoder(hf: dict[str, Any]) -> bool:

@@ -79,16 +79,15 @@ def _block(layer: Params, x: jax.Array, mask: jax.Array, cfg: EncoderConfig) -> 
 def _attention(layer: Params, x: jax.Array, mask: jax.Array, cfg: EncoderConfig
                ) -> jax.Array:
     rows, length, _ = x.shape
-    qkv = linear(x, layer["wqkv"], layer["bqkv"]).reshape(
-        rows, length, 3, cfg.num_heads, cfg.head_dim)
     dtype = layer["wqkv"].dtype
-    q, k, v = (qkv[:, :, i].astype(dtype) for i in range(3))  # [R, L, H, Dh]
-    scores = jnp.einsum("rqhd,rkhd->rhqk", q, k, preferred_element_type=jnp.float32)
+    qkv = linear(x, layer["wqkv"], layer["bqkv"]).astype(dtype).reshape(
+        rows, length, 3, cfg.num_heads, cfg.head_dim)
+    q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # each [R, H, L, Dh]: batch axes first
+    scores = jnp.matmul(q, k.swapaxes(-1, -2), preferred_element_type=jnp.float32)
     scores = jnp.where(mask, scores * cfg.head_dim ** -0.5, MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("rhqk,rkhd->rqhd", probs.astype(dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(rows, length, cfg.hidden_size)
+    out = jnp.matmul(probs.astype(dtype), v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 2, 1, 3).reshape(rows, length, cfg.hidden_size)
 
 
 def classify(params: Params, cls_hidden: jax.Array, *, cfg: EncoderConfig) -> jax.Array:
@@ -120,4 +119,4 @@ def _gelu(x: jax.Array, act: str) -> jax.Array:
 
 
 def _take(table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table, ids, axis=0).astype(jnp.float32)
+    return jnp.take(table, ids, axis=0, mode="clip").astype(jnp.float32)
