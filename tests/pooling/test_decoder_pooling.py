@@ -112,3 +112,24 @@ def test_sequence_classifier_scores_match_transformers(tmp_path):
     np.testing.assert_allclose(scores, want, atol=1e-4)
     with pytest.raises(ValueError, match="generative model"):
         llm.generate("hi")
+
+
+def test_prefix_hits_and_a_full_context_input_pool_alike(last_model):
+    st, path = last_model
+    llm = LLM(str(path), max_model_len=48, max_num_batched_tokens=16, max_num_seqs=4,
+              dtype="float32", enable_prefix_caching=True)
+    instruction = "Instruct: find the answer. Query: "  # 2 full pages of 16
+    texts = [instruction + q for q in ("a", "bb", "hello")]
+    first = np.array([o.outputs.embedding for o in llm.embed(texts)])
+    again = np.array([o.outputs.embedding for o in llm.embed(texts)])
+    engine = llm.llm_engine.backend.engine
+    assert engine.scheduler.cache_stats["hit_tokens"] >= 3 * 32  # the instruction's pages
+    np.testing.assert_allclose(again, first, atol=1e-5)
+    want = st.encode(texts, convert_to_numpy=True)
+    assert _cosines(again, want).min() >= 0.99999
+    full = "z" * 48  # max_model_len tokens: one a character
+    (out,) = llm.embed(full)
+    assert len(out.prompt_token_ids) == 48
+    assert _cosines(np.array(out.outputs.embedding), st.encode([full])[0]) >= 0.99999
+    with pytest.raises(ValueError, match="more than max_model_len 48"):
+        llm.embed(full + "z")
