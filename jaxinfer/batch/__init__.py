@@ -28,6 +28,7 @@ from jaxinfer.batch.runner import (
     FAILED_LINES_EXIT,
     complete,
     complete_lines,
+    engine_metrics,
     exit_code,
     run,
     tally,
@@ -35,6 +36,6 @@ from jaxinfer.batch.runner import (
 
 __all__ = ["FAILED_LINES_EXIT", "JAXINFER", "OPENAI", "Finished", "Input", "Request",
            "check_formats", "check_paths", "complete", "complete_lines", "detect_format",
-           "drop_errors", "error_record", "exit_code", "finished", "is_error",
+           "drop_errors", "engine_metrics", "error_record", "exit_code", "finished", "is_error",
            "read_requests", "record_key", "request_args", "result_record", "run", "tally",
            "write"]

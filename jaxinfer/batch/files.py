@@ -87,12 +87,14 @@ def detect_format(input_path: str | os.PathLike) -> str:
 
 
 def read_requests(input_path: str | os.PathLike, done_ids: set[str] | frozenset = frozenset(),
-                  done_lines: set[int] | frozenset = frozenset()) -> Input:
+                  done_lines: set[int] | frozenset = frozenset(), *,
+                  urls: tuple[str, ...] = openai.URLS) -> Input:
     """Every line of the input not in the output yet: a request per line that can run, an
     error record per line that cannot. Raises ValueError if two lines give the same id,
     whatever the output holds: each id must end up in the output once, so the file is
     refused before any work. In OpenAI's format a line with no readable custom_id is
-    refused too (its output line would have none)."""
+    refused too (its output line would have none); `urls`: the routes the model serves
+    (openai.urls_of), any other url an error line."""
     file_format = detect_format(input_path)
     first_line: dict[str, int] = {}
     pending, errors, skipped = [], [], 0
@@ -103,7 +105,7 @@ def read_requests(input_path: str | os.PathLike, done_ids: set[str] | frozenset 
             record, problem = _parse(raw, line_no)
             if file_format == OPENAI:
                 user_id = _custom_id(input_path, line_no, record, problem)
-                error = openai.line_error(user_id, record)
+                error = openai.line_error(user_id, record, urls)
             else:
                 user_id, problem = _id(record, problem)
                 error = None if problem is None else error_record(line_no, None, problem)

@@ -1,7 +1,9 @@
 """OpenAI batch lines answered by the server's own routes, in this process: `serve`'s FastAPI
-app over an EngineLoop on the LLM's engine, each line's body sent to its route as an ASGI
-request (no socket). So a body is parsed, checked and answered exactly as `serve` answers
-it, errors included. See docs/batch.md#openais-batch-format.
+app over an EngineLoop on the LLM's engine (a PoolingLoop on a pooling model's), each
+line's body sent to its route as an ASGI request (no socket). So a body is parsed, checked
+and answered exactly as `serve` answers it, errors included; an embeddings line that
+names no encoding_format is answered in base64. See docs/batch.md#openais-batch-format
+and docs/pooling.md#batch-jobs.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from jaxinfer.api import LLM
 from jaxinfer.batch import openai
 from jaxinfer.batch.files import Request
 from jaxinfer.config import ServerConfig
+from jaxinfer.pooling.engine import PoolingEngine
 from jaxinfer.server.app import create_app
 from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -38,13 +42,19 @@ def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], 
     as `serve`'s --served_model_name."""
     if not requests:
         return
-    loop = EngineLoop(llm.engine, max_waiting_requests=NO_WAITING_LIMIT)
+    pooling = isinstance(llm.engine, PoolingEngine)
+    if pooling:  # the lines in flight pool as one batch
+        loop = PoolingLoop(llm.engine, max_waiting_requests=NO_WAITING_LIMIT)
+        in_flight = LINES_PER_SLOT * llm.engine.config.max_num_seqs
+    else:
+        loop = EngineLoop(llm.engine, max_waiting_requests=NO_WAITING_LIMIT)
+        in_flight = LINES_PER_SLOT * llm.engine.counts()[2]
     app = create_app(server.make_state(llm, ServerConfig(), loop, model_name))
-    in_flight = LINES_PER_SLOT * llm.engine.counts()[2]
     loop.start()
     try:
         with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
-            asyncio.run(_send_all(app, iter(requests), on_record, bar, in_flight))
+            asyncio.run(_send_all(app, iter(requests), on_record, bar, in_flight,
+                                  openai.urls_of(pooling)))
     finally:
         loop.stop()
     if not loop.healthy:
@@ -52,7 +62,7 @@ def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], 
 
 
 async def _send_all(app: Any, requests: Iterator[Request], on_record: Callable[[dict], None],
-                    bar: tqdm, workers: int) -> None:
+                    bar: tqdm, workers: int, urls: tuple[str, ...]) -> None:
     """`workers` senders share one iterator, so each line is sent once and at most
     `workers` are in flight (a file of a million lines is never all in memory as tasks)."""
     generated = 0
@@ -60,7 +70,7 @@ async def _send_all(app: Any, requests: Iterator[Request], on_record: Callable[[
     async def send() -> None:
         nonlocal generated
         for request in requests:
-            record = await _answer(app, request)
+            record = await _answer(app, request, urls)
             on_record(record)
             if record["error"] is None:
                 generated += openai.token_counts(record)[1]
@@ -71,13 +81,19 @@ async def _send_all(app: Any, requests: Iterator[Request], on_record: Callable[[
     await asyncio.gather(*(send() for _ in range(workers)))
 
 
-async def _answer(app: Any, request: Request) -> dict:
-    """The output record of one line: the route's status and body."""
+async def _answer(app: Any, request: Request, urls: tuple[str, ...]) -> dict:
+    """The output record of one line: the route's status and body; the error line of a url
+    the model does not serve (a Ray driver reads the file not knowing the model's kind)."""
     line = request.record
+    refused = openai.line_error(request.id, line, urls)
+    if refused is not None:
+        return refused
     body = line["body"]
     if isinstance(body, dict) and body.get("stream") is True:
         error = APIError(400, f"stream: {STREAM_REFUSED}", param="stream")
         return openai.response_record(request.id, error.status, error.body())
+    if line["url"] == "/v1/embeddings" and isinstance(body, dict):
+        body = {"encoding_format": "base64"} | body  # compact: 4 bytes a float, as OpenAI's
     status, raw = await post(app, line["url"], json.dumps(body, ensure_ascii=False).encode())
     return openai.response_record(request.id, status, _json(status, raw))
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-URLS = ("/v1/completions", "/v1/chat/completions")  # the routes a line may name
+GENERATE_URLS = ("/v1/completions", "/v1/chat/completions")  # a generating model's
+# a pooling model's (docs/pooling.md#batch-jobs)
+POOLING_URLS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/classify")
+URLS = GENERATE_URLS + POOLING_URLS  # the routes a line may name
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 
 
@@ -18,9 +21,15 @@ def is_line(record: dict) -> bool:
     return "custom_id" in record
 
 
-def line_error(custom_id: str, record: dict) -> dict | None:
+def urls_of(pooling: bool) -> tuple[str, ...]:
+    """The urls a model's lines may name: a pooling model's, or a generating one's."""
+    return POOLING_URLS if pooling else GENERATE_URLS
+
+
+def line_error(custom_id: str, record: dict, urls: tuple[str, ...] = URLS) -> dict | None:
     """The error record of a line that cannot be sent to a route (an unknown field, a method
-    other than POST, a url jaxinfer does not serve, no body); None for a line that can."""
+    other than POST, a url jaxinfer does not serve, or that `urls`, the model's, leave out;
+    no body); None for a line that can."""
     unknown = sorted(set(record) - set(LINE_FIELDS))
     if unknown:
         return error_record(custom_id, "invalid_line", f"unknown field(s) {unknown}; a line "
@@ -33,7 +42,12 @@ def line_error(custom_id: str, record: dict) -> dict | None:
                             "is not supported: a line's method is POST")
     if record["url"] not in URLS:
         return error_record(custom_id, "unsupported_url", f"url {record['url']!r} is not "
-                            f"supported: jaxinfer's batch runs {' and '.join(URLS)}")
+                            f"supported: jaxinfer's batch runs {', '.join(URLS)}")
+    if record["url"] not in urls:
+        kind = "a pooling model" if urls == POOLING_URLS else "a model that generates text"
+        return error_record(custom_id, "unsupported_url", f"url {record['url']!r} is not "
+                            f"supported by this model: it is {kind}, whose lines name "
+                            f"{', '.join(urls)}")
     return None
 
 

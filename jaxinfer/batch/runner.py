@@ -30,6 +30,7 @@ from jaxinfer.batch.files import (
     write,
 )
 from jaxinfer.batch.records import error_record, request_args, result_record
+from jaxinfer.pooling.engine import PoolingEngine
 
 log = logging.getLogger(__name__)
 FAILED_LINES_EXIT = 3  # the CLI's exit code when the output holds error records
@@ -48,7 +49,8 @@ def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
     check_paths(input_path, output_path if primary else None)
     distributed.check_same("the batch input files", pathlib.Path(input_path).read_bytes())
     done = _finished_on_primary(output_path, primary, retry_errors)
-    requests = read_requests(input_path, done.ids, done.lines)  # duplicate ids raise here
+    requests = read_requests(input_path, done.ids, done.lines,  # duplicate ids raise here
+                             urls=openai.urls_of(is_pooling(llm)))
     check_formats(input_path, done, requests)
     if requests.format == OPENAI and distributed.process_count() > 1:
         raise ValueError(f"{input_path} is in OpenAI's batch format, which runs on one host "
@@ -76,7 +78,18 @@ def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
     return {**counts, "seconds": round(elapsed, 2),
             "generated_tokens_per_s": round(counts["completion_tokens"] / max(elapsed, 1e-9),
                                             1),
-            "engine": llm.metrics()}
+            "engine": engine_metrics(llm)}
+
+
+def is_pooling(llm: LLM) -> bool:
+    """Whether `llm` serves a pooling model (embeddings, scores: docs/pooling.md)."""
+    return isinstance(llm.engine, PoolingEngine)
+
+
+def engine_metrics(llm: LLM) -> dict:
+    """The engine's summary for a run's report (a pooling model's: its batches, inputs
+    and tokens)."""
+    return llm.metrics()
 
 
 def exit_code(summary: dict) -> int:
@@ -124,6 +137,11 @@ def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], 
     if requests and openai.is_line(requests[0].record):
         in_process.complete(llm, requests, on_record, progress=progress,
                             model_name=model_name or pathlib.Path(llm.engine.model_dir).name)
+    elif requests and is_pooling(llm):
+        for request in requests:  # jaxinfer's lines are prompts to generate from
+            on_record(error_record(request.line, request.id, "this is a pooling model: "
+                                   "its batch lines are OpenAI's (url /v1/embeddings, "
+                                   "/v1/score, /v1/rerank, /v1/classify)"))
     else:
         complete_lines(llm, requests, on_record, progress=progress)
 

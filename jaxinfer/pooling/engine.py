@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import pathlib
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,9 +44,27 @@ class Pooled:
     logits: np.ndarray
 
 
+@dataclasses.dataclass
+class PoolingMetrics:
+    """What `LLM.metrics()` reports for a pooling model: its calls so far."""
+
+    batches: int = 0  # pool() calls
+    inputs: int = 0
+    input_tokens: int = 0
+    seconds: float = 0.0
+    padding: object = None  # () -> (real, padded) tokens of the steps run so far
+
+    def summary(self) -> dict[str, float | int]:
+        real, padded = self.padding() if self.padding else (0, 0)
+        return {"pooling_batches": self.batches, "pooled_inputs": self.inputs,
+                "input_tokens": self.input_tokens, "pooling_seconds": round(self.seconds, 3),
+                "input_tokens_per_s": round(self.input_tokens / max(self.seconds, 1e-9), 1),
+                "padding_waste": round(1 - real / max(padded, 1), 4)}
+
+
 class PoolingEngine:
     """A pooling model: `inputs` (tokenize and check), `pool`, `embedding`,
-    `probabilities`."""
+    `probabilities`; `metrics` (PoolingMetrics)."""
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig, *,
                  warm_up: bool = True) -> None:
@@ -63,6 +82,7 @@ class PoolingEngine:
         self.max_model_len = self.backend.max_model_len
         self.hidden_size, self.num_labels = self.backend.hidden_size, self.backend.num_labels
         self.vocab_size = self.backend.vocab_size
+        self.metrics = PoolingMetrics(padding=self.backend.padding)
         if warm_up:
             self.backend.warm_up()
 
@@ -112,7 +132,16 @@ class PoolingEngine:
     def pool(self, inputs: Sequence[Input]) -> list[Pooled]:
         """Every input's pooled hidden states, in order (one batch: packed or stepped
         together)."""
-        return self.backend.pool(list(inputs)) if inputs else []
+        if not inputs:
+            return []
+        began = time.perf_counter()
+        pooled = self.backend.pool(list(inputs))
+        metrics = self.metrics
+        metrics.batches += 1
+        metrics.inputs += len(inputs)
+        metrics.input_tokens += sum(len(ids) for ids, _ in inputs)
+        metrics.seconds += time.perf_counter() - began
+        return pooled
 
     def embedding(self, pooled: Pooled, params: PoolingParams) -> np.ndarray:
         """The embedding: cut to `dimensions`, then normalized (the model's default or
@@ -163,6 +192,9 @@ class _Encoder:
     def warm_up(self) -> None:
         self.runner.warm_up()
 
+    def padding(self) -> tuple[int, int]:
+        return self.real_tokens, self.padded_tokens
+
     def pool(self, inputs: list[Input]) -> list[Pooled]:
         out: list[Pooled | None] = [None] * len(inputs)
         for batch, pooled, logits in self.runner.run(packing.pack(inputs, self.ladder)):
@@ -203,19 +235,33 @@ class _Decoder:
     def warm_up(self) -> None:
         self.engine.warm_up()
 
+    def padding(self) -> tuple[int, int]:
+        return self.engine.metrics.real_tokens, self.engine.metrics.padded_tokens
+
     def pool(self, inputs: list[Input]) -> list[Pooled]:
         ids = [f"pool-{next(self._ids)}" for _ in inputs]
-        for request_id, (tokens, _) in zip(ids, inputs, strict=True):
-            self.engine.add_prepared(request_id, PreparedRequest(
-                prompt=None, prompt_token_ids=tokens, params=_POOL_REQUEST, grammar=None,
-                token_filter=None))
-        pending = set(ids)
-        while pending:
-            for output in self.engine.step():
-                if output.finished:
-                    pending.discard(output.request_id)
-        return [self._take(request_id, len(tokens))
-                for request_id, (tokens, _) in zip(ids, inputs, strict=True)]
+        try:
+            for request_id, (tokens, _) in zip(ids, inputs, strict=True):
+                self.engine.add_prepared(request_id, PreparedRequest(
+                    prompt=None, prompt_token_ids=tokens, params=_POOL_REQUEST,
+                    grammar=None, token_filter=None))
+            pending = set(ids)
+            while pending:
+                for output in self.engine.step():
+                    if output.finished:
+                        pending.discard(output.request_id)
+            return [self._take(request_id, len(tokens))
+                    for request_id, (tokens, _) in zip(ids, inputs, strict=True)]
+        finally:  # a failed call leaves none of its requests in the engine
+            for request_id in ids:
+                self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
+        except KeyError:  # never added, or already released by _take
+            pass
 
     def _take(self, request_id: str, length: int) -> Pooled:
         pools = self.engine.pooled(request_id)

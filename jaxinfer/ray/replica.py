@@ -12,7 +12,7 @@ import socket
 import jax
 import numpy as np
 
-from jaxinfer.batch import Request, complete
+from jaxinfer.batch import Request, complete, engine_metrics
 
 
 class Replica:
@@ -40,7 +40,7 @@ class Replica:
                     in zip(batch["id"], batch["line"], batch["request"], strict=True)]
         records: list[dict] = []
         complete(self.llm, requests, records.append, model_name=self.model_name)
-        metrics = json.dumps(self.llm.metrics())  # the engine's totals so far
+        metrics = json.dumps(engine_metrics(self.llm))  # the engine's totals so far
         rows = len(records)
         return {"record": np.array([json.dumps(r, ensure_ascii=False) for r in records],
                                    dtype=object),

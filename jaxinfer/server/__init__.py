@@ -23,9 +23,12 @@ import uvicorn
 from jaxinfer.api import LLM
 from jaxinfer.config import ServerConfig
 from jaxinfer.engine.parallel.lockstep import Leader, Watchdog
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.pooling.engine import PoolingEngine
 from jaxinfer.server import http
 from jaxinfer.server.app import ServerState, create_app
 from jaxinfer.server.engine_loop import EngineLoop
+from jaxinfer.server.pooling_loop import PoolingLoop
 
 log = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
@@ -42,9 +45,15 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
     config's host and port; `ready(url)` is called once it listens. Multi-host, process
     0: `lockstep` wraps `llm.engine` (engine/parallel/lockstep.py), a step running longer than
     `step_timeout_s` fails the engine, and so does a step that raises; either exits the
-    process non-zero FAILURE_GRACE_S later."""
-    loop = EngineLoop(lockstep or llm.engine,
-                      max_waiting_requests=config.max_waiting_requests)
+    process non-zero FAILURE_GRACE_S later. A pooling model gets a PoolingLoop instead
+    (docs/pooling.md#serving)."""
+    if isinstance(llm.engine, PoolingEngine):
+        if lockstep is not None:
+            raise ValueError("a pooling model is served by one process, not multi-host")
+        loop = PoolingLoop(llm.engine, max_waiting_requests=config.max_waiting_requests)
+    else:
+        loop = EngineLoop(lockstep or llm.engine,
+                          max_waiting_requests=config.max_waiting_requests)
     if lockstep is not None:
         _fail_fatally(loop, lockstep, step_timeout_s)
     state = make_state(llm, config, loop, model_name)
@@ -94,9 +103,10 @@ def _exit_now() -> None:
     os._exit(ENGINE_FAILED_EXIT)
 
 
-def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str) -> ServerState:
+def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop | PoolingLoop,
+               model_name: str) -> ServerState:
     """What the routes share, for `llm` served as `model_name` (also the batch runner's
-    in-process app, jaxinfer/batch/in_process.py)."""
+    in-process app, jaxinfer/batch/in_process.py); a pooling model samples nothing."""
     tokenizer = llm.tokenizer
     for flag in ("reasoning_parser", "tool_call_parser"):
         if tokenizer is None and getattr(config, flag) is not None:
@@ -106,11 +116,12 @@ def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop, model_name: str
     if tokenizer is not None:
         token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+    pooling = isinstance(llm.engine, PoolingEngine)
     return ServerState(loop=loop, config=config, model_name=model_name,
                        model_root=str(llm.engine.model_dir), max_model_len=llm.max_model_len,
-                       defaults=llm.engine.default_params, token_text=token_text,
-                       enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs,
-                       tokenizer=tokenizer)
+                       defaults=SamplingParams() if pooling else llm.engine.default_params,
+                       token_text=token_text, tokenizer=tokenizer,
+                       enable_prompt_logprobs=llm.engine.config.enable_prompt_logprobs)
 
 
 def _after(seconds: float, action: Callable[[], None]) -> None:

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models)
 and vLLM's (/tokenize, /detokenize, /health, /ping, /version, /metrics, /docs) over an
-EngineLoop; bodies read by hand so every error leaves in OpenAI's shape. See
-docs/serving.md (#routes, #errors, #prompt-logprobs).
+EngineLoop, or a pooling model's (pooling_routes.py) over a PoolingLoop; bodies read by
+hand so every error leaves in OpenAI's shape. See docs/serving.md (#routes, #errors,
+#prompt-logprobs) and docs/pooling.md#serving.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import (
     dev_routes,
     openapi,
+    pooling_routes,
     prometheus,
     protocol,
     structured,
@@ -32,6 +34,7 @@ from jaxinfer.server import responses as out
 from jaxinfer.server.bodies import SHUTTING_DOWN
 from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.fields import IgnoredFieldsHeader
+from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
 from jaxinfer.server.reasoning import ReasoningSplitter, splitter
 from jaxinfer.server.state import ServerState, authorized, parsed, state_of
@@ -43,7 +46,7 @@ log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",),
           "/v1/models": ("GET",), "/tokenize": ("POST",), "/detokenize": ("POST",),
           "/health": ("GET",), "/ping": ("GET", "POST"), "/version": ("GET",),
-          "/metrics": ("GET",)}
+          "/metrics": ("GET",), **pooling_routes.ROUTES}
 DOCS = ("/docs", "/redoc", "/openapi.json")  # FastAPI's own
 
 
@@ -72,10 +75,15 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
                 "/metrics": _metrics, "/v1/models": _models, "/v1/completions": _completions,
                 "/v1/chat/completions": _chat, "/tokenize": tokenization.tokenize,
                 "/detokenize": tokenization.detokenize}
+    pooling = isinstance(state.loop, PoolingLoop)
+    handlers |= pooling_routes.handlers(pooling)
     for path, handler in handlers.items():
         for method in ROUTES[path]:  # a route per method: one operation id each
             app.add_api_route(path, handler, methods=[method])
-    if state.config.server_dev_mode:
+    if state.config.server_dev_mode and pooling:
+        log.warning("--server_dev_mode: a pooling model has no sleep, pause or weight "
+                    "updates; those routes are not served")
+    elif state.config.server_dev_mode:
         dev_routes.install(app)
     return app
 

@@ -31,9 +31,11 @@ class _Ignored(pydantic.BaseModel):
     prediction: dict[str, Any] | None = None
 
 
-# per route: OpenAI's chat API defines them all; its (legacy) completions API only `user`
+# per route: OpenAI's chat API defines them all; its (legacy) completions and its
+# embeddings API only `user` (and vLLM's classify, after embeddings)
 IGNORED = {"/v1/chat/completions": tuple(_Ignored.model_fields),
-           "/v1/completions": ("user",)}
+           "/v1/completions": ("user",), "/v1/embeddings": ("user",),
+           "/classify": ("user",), "/v1/classify": ("user",)}
 CONTENT_ROLES = ("system", "developer", "user", "tool")  # content required
 
 

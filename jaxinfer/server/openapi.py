@@ -12,6 +12,7 @@ import fastapi.openapi.utils
 import pydantic
 from pydantic.json_schema import models_json_schema
 
+from jaxinfer.server import pooling_protocol as pooling
 from jaxinfer.server import tokenization
 from jaxinfer.server.protocol import ChatRequest, CompletionRequest
 
@@ -22,6 +23,10 @@ BODIES: dict[str, tuple[type[pydantic.BaseModel], ...]] = {
     "/v1/chat/completions": (ChatRequest,),
     "/tokenize": (tokenization.TokenizeCompletionRequest, tokenization.TokenizeChatRequest),
     "/detokenize": (tokenization.DetokenizeRequest,),
+    "/v1/embeddings": (pooling.EmbeddingRequest,),
+    **{path: (pooling.ScoreRequest,) for path in ("/score", "/v1/score")},
+    **{path: (pooling.RerankRequest,) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
+    **{path: (pooling.ClassifyRequest,) for path in ("/classify", "/v1/classify")},
 }
 ANSWERS: dict[str, type[pydantic.BaseModel]] = {
     "/tokenize": tokenization.TokenizeResponse,
@@ -56,7 +61,7 @@ def schema(app: fastapi.FastAPI, version: str) -> dict[str, Any]:
     document = fastapi.openapi.utils.get_openapi(
         title=app.title, version=version, routes=app.routes,
         description="jaxinfer's OpenAI-compatible server (docs/serving.md)")
-    models = [(m, "validation") for bodies in BODIES.values() for m in bodies]
+    models = list(dict.fromkeys((m, "validation") for bodies in BODIES.values() for m in bodies))
     models += [(m, "serialization") for m in (*ANSWERS.values(), ErrorResponse)]
     refs, definitions = models_json_schema(models, ref_template=REF)
     components = document.setdefault("components", {}).setdefault("schemas", {})

@@ -7,7 +7,7 @@ docs/serving.md#metrics and docs/parallelism.md#data-parallelism.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -47,10 +47,31 @@ def exposition(snap: dict[str, Any], model_name: str) -> bytes:
     return generate_latest(registry)
 
 
+def pooling_exposition(snap: dict[str, int], model_name: str) -> bytes:
+    """A pooling model's few figures (server/pooling_loop.py `snapshot`)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snap, model_name, _pooling_families))
+    return generate_latest(registry)
+
+
+def _pooling_families(snap: dict[str, int]) -> Iterator[Metric]:
+    yield _gauge("num_requests_running", "inputs being pooled", snap["running"])
+    yield _gauge("num_requests_waiting", "inputs queued for the next batch", snap["waiting"])
+    yield _counter("pooling_requests", "pooling requests answered", snap["requests"])
+    yield _counter("pooling_requests_failed", "pooling requests that failed in the engine",
+                   snap["failed_requests"])
+    yield _counter("pooling_inputs", "inputs pooled", snap["inputs"])
+    yield _counter("prompt_tokens", "input tokens pooled", snap["prompt_tokens"])
+    yield _counter("pooling_batches", "engine.pool calls (each batches what was queued)",
+                   snap["batches"])
+
+
 class _Collector:
-    def __init__(self, snap: dict[str, Any], model_name: str) -> None:
+    def __init__(self, snap: dict[str, Any], model_name: str,
+                 families: Callable[[dict[str, Any]], Iterator[Metric]] | None = None) -> None:
         self.snap = snap
         self.model_name = model_name
+        self.families = families or _families
 
     def collect(self) -> Iterator[Metric]:
         label = {"model_name": self.model_name}
@@ -60,7 +81,7 @@ class _Collector:
 
     def _unlabelled(self) -> Iterator[Metric]:
         if "replicas" not in self.snap:
-            yield from _families(self.snap)
+            yield from self.families(self.snap)
             return
         merged: dict[str, Metric] = {}
         for index, snap in enumerate(self.snap["replicas"]):

@@ -20,6 +20,7 @@ from jaxinfer.server import bodies, protocol
 from jaxinfer.server import responses as out
 from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.fields import check_message_content, take_ignored
+from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError, Body
 from jaxinfer.text.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ from jaxinfer.text.tokenizer import Tokenizer
 class ServerState:
     """What the handlers share: the engine loop and facts about the served model."""
 
-    loop: EngineLoop
+    loop: EngineLoop | PoolingLoop  # a PoolingLoop serves a pooling model (docs/pooling.md)
     config: ServerConfig
     model_name: str
     model_root: str

@@ -209,7 +209,7 @@ def _route_cases() -> Iterator[Case]:
     for method, path in (("POST", "/v1/models"), ("POST", "/health"), ("POST", "/metrics"),
                          ("DELETE", "/v1/models")):
         yield Case(f"{method} {path}", path, b"{}", status=405, method=method)
-    for path in ("/nope", "/v1", "/v1/embeddings", "/v1/completion", "/v2/completions",
+    for path in ("/nope", "/v1", "/v1/embedding", "/v1/completion", "/v2/completions",
                  "/v1/models/demo", "/v1/responses", "/%ff"):
         yield Case(f"POST {path}", path, b"{}", status=404)
         yield Case(f"GET {path}", path, b"", status=404, method="GET")
