@@ -47,10 +47,10 @@ def make_model(root: pathlib.Path) -> pathlib.Path:
     return root / "st"
 
 
-def lines(count: int) -> list[dict]:
+def lines(count: int, model: pathlib.Path) -> list[dict]:
     rng = np.random.default_rng(0)
     return [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
-             "body": {"model": "bert", "input": testing.encoder_text(
+             "body": {"model": str(model), "input": testing.encoder_text(
                  rng.integers(4, 300, rng.integers(8, 65)))}} for i in range(count)]
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         model = make_model(root)
-        job = lines(FLAGS.num_lines)
+        job = lines(FLAGS.num_lines, model)
         inp, out = root / "in.jsonl", root / "out.jsonl"
         inp.write_text("".join(json.dumps(line) + "\n" for line in job))
         env = dict(os.environ, JAX_PLATFORMS="cpu")
