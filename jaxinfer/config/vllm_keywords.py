@@ -30,7 +30,12 @@ class Keyword(NamedTuple):
 _TEXT_ONLY = "jaxinfer serves text models: no image, audio or video inputs"
 _NO_CODE = "jaxinfer runs no code from a checkpoint or the caller in its steps"
 _CONFIG_AS_IS = "the checkpoint's config.json is read as it is: edit a copy of it"
-_NO_POOLING = "jaxinfer generates text; it serves no pooling, embedding or scoring models"
+_TASK = ("vLLM's older name: runner='pooling' serves embedding, classification and scoring "
+         "models (docs/pooling.md)")
+_CONVERT = ("runner='pooling' pools a causal LM's last hidden state; no other conversion "
+            "(docs/pooling.md#choosing-the-runner)")
+_POOLER = ("the pooling is the checkpoint's (sentence-transformers' files); PoolingParams "
+           "sets normalize and dimensions per request (docs/pooling.md)")
 _ONE_PROCESS = ("one process drives a host's devices; a multi-host job joins through "
                 "jaxinfer.distributed (docs/parallelism.md)")
 _XLA = "XLA compiles every step's bucket; there are no CUDA graphs or torch.compile to set"
@@ -83,11 +88,10 @@ VLLM_KEYWORDS: dict[str, Keyword] = {
                                  "model families are built in"),
     "tokenizer_mode": Keyword(("auto",), "jaxinfer reads the fast tokenizer's "
                               "tokenizer.json alone (auto's choice)"),
-    "task": Keyword((None, "auto", "generate"), _NO_POOLING),
-    "runner": Keyword(("auto", "generate"), _NO_POOLING),
-    "convert": Keyword(("auto", "none"), _NO_POOLING),
-    "pooler_config": Keyword((None,), _NO_POOLING),
-    "override_pooler_config": Keyword((None,), _NO_POOLING),
+    "task": Keyword((None, "auto", "generate"), _TASK),
+    "convert": Keyword(("auto", "none"), _CONVERT),
+    "pooler_config": Keyword((None,), _POOLER),
+    "override_pooler_config": Keyword((None,), _POOLER),
     "block_size": Keyword((None,), "page_size is jaxinfer's name for vLLM's KV cache block"),
     "num_gpu_blocks_override": Keyword((None,), "kv_cache_memory_bytes sizes the KV pool"),
     "cpu_offload_gb": Keyword((0,), "the weights stay in device memory: a larger model needs "
