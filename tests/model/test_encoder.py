@@ -111,6 +111,23 @@ def test_packed_inputs_match_each_input_alone(saved, architecture):
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_rows_of_several_key_blocks_match_each_input_alone(saved, architecture):
+    """Rows of 4 * KEY_BLOCK tokens: the online softmax over key blocks, with inputs
+    across block edges and a query whose first key blocks are all masked."""
+    path, model, cfg = saved(architecture)
+    params = load_encoder_params(path, cfg, "float32")
+    inputs = _inputs(cfg, lengths=(100, 120, 128, 90, 30, 5), seed=1)
+    width = 4 * encoder.KEY_BLOCK
+    hidden, _, places = _run(params, inputs, cfg, rows=1, width=width)
+    assert max(start for _, start in places) > 2 * encoder.KEY_BLOCK
+    for (ids, types), (r, start) in zip(inputs, places, strict=True):
+        want = _hf(model, ids, types).last_hidden_state[0].numpy()
+        got = hidden[r, start:start + len(ids)]
+        assert _cosines(got, want).min() >= 0.99999
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_longest_input_uses_every_position(saved, architecture):
     path, model, cfg = saved(architecture)
     assert cfg.max_len == 128
