@@ -6,12 +6,13 @@ cover every batch, and packing keeps the padding small. See docs/pooling.md#pack
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-ROW_FACTOR = 4  # rows and row lengths climb by this factor
+ROW_FACTOR = 4  # row lengths climb by this factor
 MIN_ROW_LEN = 32
 TOKENS_PER_INPUT = 8  # a bucket holds up to rows * row_len / this many inputs
 
@@ -34,19 +35,19 @@ class Bucket:
 
 def buckets(max_len: int, budget: int) -> list[Bucket]:
     """Every bucket for inputs of up to `max_len` tokens, at most max(budget, max_len)
-    tokens a step."""
+    tokens a step: row lengths by ROW_FACTOR, rows by powers of two (the last step of a
+    long job is padded to at most twice its rows)."""
     budget = max(budget, max_len)
-    lengths = _ladder(MIN_ROW_LEN, max_len)
-    return [Bucket(rows, row_len) for row_len in lengths
-            for rows in _ladder(1, budget // row_len)]
+    return [Bucket(rows, row_len) for row_len in _ladder(MIN_ROW_LEN, max_len, ROW_FACTOR)
+            for rows in _ladder(1, budget // row_len, 2)]
 
 
-def _ladder(low: int, high: int) -> list[int]:
-    """low, low * ROW_FACTOR, ... below `high`, then `high`."""
+def _ladder(low: int, high: int, factor: int) -> list[int]:
+    """low, low * factor, ... below `high`, then `high`."""
     out, value = [], low
     while value < high:
         out.append(value)
-        value *= ROW_FACTOR
+        value *= factor
     return out + [high]
 
 
@@ -72,44 +73,50 @@ class PackedBatch:
 
 def pack(inputs: Sequence[tuple[Sequence[int], Sequence[int]]],
          ladder: Sequence[Bucket]) -> list[PackedBatch]:
-    """(ids, type ids) inputs packed into steps of the smallest buckets that hold them,
-    longest inputs first; every input fits a row (the caller checked its length)."""
+    """(ids, type ids) inputs packed into rows of the shortest row length that holds the
+    longest (best fit, longest first, over all rows: small inputs fill the ends of rows
+    of long ones), the rows then cut into steps of the fewest buckets; every input fits
+    a row (the caller checked its length)."""
+    longest = max(len(ids) for ids, _ in inputs)
+    row_len = min(b.row_len for b in ladder if b.row_len >= longest)
+    largest = max(b for b in ladder if b.row_len == row_len)
+    rows = _best_fit(inputs, row_len)
+    batches, step, count = [], [], 0
+    for row in rows:
+        if step and (len(step) == largest.rows or count + len(row) > largest.max_inputs):
+            batches.append(_step(inputs, step, ladder, row_len))
+            step, count = [], 0
+        step.append(row)
+        count += len(row)
+    return batches + [_step(inputs, step, ladder, row_len)]
+
+
+def _best_fit(inputs: Sequence, row_len: int) -> list[list[int]]:
+    """Input indices by row: each input, longest first, into the row it fills most
+    tightly, or a new row."""
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i][0]))
-    batches = []
-    while order:
-        longest = len(inputs[order[0]][0])
-        largest = max((b for b in ladder if b.row_len >= longest),
-                      key=lambda b: (b.rows, -b.row_len))
-        taken, rows = _first_fit(order, inputs, largest)
-        done = set(taken)
-        order = [i for i in order if i not in done]
-        bucket = min(b for b in ladder if b.row_len == largest.row_len
-                     and b.rows >= len(rows) and b.max_inputs >= len(taken))
-        batches.append(_arrays(inputs, taken, rows, bucket))
-    return batches
-
-
-def _first_fit(order: list[int], inputs: Sequence, bucket: Bucket
-               ) -> tuple[list[int], list[list[int]]]:
-    """The inputs (of `order`, longest first) that fit `bucket`, and each row's."""
     rows: list[list[int]] = []
-    free: list[int] = []
-    taken = []
+    free: list[tuple[int, int]] = []  # (space left, row), sorted
     for index in order:
-        if len(taken) == bucket.max_inputs:
-            break
         length = len(inputs[index][0])
-        row = next((r for r, space in enumerate(free) if space >= length), None)
-        if row is None:
-            if len(rows) == bucket.rows:
-                continue
+        at = bisect.bisect_left(free, (length, -1))
+        if at == len(free):
             rows.append([])
-            free.append(bucket.row_len)
-            row = len(rows) - 1
+            space, row = row_len, len(rows) - 1
+        else:
+            space, row = free.pop(at)
         rows[row].append(index)
-        free[row] -= length
-        taken.append(index)
-    return taken, rows
+        if space - length > 0:
+            bisect.insort(free, (space - length, row))
+    return rows
+
+
+def _step(inputs: Sequence, rows: list[list[int]], ladder: Sequence[Bucket],
+          row_len: int) -> PackedBatch:
+    count = sum(len(row) for row in rows)
+    bucket = min(b for b in ladder if b.row_len == row_len and b.rows >= len(rows)
+                 and b.max_inputs >= count)
+    return _arrays(inputs, [i for row in rows for i in row], rows, bucket)
 
 
 def _arrays(inputs: Sequence, taken: list[int], rows: list[list[int]],
