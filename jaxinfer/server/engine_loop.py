@@ -255,9 +255,9 @@ class EngineLoop:
         elif kind == "call":
             _, fn, future = command
             try:
-                _resolve(future, fn(self.engine))
+                resolve(future, fn(self.engine))
             except Exception as e:
-                _resolve(future, error=e)
+                resolve(future, error=e)
 
     def _add(self, group: list[tuple[Prepared, Stream]], added: asyncio.Future) -> None:
         """Add one HTTP request's prompts to the engine, all or none."""
@@ -279,11 +279,11 @@ class EngineLoop:
             for stream in streams:
                 self.engine.abort(stream.request_id)
                 self.engine.release(stream.request_id)
-            _resolve(added, error=e)
+            resolve(added, error=e)
         else:
             for stream in streams:
                 self._streams[stream.request_id] = (stream, [False] * stream.n)
-            _resolve(added)
+            resolve(added)
         finally:
             with self._lock:
                 self._admitting -= sum(stream.n for _, stream in group)
@@ -373,9 +373,10 @@ def _param(submission: Submission, error: Exception, prepared: bool = False) -> 
     return "messages" if submission.messages is not None else "prompt"
 
 
-def _resolve(future: asyncio.Future, value: Any = None, *,
+def resolve(future: asyncio.Future, value: Any = None, *,
              error: BaseException | None = None) -> None:
-    """Settle an asyncio future from the engine thread (unless its waiter gave up)."""
+    """Settle an asyncio future from another thread (unless its waiter gave up): the
+    engine's, or the pooling loop's."""
     def settle() -> None:
         if future.done():
             return

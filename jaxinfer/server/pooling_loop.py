@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.server.engine_loop import resolve
 from jaxinfer.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -178,18 +179,4 @@ class PoolingLoop:
                 self.totals["prompt_tokens"] += sum(len(ids) for ids, _ in job.inputs)
             else:
                 self.totals["failed_requests"] += 1
-        _resolve(job.future, value, error=error)
-
-
-def _resolve(future: asyncio.Future, value: Any = None, *,
-             error: BaseException | None = None) -> None:
-    """Settle an asyncio future from the pooling thread (unless its waiter gave up)."""
-    def settle() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits
-        future.get_loop().call_soon_threadsafe(settle)
+        resolve(job.future, value, error=error)
