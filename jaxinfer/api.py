@@ -162,11 +162,13 @@ class LLM(PoolingCalls):
         (level 1) or drop them (level 2: new weights come back with update_weights).
         No request may be unfinished; compiled programs are kept
         (docs/rl.md#sleeping-and-waking)."""
+        self._generating("sleep")
         self.engine.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back the memory `sleep` freed: `tags` "weights", "kv_cache" (None:
         both, as vLLM's); the engine serves again once both are back."""
+        self._generating("wake_up")
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
@@ -198,9 +200,11 @@ class LLM(PoolingCalls):
     def _generating(self, what: str) -> None:
         if isinstance(self.engine, PoolingEngine):
             raise ValueError(f"{what} needs a generative model: this is a pooling model "
-                             "(runner='pooling'); use embed(), classify() or score()")
+                             "(runner='pooling'); it serves embed(), classify(), score() "
+                             "and metrics()")
 
     def _single_engine(self, what: str) -> Engine:
+        self._generating(what)
         if isinstance(self.engine, DataParallelEngine):
             raise NotImplementedError(f"{what} with data_parallel_size > 1: not supported "
                                       "yet; use one replica (tensor_parallel_size spans "
@@ -242,6 +246,10 @@ def make_pooling_engine(model: str | os.PathLike, config: EngineConfig, *,
     if config.speculative_config is not None or config.enable_prompt_logprobs:
         raise ValueError("a pooling model samples nothing: no speculative_config or "
                          "enable_prompt_logprobs")
+    if config.quantization is not None or config.batch_invariant:
+        raise ValueError(f"quantization={config.quantization!r}, batch_invariant="
+                         f"{config.batch_invariant}: a pooling model runs in its float "
+                         "dtype (float32, bfloat16), as computed")
     return PoolingEngine(model, config, warm_up=warm_up)
 
 

@@ -167,3 +167,18 @@ def test_plan_of_an_encoder_has_no_kv_cache(tmp_path):
     assert plan["largest_step"]["tokens"] == 512 and plan["max_model_len"] == 128
     pooler = sum(p.numel() for p in model.pooler.parameters())  # read by no head here
     assert plan["weight_bytes"] == 4 * (sum(p.numel() for p in model.parameters()) - pooler)
+
+
+def test_what_a_pooling_model_refuses(tmp_path):
+    testing.make_encoder_model(tmp_path, "bert")
+    llm = LLM(str(tmp_path), **SMALL)
+    for call in (lambda: llm.sleep(), lambda: llm.update_weights({}),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}])):
+        with pytest.raises(ValueError, match="needs a generative model"):
+            call()
+    assert llm.metrics()["pooled_inputs"] == 0
+    llm.embed(["w5 w6", "w7"])
+    metrics = llm.metrics()
+    assert metrics["pooled_inputs"] == 2 and metrics["input_tokens"] == 2 + 2 + 1 + 2
+    with pytest.raises(ValueError, match="quantization='w8a8'"):
+        LLM(str(tmp_path), quantization="w8a8", **SMALL)
