@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from jaxinfer.checkpoint import hub
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, vllm_keywords
+from jaxinfer.config import runner as runner_choice
 from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.parallel.data_parallel import DataParallelEngine, make_engine
@@ -51,7 +52,7 @@ class LLM(PoolingCalls):
                 " is not there. Give a model directory: LLM(model=DIR), or --model=DIR")
         model, config = hub.resolve_all(model, config)  # Hub ids -> local directories
         runner.use_compilation_cache(config.compilation_cache_dir)
-        config = loading.with_runner(model, config)
+        config = runner_choice.with_runner(model, config)
         if config.runner == "pooling":
             self.engine = make_pooling_engine(model, config, warm_up=warm_up and not eager)
         else:

@@ -52,13 +52,12 @@ def _model_config() -> object:
     --enable_expert_parallel."""
 
     from jaxinfer import checkpoint
-    from jaxinfer.config import ModelOptions, load_preset
-    from jaxinfer.engine import loading
+    from jaxinfer.config import ModelOptions, load_preset, runner
 
     model = _model_path()
     cfg = checkpoint.load_config(model) if model.is_dir() else load_preset(str(model))
     if model.is_dir():  # a pooling model's decoder has no LM head (docs/pooling.md)
-        cfg = loading.served_head(cfg, loading.with_runner(model, engine_config()))
+        cfg = runner.served_head(cfg, runner.with_runner(model, engine_config()))
     # a model without experts is the model's answer, not a bad flag value: exit 1
     ModelOptions(expert_parallel=FLAGS.enable_expert_parallel).check(cfg)
     return cfg

@@ -22,12 +22,10 @@ from jaxinfer.config import (
     ModelConfig,
     ModelOptions,
     checkpoint_dtype,
-    families,
     served_dtype,
 )
-from jaxinfer.config.encoder import is_encoder
+from jaxinfer.config import runner as runner_choice
 from jaxinfer.config.engine import GENERATION_DEFAULTS
-from jaxinfer.config.pooling import is_sentence_transformer
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.engine.metrics.summary import FlopCount
@@ -68,7 +66,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     params (already quantized), copied device to device instead of reading the weights
     again (a draft model is read again)."""
     root = pathlib.Path(model_dir)
-    model_config = served_head(checkpoint.load_config(root), config)
+    model_config = runner_choice.served_head(checkpoint.load_config(root), config)
     ep = config.enable_expert_parallel
     ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant).check(
         model_config)
@@ -175,32 +173,6 @@ def with_served_dtype(model_dir: str | os.PathLike, config: EngineConfig) -> Eng
     log.info("dtype auto: %s (saved in %s) served in %s", model_dir, checkpoint_dtype(hf),
              dtype)
     return dataclasses.replace(config, dtype=dtype)
-
-
-def with_runner(model_dir: str | os.PathLike, config: EngineConfig) -> EngineConfig:
-    """`config` with runner "auto" resolved (docs/pooling.md#choosing-the-runner):
-    pooling for an encoder, a decoder saved without an LM head (`XModel`,
-    `XForSequenceClassification`) or a sentence-transformers directory."""
-    if config.runner != "auto":
-        return config
-    root = pathlib.Path(model_dir)
-    hf = read_json(root / "config.json")
-    pooling = (is_encoder(hf) or is_sentence_transformer(root)
-               or (not is_encoder(hf) and families.head_of(hf) != "lm"))
-    return dataclasses.replace(config, runner="pooling" if pooling else "generate")
-
-
-def served_head(model_config: ModelConfig, config: EngineConfig) -> ModelConfig:
-    """The decoder as `config.runner` serves it: a pooling runner reads no LM head (a
-    *ForCausalLM checkpoint's is ignored); the generate runner needs one."""
-    if config.runner == "pooling":
-        return (dataclasses.replace(model_config, head="none")
-                if model_config.head == "lm" else model_config)
-    if model_config.head != "lm":
-        raise ValueError(f"this checkpoint has no LM head ({model_config.architecture} "
-                         f"with head {model_config.head!r}): serve it with "
-                         "runner='pooling' (--runner=pooling)")
-    return model_config
 
 
 def with_checkpoint_quantization(root: pathlib.Path, config: EngineConfig) -> EngineConfig:
