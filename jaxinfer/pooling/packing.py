@@ -106,7 +106,8 @@ def _best_fit(inputs: Sequence, row_len: int) -> list[list[int]]:
         else:
             space, row = free.pop(at)
         rows[row].append(index)
-        if space - length > 0:
+        # a row holds at most its share of a bucket's inputs (max_inputs)
+        if space - length > 0 and len(rows[row]) < row_len // TOKENS_PER_INPUT:
             bisect.insort(free, (space - length, row))
     return rows
 

@@ -182,3 +182,13 @@ def test_what_a_pooling_model_refuses(tmp_path):
     assert metrics["pooled_inputs"] == 2 and metrics["input_tokens"] == 2 + 2 + 1 + 2
     with pytest.raises(ValueError, match="quantization='w8a8'"):
         LLM(str(tmp_path), quantization="w8a8", **SMALL)
+
+
+def test_many_short_inputs_beside_a_long_one_pack_within_the_buckets():
+    from jaxinfer.pooling import packing
+
+    ladder = packing.buckets(512, 512)
+    inputs = [([1] * 200, [0] * 200)] + [([1] * 4, [0] * 4)] * 100
+    batches = packing.pack(inputs, ladder)
+    assert sorted(i for b in batches for i in b.indices) == list(range(101))
+    assert all(len(b.indices) <= b.bucket.max_inputs for b in batches)
