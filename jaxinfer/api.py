@@ -21,6 +21,7 @@ from jaxinfer.engine import loading, runner
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.parallel.data_parallel import DataParallelEngine, make_engine
 from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.lora import LoRARequest
 from jaxinfer.pooling.calls import PoolingCalls
 from jaxinfer.pooling.engine import PoolingEngine
 from jaxinfer.text.tokenizer import Tokenizer, TooLong
@@ -77,14 +78,17 @@ class LLM(PoolingCalls):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: Sequence[int] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, priority: Sequence[int] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given. No
         `sampling_params`: the checkpoint's defaults (`engine.default_params`).
         `priority`: one int per prompt, lower runs first (as in vLLM). `use_tqdm`: a
-        progress bar of finished prompts on stderr (vLLM's)."""
+        progress bar of finished prompts on stderr (vLLM's). `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model; vLLM's;
+        docs/lora.md)."""
         self._generating("generate")
-        ids = self._add_all(prompts, sampling_params, priority)
+        ids = self._add_all(prompts, sampling_params, priority, lora_request)
         pending = set(ids)  # a step reports the prompts it changed: no scan of all of them
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while pending:
@@ -96,10 +100,11 @@ class LLM(PoolingCalls):
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                         ) -> Iterator[RequestOutput]:
         """Yield a prompt's RequestOutput each time a step adds to it (see deltas)."""
         self._generating("generate_stream")
-        ids = self._add_all(prompts, sampling_params)
+        ids = self._add_all(prompts, sampling_params, lora_request=lora_request)
         try:
             while any(not self.engine.output(i).finished for i in ids):
                 yield from (out for out in self.engine.step() if out.request_id in ids)
@@ -114,7 +119,9 @@ class LLM(PoolingCalls):
              tools: Sequence[Mapping[str, object]] | None = None,
              continue_final_message: bool = False,
              chat_template_kwargs: Mapping[str, object] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         several, through the chat template (the checkpoint's, or LLM's `chat_template`):
         the server's path for /v1/chat/completions. `tools`: function definitions in
@@ -139,7 +146,8 @@ class LLM(PoolingCalls):
                                                  tools, add_generation_prompt, chat))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"conversation {index}: {e}") from None
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _chat_prompt(self, tokenizer: Tokenizer | None, messages: list[dict],
                      tools: Sequence[Mapping] | None, add_generation_prompt: bool,
@@ -218,7 +226,9 @@ class LLM(PoolingCalls):
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                 priority: Sequence[int] | None = None) -> list[str]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[str]:
         if getattr(self.engine, "paused", False):  # its steps would never run
             raise RuntimeError("generation is paused: call resume_generation() first")
         prompt_list = _as_prompt_list(prompts)
@@ -227,10 +237,12 @@ class LLM(PoolingCalls):
         priority = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        adapters = _as_lora_list(lora_request, len(prompt_list))
         prepared = []
-        for index, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
+        for index, (prompt, sp, lora) in enumerate(zip(prompt_list, params, adapters,
+                                                       strict=True)):
             try:
-                prepared.append(self.engine.prepare(prompt, sp))
+                prepared.append(self.engine.prepare(prompt, sp, lora_request=lora))
             except ValueError as e:
                 raise ValueError(f"prompt {index}: {e}") from None
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
@@ -264,6 +276,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, str | list | tuple | np.ndarray):
             raise TypeError(f"prompt {i} is a {type(p).__name__}; expected str or token ids")
     return prompts
+
+
+def _as_lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                  count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise ValueError(f"got {len(adapters)} lora_request entries for {count} prompts")
+    return adapters
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -10,6 +10,7 @@ import json
 import pathlib
 from typing import Any
 
+from jaxinfer.config import lora
 from jaxinfer.config.model import ATTENTION_IMPLS
 from jaxinfer.config.pooling import RUNNERS
 
@@ -251,6 +252,16 @@ class EngineConfig:
         False, "mixture-of-experts models: each of the tensor_parallel_size devices holds "
         "whole experts (it must divide their number) instead of a slice of every expert; "
         "attention stays tensor parallel")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT's format) on the base model, many in one batch "
+        "(docs/lora.md)")
+    max_loras: int = setting(1, "with enable_lora: adapters on the device at once (one "
+                             "slot each; more wait on the host)")
+    max_lora_rank: int = setting(16, "with enable_lora: the largest adapter rank served "
+                                 "(every slot is this rank, smaller ones zero-padded)")
+    max_cpu_loras: int | None = setting(
+        None, "with enable_lora: adapters kept in host memory (least recently used "
+        "dropped); default: max_loras")
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding as JSON (vLLM's): {\"method\": \"ngram\", "
         "\"draft_model\", \"eagle\", \"eagle3\" or \"medusa\" (inferred from the "
@@ -284,6 +295,8 @@ class EngineConfig:
         if self.calibration_data is not None and self.quantization != "int4":
             raise ValueError(f"calibration_data={self.calibration_data!r} needs "
                              f"quantization='int4', not {self.quantization!r}")
+        lora.check_settings(self.enable_lora, self.max_loras, self.max_lora_rank,
+                            self.max_cpu_loras)
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant=True runs each replica on one device; "
                              f"tensor_parallel_size={self.tensor_parallel_size} sums "
@@ -304,6 +317,14 @@ class EngineConfig:
     def generation_overrides(self) -> dict[str, int | float]:
         """`override_generation_config` as a dict (generation_config.json's keys)."""
         return json.loads(self.override_generation_config or "{}")
+
+    @property
+    def lora_slots(self) -> lora.LoraSlots | None:
+        """The adapter slots the step holds (model/lora.py); None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        dtype = self.dtype if self.dtype in lora.LORA_DTYPES else "float32"
+        return lora.LoraSlots(self.max_loras, self.max_lora_rank, dtype)
 
     @property
     def kv_dtype(self) -> str:

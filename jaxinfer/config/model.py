@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxinfer.config import families
 from jaxinfer.config.families.base import pattern_layer_types
+from jaxinfer.config.lora import LoraSlots
 from jaxinfer.config.moe import MoEConfig
 from jaxinfer.config.rope import RopeScaling, YarnScaling, rope_to_hf, scaling_of
 
@@ -201,6 +202,9 @@ class ModelOptions:
     """Matmuls and RoPE by fixed blocks of rows, so a token's logits do not depend on
     the step it ran in, and the dense forward rounds as the paged one
     (model/invariance.py); from `EngineConfig.batch_invariant`."""
+    lora: LoraSlots | None = None
+    """LoRA adapter slots on the device (model/lora.py), from `EngineConfig.enable_lora`,
+    `max_loras` and `max_lora_rank`; None: no adapters."""
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError, naming the field, unless these options suit `cfg`."""
@@ -211,6 +215,9 @@ class ModelOptions:
             raise ValueError(f"batch_invariant=True covers dense models; "
                              f"{cfg.architecture} routes tokens to experts, whose "
                              f"grouped matmuls are not made invariant")
+        if self.lora is not None and self.batch_invariant:
+            raise ValueError("enable_lora=True and batch_invariant=True: the adapters' "
+                             "matmuls are not made invariant")
         bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "

@@ -132,7 +132,6 @@ VLLM_KEYWORDS: dict[str, Keyword] = {
                                        "grammar engine here, with nothing to choose"),
     "reasoning_parser": Keyword((None, ""), "LLM returns the text as generated; the "
                                 "server's --reasoning_parser splits reasoning off"),
-    "enable_lora": Keyword((False,), "no LoRA adapters: merge one into the weights first"),
     "enable_prompt_adapter": Keyword((False,), "no prompt adapters"),
     "enable_sleep_mode": Keyword((False,), "the engine holds its device memory until it "
                                  "is deleted"),

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import checks, loading
+from jaxinfer.engine import adapters, checks, loading
 from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine import sleep as sleep_mode
 from jaxinfer.engine.controls import RolloutControls
@@ -40,7 +40,7 @@ from jaxinfer.text.tokenizer import TooLong
 log = logging.getLogger(__name__)
 
 
-class Engine(RolloutControls):
+class Engine(RolloutControls, adapters.AdapterControls):
     """A model served with continuous batching over a paged KV cache."""
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
@@ -61,6 +61,7 @@ class Engine(RolloutControls):
         self.speculation = loaded.speculation  # None without speculative decoding
         self.compiles = self.runner.compiles  # made now, so warm-up's compiles count
         self.sleeper = runner_lib.Sleeper(self.runner)  # sleep mode (docs/rl.md)
+        self.adapter_slots = adapters.make_slots(self)  # LoRA (docs/lora.md)
         self.metrics = Metrics(bandwidth_gb_per_s=self.memory_plan.bandwidth_gb_per_s,
                                flop_count=loaded.flops,
                                speculation=self.speculation and self.speculation.stats.summary,
@@ -71,7 +72,7 @@ class Engine(RolloutControls):
             page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            policy=config.scheduler)
+            policy=config.scheduler, adapters=self.adapter_slots)
         self.metrics.page_groups = self.scheduler.pages.usage
         if config.enable_prefix_caching:
             self.metrics.prefix_cache = self._prefix_cache_counts
@@ -165,16 +166,19 @@ class Engine(RolloutControls):
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                    priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions:
-        `prepare`, then `add_prepared`."""
+                    priority: int = 0, prompt_token_ids: list[int] | None = None,
+                    lora_request: object = None) -> None:
+        """Queue a prompt (text, token ids, or chat messages) for `params.n` completions
+        (with a LoRA adapter: `lora_request`): `prepare`, then `add_prepared`."""
         self.add_prepared(request_id, self.prepare(prompt, params, messages=messages,
-                                                   prompt_token_ids=prompt_token_ids),
+                                                   prompt_token_ids=prompt_token_ids,
+                                                   lora_request=lora_request),
                           priority=priority)
 
     def prepare(self, prompt: str | Sequence[int] | None = None,
                 params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                prompt_token_ids: list[int] | None = None) -> PreparedRequest:
+                prompt_token_ids: list[int] | None = None,
+                lora_request: object = None) -> PreparedRequest:
         """A request checked and its prompt tokenized (`prompt_token_ids`, from
         `prompt_token_ids()`, saves tokenizing it again), the engine unchanged: the faces
         check a whole batch, or prepare off the engine's thread, before adding any. No
@@ -189,7 +193,8 @@ class Engine(RolloutControls):
         if params.max_tokens is None:  # vLLM's: what the context leaves after the prompt
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
-                               grammar=grammar, token_filter=token_filter)
+                               grammar=grammar, token_filter=token_filter,
+                               lora=self.adapter_of(lora_request))
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
@@ -205,7 +210,7 @@ class Engine(RolloutControls):
                               params=params, arrival=self._arrivals,
                               seed=fold_seed(seed, index), priority=priority,
                               group=request_id if params.n > 1 else "",
-                              parent_id=request_id)
+                              parent_id=request_id, lora=prepared.lora)
             self._arrivals += 1
             self.clock.added(request.request_id)
             detokenizer = self.tokenizer.detokenizer(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -32,6 +33,7 @@ from jaxinfer.engine.metrics.summary import FlopCount
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.spec_decode import loading as spec_loading
 from jaxinfer.engine.spec_decode.speculation import Speculation
+from jaxinfer.lora import peft
 from jaxinfer.model import quantization, sharding
 from jaxinfer.pallas import AttentionSettings
 from jaxinfer.sizing import planner
@@ -68,8 +70,11 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     root = pathlib.Path(model_dir)
     model_config = runner_choice.served_head(checkpoint.load_config(root), config)
     ep = config.enable_expert_parallel
-    ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant).check(
-        model_config)
+    ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant,
+                 lora=config.lora_slots).check(model_config)
+    if config.enable_lora and config.runner == "pooling":
+        raise ValueError("enable_lora=True serves adapters on a generating model; "
+                         f"{root} is served as a pooling model")
     tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
                                skip=config.skip_tokenizer_init,
                                chat_template=config.chat_template)
@@ -83,7 +88,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                                 config.data_parallel_size, replica, ep)
     parts = spec_loading.prepare(root, model_config, config, max_len)
     options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers,
-                           batch_invariant=config.batch_invariant)
+                           batch_invariant=config.batch_invariant, lora=config.lora_slots)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     group = prequantized_int4.group_size(root)  # an AWQ or GPTQ checkpoint's int4 groups
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
@@ -111,6 +116,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         enable_prompt_logprobs=config.enable_prompt_logprobs,
         uses_draft_probs=parts.proposes_with_model, options=options,
         pooling=config.runner == "pooling")
+    if options.lora is not None:
+        runner.adapters = runner_lib.DeviceAdapters(runner, model_config, functools.partial(
+            peft.read, cfg=model_config, max_rank=options.lora.max_rank))
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,

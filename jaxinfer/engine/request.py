@@ -222,6 +222,7 @@ class PreparedRequest:
     grammar: object | None = dataclasses.field(default=None, compare=False, repr=False)
     # its token filter (engine/structured/token_filter.py), shared by its completions
     token_filter: object | None = dataclasses.field(default=None, compare=False, repr=False)
+    lora: object = None  # its LoRARequest (jaxinfer/lora/); None: the base model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +286,15 @@ class Request:
     # Scored prompt tokens 1, 2, ... (entry i: token i + 1, scored at position i) when
     # this request collects its prompt's logprobs (the first of n completions); else None.
     prompt_logprobs: list[dict[int, Logprob]] | None = None
+    # The LoRA adapter it runs with (a jaxinfer.lora.LoRARequest; None: the base model),
+    # and the device slot it holds while admitted (-1: none; jaxinfer/lora/slots.py).
+    lora: object = None
+    adapter_slot: int = -1
+
+    @property
+    def cache_key(self) -> tuple[str, int] | None:
+        """What its prefix-cache pages are keyed by besides tokens: its adapter."""
+        return None if self.lora is None else ("lora", self.lora.lora_int_id)
 
     @property
     def scoring_prompt(self) -> bool:

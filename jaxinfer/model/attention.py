@@ -67,6 +67,8 @@ class AttentionMetadata:
     # `attention_block` adds each layer's scale, window, soft cap and heads.
     attention: AttentionSettings = dataclasses.field(
         default=DEFAULT_SETTINGS, metadata={"static": True})
+    # i32[T]: each token's LoRA adapter slot, -1 for the base model (model/lora.py)
+    adapters: jax.Array | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer of `window` attends with: its page group's pages."""

@@ -38,6 +38,7 @@ class SlotRows:
     min_tokens: jax.Array  # i32[n]
     logprobs: jax.Array  # i32[n]
     stop_ids: jax.Array  # i32[n, E]: banned while min_tokens is not reached; -1 padding
+    adapter: jax.Array  # i32[n]: the LoRA adapter slot, -1 for the base model
 
 
 @jax.tree_util.register_dataclass
@@ -163,7 +164,8 @@ def neutral_rows(n: int, num_stop_ids: int) -> SlotRows:
     return SlotRows(temperature=f32, top_k=i32, top_p=f32 + 1, min_p=f32,
                     repetition_penalty=f32 + 1, presence_penalty=f32, frequency_penalty=f32,
                     seeds=jnp.zeros((n,), jnp.uint32), prompt_lens=i32, min_tokens=i32,
-                    logprobs=i32, stop_ids=jnp.full((n, num_stop_ids), -1, jnp.int32))
+                    logprobs=i32, stop_ids=jnp.full((n, num_stop_ids), -1, jnp.int32),
+                    adapter=i32 - 1)
 
 
 def admit(state: BatchState, admission: Admission) -> BatchState:
@@ -221,7 +223,8 @@ def expand(state: BatchState, delta: StepDelta, *, page_size: int,
         logits_indices=delta.logits_indices,
         group_slot_mapping=slot_mapping if several else None,
         group_page_indices=page_indices if several else None,
-        group_windows=state.group_windows, attention=attention)
+        group_windows=state.group_windows, attention=attention,
+        adapters=state.rows.adapter[slots])
     state = dataclasses.replace(state, page_table=page_table, history=history)
     sampling = _sampling(state, delta, positions[delta.logits_indices])
     return state, StepInputs(token_ids=token_ids, md=md, sampling=sampling,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import fusion, invariance, quantization, yarn
+from jaxinfer.model import fusion, invariance, lora, quantization, yarn
 from jaxinfer.model.quantization import QuantizedWeight
 from jaxinfer.pallas.row_sum import row_sum
 
@@ -31,8 +31,11 @@ def min_matmul_rows(dtype: jnp.dtype, quantization: str | None = None) -> int:
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight,
            b: jax.Array | None = None) -> jax.Array:
     """x f[..., I] @ w [I, O] (+ b [O]) -> f32[..., O]; a quantized weight computes as
-    its mode says (jaxinfer/model/quantization.py). In batch-invariant mode, by blocks
-    of rows (model/invariance.py)."""
+    its mode says (jaxinfer/model/quantization.py), an adapted one adds each token's
+    LoRA delta (model/lora.py). In batch-invariant mode, by blocks of rows
+    (model/invariance.py)."""
+    if isinstance(w, lora.AdaptedWeight):
+        return linear(x, w.base, b) + w.delta(x)
     if invariance.active():
         with invariance.rows_in_blocks(False):
             return invariance.map_rows(lambda rows: linear(rows, w, b), x)

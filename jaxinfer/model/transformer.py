@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.config.model import FINAL_NORMED
-from jaxinfer.model import invariance, layers, moe, sharding
+from jaxinfer.model import invariance, layers, lora, moe, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
     KVCache,
@@ -78,7 +78,10 @@ def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: Attentio
     real_tokens = md.cu_q_lens[md.num_seqs[0]]
     kv_cache, store = split_feature_store(kv_cache, options)
     new_cache, routed, captured = [], [], {}
+    adapters = _adapter_select(params, md)
     for index, (layer, kv_pages) in enumerate(zip(params["layers"], kv_cache, strict=True)):
+        if adapters is not None:
+            layer = lora.bind(layer, params["lora"][index], adapters, cfg)
         if index in options.feature_layers:
             captured[index] = x
         h = layers.norm(x, layer["attn_norm"], cfg)
@@ -107,6 +110,15 @@ def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: Attentio
     if not routing:
         return new_cache, logits
     return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)
+
+
+def _adapter_select(params: Params, md: AttentionMetadata) -> jax.Array | None:
+    """f32[T, max_loras]: each token's LoRA slot, one-hot (model/lora.py); None when the
+    params hold no adapter slots."""
+    if "lora" not in params or md.adapters is None:
+        return None
+    max_loras = params["lora"][0]["q"]["a"].shape[1]
+    return lora.token_select(md.adapters, max_loras)
 
 
 def split_feature_store(kv_cache: KVCache, options: ModelOptions) -> tuple[KVCache, object]:

@@ -198,7 +198,7 @@ class PageGroups:
         parent = request.page_serials[-1] if request.page_serials else ROOT
         for index in range(len(request.page_serials), full):
             parent = self.pool.register(first[index], parent, request.tokens(
-                index * self.page_size, (index + 1) * self.page_size))
+                index * self.page_size, (index + 1) * self.page_size), request.cache_key)
             request.page_serials.append(parent)
             for group, held in zip(self.groups[1:], others, strict=True):
                 group.cache(held, index, parent)
@@ -209,7 +209,8 @@ class PageGroups:
         after them sees."""
         tokens = request.all_token_ids
         pages, serials = self.pool.match(tokens, self.page_size,
-                                         (len(tokens) - 1) // self.page_size)
+                                         (len(tokens) - 1) // self.page_size,
+                                         request.cache_key)
         count, held = len(pages), []
         while self.groups[1:]:  # each group may shorten the hit; stop when all agree
             shorter, held = count, []

@@ -84,9 +84,12 @@ class Scheduler:
 
     def __init__(self, pages: PagePool | Sequence[PageGroup], *, page_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: Collection[int] = (), policy: str = "continuous") -> None:
+                 eos_token_ids: Collection[int] = (), policy: str = "continuous",
+                 adapters: object = None) -> None:
         """`pages`: the page groups (engine/core/kv_groups.py), or the pool of one group
-        that keeps every page of every layer."""
+        that keeps every page of every layer. `adapters`: the LoRA slots
+        (lora/slots.py `AdapterSlots`), which a request with an adapter must get one of
+        to be admitted."""
         if policy not in SCHEDULERS:
             raise ValueError(f"scheduler={policy!r} must be one of {SCHEDULERS}")
         if isinstance(pages, PagePool):
@@ -102,6 +105,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy
+        self.adapters = adapters
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0
@@ -182,7 +186,8 @@ class Scheduler:
             if self.policy == "static" and self._static_quota == 0:
                 break  # the batch is formed: no newcomers until it has finished
             request = self.waiting[index]
-            if self._waits_for_sibling(request) or request.num_output_placeholders:
+            if (self._waits_for_sibling(request) or request.num_output_placeholders
+                    or not self._takes_adapter(request)):
                 index += 1
                 continue
             if self.pool.enable_caching and not request.scoring_prompt:
@@ -203,6 +208,11 @@ class Scheduler:
             budget -= count
         return budget
 
+    def _takes_adapter(self, request: Request) -> bool:
+        """Whether the request runs on the base model or got a slot holding its adapter
+        (else it waits, as for pages, while requests of other adapters go on)."""
+        return request.lora is None or self.adapters.acquire(request)
+
     def _waits_for_sibling(self, request: Request) -> bool:
         """An n > 1 sibling waits while another computes their shared prompt pages."""
         if not (self.pool.enable_caching and request.group):
@@ -222,7 +232,8 @@ class Scheduler:
         shared = 0
         if self.pool.enable_caching:
             shared = min(prompt - hit, self.pool.partial_overlap(
-                parent, request.prompt_token_ids[hit:hit + self.page_size]))
+                parent, request.prompt_token_ids[hit:hit + self.page_size],
+                request.cache_key))
         stats = self.cache_stats
         stats["prompt_tokens"] += prompt
         stats["hit_tokens"] += hit
@@ -242,8 +253,11 @@ class Scheduler:
         self.add(request)
 
     def _release(self, request: Request) -> None:
-        """Give back the request's pages in every group (cached ones stay cached)."""
+        """Give back the request's pages in every group (cached ones stay cached) and its
+        adapter slot."""
         self.pages.release(request)
+        if request.adapter_slot >= 0:
+            self.adapters.release(request)
 
     def reserve_drafts(self, plan: StepPlan, wanted: Sequence[int]) -> list[int]:
         """Pages for up to `wanted[i]` draft tokens after chunk i (a decode: its one token

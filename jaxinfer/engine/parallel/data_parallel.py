@@ -77,15 +77,19 @@ class DataParallelEngine:
 
     def prepare(self, prompt: str | Sequence[int] | None = None,
                 params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                prompt_token_ids: list[int] | None = None) -> PreparedRequest:
+                prompt_token_ids: list[int] | None = None,
+                lora_request: object = None) -> PreparedRequest:
         return self.replicas[0].prepare(prompt, params, messages=messages,
-                                        prompt_token_ids=prompt_token_ids)
+                                        prompt_token_ids=prompt_token_ids,
+                                        lora_request=lora_request)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                    priority: int = 0, prompt_token_ids: list[int] | None = None) -> None:
+                    priority: int = 0, prompt_token_ids: list[int] | None = None,
+                    lora_request: object = None) -> None:
         self.add_prepared(request_id, self.prepare(prompt, params, messages=messages,
-                                                   prompt_token_ids=prompt_token_ids),
+                                                   prompt_token_ids=prompt_token_ids,
+                                                   lora_request=lora_request),
                           priority=priority)
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,

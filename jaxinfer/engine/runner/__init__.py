@@ -24,6 +24,7 @@ from jaxinfer.engine.runner.inputs import (
     next_power_of_two,
     sampling_inputs,
 )
+from jaxinfer.engine.runner.lora import DeviceAdapters
 from jaxinfer.engine.runner.memory import Sleeper, live_device_bytes, memory_stats
 from jaxinfer.engine.runner.programs import (
     COMPILE_THREADS,
@@ -44,6 +45,7 @@ from jaxinfer.engine.runner.runner import (
 
 __all__ = [
     "COMPILE_THREADS", "STOP_WIDTH", "CacheLoads", "Chunk", "CompileCounter", "CompileSpan",
+    "DeviceAdapters",
     "InFlight", "PromptScores", "Runner", "Sample", "Sleeper", "StepResult", "build_metadata",
     "compile_steps_for",
     "device_chip", "device_memory_limit", "flops_probe_count", "input_spec", "quantize_at_load",

@@ -21,7 +21,7 @@ from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import mask_words
-from jaxinfer.model import batch_state, layers, moe, params_table, scoring, sharding
+from jaxinfer.model import batch_state, layers, lora, moe, params_table, scoring, sharding
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
@@ -231,6 +231,8 @@ def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None
     specs = quantization_lib.partition_specs(
         params_table.param_partition_specs(cfg, shards, options.expert_parallel),
         quantization, head=quantized_head)
+    if options.lora is not None:  # adapter slots (model/lora.py), split as their targets
+        specs = {**specs, "lora": lora.partition_specs(cfg, options.lora)}
     params = sharding.named(mesh, specs)
     layer = NamedSharding(mesh, KV_PAGES_SPEC)
     if kv_quant.is_quantized(kv_dtype):

@@ -47,6 +47,7 @@ from jaxinfer.engine.runner.results import PromptScores, Sample, StepResult
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import TokenMasks
 from jaxinfer.model import batch_state, moe, scoring, sharding
+from jaxinfer.model import lora as lora_lib
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model.attention import init_kv_cache
 from jaxinfer.pallas import DEFAULT_SETTINGS, AttentionSettings, kv_quant
@@ -107,6 +108,10 @@ class Runner:
         param_shardings, kv_shardings, whole = step_shardings(
             cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head,
             options=options)
+        if options.lora is not None:  # empty adapter slots, made where they live
+            params = {**params, "lora": jax.jit(
+                functools.partial(lora_lib.init, cfg, options.lora),
+                out_shardings=param_shardings["lora"])()}
         self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -139,6 +144,7 @@ class Runner:
         self._compiled: dict[tuple[Bucket, bool], typing.Callable] = {}  # (bucket, scores)
         self._admit_compiled: typing.Callable | None = None
         self._lower_lock = threading.Lock()
+        self.adapters = None  # LoRA adapter slots (lora.py), set by the loader
         self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
         self.last_step_bytes = 0
 

@@ -208,7 +208,8 @@ class SlotTable:
             seeds=np.array([r.seed for r in requests] + pad, np.uint32),
             prompt_lens=np.array([len(r.prompt_token_ids) for r in requests] + pad, np.int32),
             min_tokens=np.array([p.min_tokens for p in params], np.int32),
-            logprobs=np.array([p.logprobs or 0 for p in params], np.int32), stop_ids=banned)
+            logprobs=np.array([p.logprobs or 0 for p in params], np.int32), stop_ids=banned,
+            adapter=np.array([r.adapter_slot for r in requests] + [-1] * len(pad), np.int32))
 
 
 def page_write_capacity(bucket: Bucket, page_size: int) -> int:
