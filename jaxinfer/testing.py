@@ -161,10 +161,12 @@ def make_random_model(path: str | os.PathLike, preset: Any, *, seed: int = 0,
 # ---- references and state views the tests compare the serving code with -----------
 
 
-def logits(runner: Runner, chunks: Sequence[Chunk]) -> np.ndarray:
+def logits(runner: Runner, chunks: Sequence[Chunk],
+           adapters: Sequence[int] | None = None) -> np.ndarray:
     """Write the chunks' K/V into a Runner's cache and return f32[tokens, V] logits for
     every real token: the forward pass alone, compiled per shape outside the bucket set
-    (the parity tests' side of the comparison; a runner with one page group)."""
+    (the parity tests' side of the comparison; a runner with one page group).
+    `adapters`: each chunk's LoRA slot (-1: the base model; model/lora.py)."""
     import jax
     import numpy as np
 
@@ -178,6 +180,13 @@ def logits(runner: Runner, chunks: Sequence[Chunk]) -> np.ndarray:
                                    attention=runner.attention,
                                    num_tokens=next_power_of_two(total, 8),
                                    num_slots=next_power_of_two(len(chunks)))
+    if adapters is not None:
+        import dataclasses
+
+        per_token = [slot for c, slot in zip(chunks, adapters, strict=True)
+                     for _ in c.token_ids]
+        per_token += [-1] * (token_ids.shape[0] - len(per_token))
+        md = dataclasses.replace(md, adapters=np.array(per_token, np.int32))
     with jax.set_mesh(runner.mesh):
         runner.kv_cache, out = _forward(runner)(runner.params, runner.kv_cache, token_ids, md)
     return np.asarray(out)[:total]
