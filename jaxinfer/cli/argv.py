@@ -1,6 +1,6 @@
 """A command line in vLLM's spellings read as absl reads jaxinfer's: flag names with
-dashes or underscores, argparse's `--no-flag`, vLLM's `-tp`, `-dp` and `-q`. Values are
-never touched. Unknown flags are taken out and kept, so that the command names them all
+dashes or underscores, argparse's `--no-flag`, vLLM's `-tp`, `-dp` and `-q`, several
+values after a list flag (`--lora-modules a=A b=B`). Values are never touched. Unknown flags are taken out and kept, so that the command names them all
 in one line. See docs/cli.md#vllm-command-lines.
 """
 
@@ -89,10 +89,20 @@ def read(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> Readin
         if takes_next and not flag_values[own_name].boolean:
             reading.argv.append(following)  # the flag's value, as it is
             index += 1
+        if isinstance(flag_values[own_name], flags.MultiFlag):  # argparse's nargs="+"
+            while index < len(args) and _another_value(args[index]):
+                reading.argv.append(f"--{absl_name}={args[index]}")
+                index += 1
         elif takes_next and following.lower() in _BOOLEAN_WORDS:
             reading.stray_values.append(f"{arg} {following}")
             index += 1
     return reading
+
+
+def _another_value(arg: str) -> bool:
+    """Whether `arg`, after a list flag's value, is one more value (`--lora-modules a=A
+    b=B`, vLLM's): a name=path or a JSON object, never a flag or the model."""
+    return not arg.startswith("-") and ("=" in arg or arg.lstrip().startswith("{"))
 
 
 def unknown_flags(reading: Reading, command: str, own: tuple[str, ...]) -> list[str]:

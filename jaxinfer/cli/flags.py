@@ -74,13 +74,15 @@ RAY_FLAGS = ("ray_address", "num_replicas", "ray_batch_size")  # each needs --ra
 
 def define_config_flags(config_class: type) -> tuple[str, ...]:
     """One flag per field of a config dataclass (EngineConfig, DistributedConfig), from its
-    type, default, choices and help."""
+    type, default, choices and help; a tuple field is a flag given once per value."""
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
         kinds = set(typing.get_args(hints[field.name])) - {types.NoneType} or {
             hints[field.name]}
         help_text, choices = field.metadata["help"], field.metadata["choices"]
-        if choices:
+        if typing.get_origin(hints[field.name]) is tuple:  # a list: the flag repeats
+            flags.DEFINE_multi_string(field.name, list(field.default), help_text)
+        elif choices:
             flags.DEFINE_enum(field.name, field.default, list(choices), help_text)
         elif kinds == {bool}:
             flags.DEFINE_boolean(field.name, field.default, help_text)

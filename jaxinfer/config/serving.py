@@ -6,6 +6,7 @@ for EngineConfig; docs/serving.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxinfer.config.engine import setting
 
@@ -16,6 +17,44 @@ REASONING_PARSERS = ("openai_gptoss", "qwen3")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")
 # `--uvicorn_log_level` values (vLLM's, uvicorn's)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LORA_MODULE_KEYS = ("name", "path", "base_model_name")  # vLLM's JSON form of a module
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """An adapter served at start (`--lora_modules`): clients select it by `name`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # /v1/models' `parent`; default: the served model
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """vLLM's two spellings of a module: `name=path`, or a JSON object with `name`,
+    `path` and optionally `base_model_name`; ValueError naming lora_modules."""
+    if not isinstance(text, str):
+        raise ValueError(f"lora_modules: {text!r} must be a string, name=path")
+    if not text.lstrip().startswith("{"):
+        name, equals, path = text.partition("=")
+        if not equals or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules={text!r} must be name=path or a JSON object "
+                             f"with {', '.join(LORA_MODULE_KEYS)}")
+        return LoraModule(name.strip(), path.strip())
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"lora_modules={text!r} is not JSON: {e}") from None
+    unknown = sorted(set(data) - set(LORA_MODULE_KEYS)) if isinstance(data, dict) else []
+    if unknown:
+        raise ValueError(f"lora_modules={text!r}: unknown key(s) {unknown}; a module has "
+                         f"{', '.join(LORA_MODULE_KEYS)}")
+    for key in ("name", "path"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ValueError(f"lora_modules={text!r}: {key!r} must be a non-empty string")
+    base = data.get("base_model_name")
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f"lora_modules={text!r}: 'base_model_name' must be a string")
+    return LoraModule(data["name"], data["path"], base)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,8 +161,18 @@ class ServerConfig:
         "VLLM_SERVER_DEV_MODE=1): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, "
         "/pause, /resume, /is_paused and SGLang's /update_weights_from_disk, /flush_cache, "
         "/release_memory_occupation, /resume_memory_occupation; under --api_key")
+    lora_modules: tuple[str, ...] = setting(
+        (), "LoRA adapters served from the start (vLLM's --lora-modules; needs "
+        "--enable_lora): name=path, or vLLM's JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}; repeat the flag or list several after it. A request "
+        "selects one by its `model`; /v1/models lists them")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
+        "and unload adapters while the server runs (also turned on by vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); under --api_key")
 
     def __post_init__(self) -> None:
+        self._check_lora_modules()
         for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -151,3 +200,18 @@ class ServerConfig:
         if self.include_reasoning_content and self.reasoning_parser is None:
             raise ValueError("include_reasoning_content=True needs reasoning_parser (there "
                              "is no reasoning to send without one)")
+
+    @property
+    def lora_adapters(self) -> tuple[LoraModule, ...]:
+        """`lora_modules` read (checked when the config was made)."""
+        return tuple(map(parse_lora_module, self.lora_modules))
+
+    def _check_lora_modules(self) -> None:
+        modules = self.lora_modules
+        if isinstance(modules, str) or not isinstance(modules, list | tuple):
+            raise ValueError(f"lora_modules={modules!r} must be a list of name=path strings")
+        object.__setattr__(self, "lora_modules", tuple(modules))  # hashable, as every config
+        names = [module.name for module in self.lora_adapters]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules: the name {repeated[0]!r} is given twice")

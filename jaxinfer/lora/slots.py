@@ -52,7 +52,7 @@ class AdapterSlots:
         copy = self._read(lora)
         self._host[lora.lora_int_id] = (lora, copy)
         self.counts["host_loads"] += 1
-        self._evict_host()
+        self._evict_host(keep=lora.lora_int_id)
         return True
 
     def remove(self, lora_int_id: int) -> bool:
@@ -135,10 +135,11 @@ class AdapterSlots:
         self.counts["slot_swaps"] += self._held[slot] is not None
         self._held[slot] = lora_int_id
 
-    def _evict_host(self) -> None:
-        """Drop least recently used host copies beyond max_cpu_loras, never one on the
-        device or pinned (the host may then hold more until they leave)."""
-        on_device = set(self._held)
+    def _evict_host(self, keep: int) -> None:
+        """Drop least recently used host copies beyond max_cpu_loras, never `keep` (just
+        read), one on the device or a pinned one (the host may then hold more until they
+        leave)."""
+        on_device = set(self._held) | {keep}
         for lora_int_id in list(self._host):
             if len(self._host) <= self.max_cpu_loras:
                 return

@@ -7,42 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from lora_adapters import ALL, ATTENTION, peft_model, save_adapter
 
 from jaxinfer import LLM, testing
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.runner import Chunk
 from jaxinfer.lora import LoRARequest
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ATTENTION = ALL[:4]
 PROMPTS = [[5, 9, 13, 2, 7, 11, 40, 41, 42, 43], [100, 3, 3, 7], [1] * 19,
            [60, 61, 62, 63, 64, 65]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def save_adapter(model_dir, out, *, rank: int, targets: list[str], seed: int,
-                 alpha: int = 16, **extra) -> None:
-    """A random (non-zero) PEFT LoRA adapter of the model at `model_dir`."""
-    import peft
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager")
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             init_lora_weights=False, **extra)
-    peft.get_peft_model(model, config).save_pretrained(out)
-
-
-def peft_model(model_dir, adapter_dir):
-    import peft
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager")
-    return peft.PeftModel.from_pretrained(model, adapter_dir).eval()
 
 
 def reference(model, prompt: list[int]) -> tuple[np.ndarray, list[int]]:

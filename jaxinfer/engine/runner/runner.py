@@ -7,6 +7,7 @@ state; `warm_up` compiles every bucket (scoring and verify variants included),
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -71,7 +72,9 @@ def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str,
                      options: ModelOptions = DEFAULT_OPTIONS) -> dict:
     """Float `params` quantized to `mode` on the device, placed as the step shards them
     (AWQ's int4 scales, if any, already folded in by the checkpoint loader)."""
-    shardings, _, _ = step_shardings(cfg, mesh, mode, options=options)
+    # the adapter slots are added after, float (Runner.__init__)
+    shardings, _, _ = step_shardings(cfg, mesh, mode,
+                                     options=dataclasses.replace(options, lora=None))
     return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode),
                    out_shardings=shardings)(params)
 
