@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig, ModelOptions
+from jaxinfer.config.lora import LoraSlots
 from jaxinfer.engine import runner
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
+from jaxinfer.model import lora as lora_lib
 from jaxinfer.model import quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
@@ -114,6 +116,7 @@ class Settings:
     hybrid_kv_cache: bool = True  # not EngineConfig.disable_hybrid_kv_cache_manager: a
     # model whose layers differ in attention compiles with a KV page group per kind
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel: whole experts a chip
+    lora: LoraSlots | None = None  # EngineConfig.lora_slots: adapter slots beside the weights
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -172,7 +175,7 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
                   tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
                   quantized_head=s.quantized_head, hybrid_kv_cache=s.hybrid_kv_cache,
-                  expert_parallel=s.expert_parallel)
+                  expert_parallel=s.expert_parallel, lora=s.lora)
     if s.kv_cache_memory_bytes is not None:
         return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
     budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)
@@ -182,7 +185,8 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
 def model_options(s: Settings, feature_layers: tuple[int, ...] = ()) -> ModelOptions:
     """The options the engine runs the model with under `s`, keeping `feature_layers`
     for speculative heads."""
-    return ModelOptions(expert_parallel=s.expert_parallel, feature_layers=feature_layers)
+    return ModelOptions(expert_parallel=s.expert_parallel, feature_layers=feature_layers,
+                        lora=s.lora)
 
 
 def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int,
@@ -196,6 +200,8 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
     if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
         params = jax.eval_shape(functools.partial(
             quantization.quantize_params, mode=s.quantization, head=s.quantized_head), params)
+    if s.lora is not None:
+        params = {**params, "lora": lora_lib.shapes(served, s.lora)}
     kv = kv_cache_spec(served, num_pages=[group.num_pages for group in plan.page_groups],
                        page_size=s.page_size, dtype=s.kv_dtype, backend="tpu", shards=shards,
                        group_windows=group_windows(plan),
@@ -326,7 +332,7 @@ def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
     report["compile_s"] = round(time.perf_counter() - began, 1)
     report["buckets"] = report["replicas"][0]["buckets"]
     report["fits"] = all(r["compiled"] for rep in report["replicas"] for r in rep["buckets"])
-    report["planned_argument_bytes"] = plan.weight_bytes + plan.kv_cache_bytes
+    report["planned_argument_bytes"] = plan.weight_bytes + plan.lora_bytes + plan.kv_cache_bytes
     return report
 
 

@@ -198,7 +198,8 @@ def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
                 hybrid_kv_cache=not settings.disable_hybrid_kv_cache_manager,
                 bandwidth_gb_per_s=bandwidth, expert_parallel=FLAGS.enable_expert_parallel,
                 peak_flops_per_s=acc.chip.bf16_flops if acc else None,
-                draft=_draft_config(settings), **_plan_budget(settings, acc))
+                draft=_draft_config(settings), lora=settings.lora_slots,
+                **_plan_budget(settings, acc))
 
 
 def _check_plan_flags() -> None:
@@ -323,7 +324,7 @@ def aot() -> None:
         data_parallel_size=engine.data_parallel_size
         if FLAGS["data_parallel_size"].present else None,  # default: one replica
         quantization=engine.quantization, quantized_head=_quantized_head(),
-        expert_parallel=FLAGS.enable_expert_parallel)
+        expert_parallel=FLAGS.enable_expert_parallel, lora=engine.lora_slots)
     report = aot_lib.compile_report(
         cfg, device=device, settings=settings, buckets=FLAGS.buckets,
         progress=lambda event: print(aot_table.progress_line(event), file=sys.stderr,

@@ -284,7 +284,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
                   max_num_batched_tokens=config.max_num_batched_tokens,
                   hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
                   expert_parallel=config.enable_expert_parallel,
-                  prequantized_group=prequantized_group,
+                  prequantized_group=prequantized_group, lora=config.lora_slots,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,

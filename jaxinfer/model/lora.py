@@ -76,10 +76,12 @@ def partition_specs(cfg: ModelConfig, slots: LoraSlots) -> Lora:
             for layer in shapes(cfg, slots)]
 
 
-def slot_bytes(cfg: ModelConfig, slots: LoraSlots) -> int:
-    """Bytes of all the slots on the device (one copy, before splitting)."""
+def slot_bytes(cfg: ModelConfig, slots: LoraSlots, shards: int = 1) -> int:
+    """Bytes of all the slots on one of `shards` devices (`cfg`: the served model)."""
     leaves = jax.tree.leaves(shapes(cfg, slots))
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    specs = jax.tree.leaves(partition_specs(cfg, slots), is_leaf=lambda x: isinstance(x, P))
+    return sum(leaf.size * leaf.dtype.itemsize // (shards if MODEL_AXIS in spec else 1)
+               for leaf, spec in zip(leaves, specs, strict=True))
 
 
 def write(lora: Lora, slot: jax.Array, adapter: Lora) -> Lora:

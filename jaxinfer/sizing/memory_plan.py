@@ -42,6 +42,7 @@ class MemoryPlan:
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
     batch_state_bytes: int = 0  # the per-slot rows kept on the device (batch_state_bytes)
+    lora_bytes: int = 0  # LoRA adapter slots (model/lora.py), on one device
     # Mixture of experts: the stacked experts' bytes on one device (within weight_bytes),
     # and the routing that sets how many of them a decode step reads.
     expert_weight_bytes: int = 0
@@ -133,7 +134,8 @@ class MemoryPlan:
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_cache_gb": round(self.kv_cache_bytes / GB, 3),
             "batch_state_bytes": self.batch_state_bytes,
-            "total_gb": round((self.weight_bytes + self.draft_weight_bytes
+            "lora_bytes": self.lora_bytes,
+            "total_gb": round((self.weight_bytes + self.draft_weight_bytes + self.lora_bytes
                                + self.batch_state_bytes + self.kv_cache_bytes) / GB, 3),
             "kv_tokens": (self.num_pages - 1) * self.page_size,
             **hybrid_summary(self),

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.config.lora import LoraSlots
+from jaxinfer.model import lora as lora_lib
 from jaxinfer.model import sharding
 from jaxinfer.model.params_table import EXPERTS, LAYER, param_partition_specs, param_shapes
 from jaxinfer.model.quantization import (
@@ -231,7 +233,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          draft: ModelConfig | tuple[int, int] | None = None,
          max_num_batched_tokens: int = 512,
          hybrid_kv_cache: bool = True, expert_parallel: bool = False,
-         prequantized_group: int | None = None) -> MemoryPlan:
+         prequantized_group: int | None = None, lora: LoraSlots | None = None
+         ) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
@@ -243,7 +246,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     sliding-window and full-attention layers gives its sliding layers their own pages
     (`page_groups`). `expert_parallel`: each device holds whole experts (ModelOptions).
     `prequantized_group`: an AWQ or GPTQ checkpoint's int4 groups (`weight_bytes`).
-    Raises ValueError when not even one request of `max_model_len` fits, saying how
+    `lora`: the LoRA adapter slots held beside the weights (model/lora.py). Raises
+    ValueError when not even one request of `max_model_len` fits, saying how
     much would."""
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
@@ -254,6 +258,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     max_model_len = max_model_len or cfg.max_position_embeddings
     weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel,
                            prequantized_group)
+    adapters = 0 if lora is None else lora_lib.slot_bytes(
+        sharding.served_config(cfg, tp), lora, tp)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)
@@ -262,7 +268,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                              max_num_batched_tokens=max_num_batched_tokens)
     state = batch_state_bytes(max_num_seqs, max_model_len, page_size)
     if memory_bytes is not None:
-        kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights, need, dtype,
+        kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights + adapters, need,
+                                    dtype,
                                     max_model_len, tp, state)
     groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
                          max_model_len=max_model_len, hybrid=hybrid_kv_cache,
@@ -280,6 +287,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
                       attention_flops_per_context_token=attention_flops,
                       peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
                       draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
+                      lora_bytes=adapters,
                       **_moe_fields(cfg, dtype, tp, quantization, expert_parallel), **groups)
 
 
