@@ -21,6 +21,7 @@ from jaxinfer.engine.controls import RolloutControls
 from jaxinfer.engine.core import kv_groups
 from jaxinfer.engine.core.scheduler import Scheduler, StepPlan
 from jaxinfer.engine.detokenize import TextState
+from jaxinfer.engine.intake import RequestIntake
 from jaxinfer.engine.metrics.clock import Sent, StepClock
 from jaxinfer.engine.metrics.summary import Metrics
 from jaxinfer.engine.output import TokenTexts, copy_into, output_logprobs, record_prompt_scores
@@ -35,12 +36,11 @@ from jaxinfer.engine.request import (
 )
 from jaxinfer.engine.runner import STOP_WIDTH
 from jaxinfer.engine.structured.grammar import Constraints
-from jaxinfer.text.tokenizer import TooLong
 
 log = logging.getLogger(__name__)
 
 
-class Engine(RolloutControls, adapters.AdapterControls):
+class Engine(RequestIntake, RolloutControls, adapters.AdapterControls):
     """A model served with continuous batching over a paged KV cache."""
 
     def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None,
@@ -127,32 +127,6 @@ class Engine(RolloutControls, adapters.AdapterControls):
 
     # ---- requests -------------------------------------------------------------------
 
-    def prompt_token_ids(self, prompt: str | Sequence[int] | None = None,
-                         messages: list[dict] | None = None, *,
-                         add_generation_prompt: bool = True,
-                         truncate: int | None = None, **chat: object) -> list[int]:
-        """Token ids of a text prompt, a token-id prompt, or chat messages, `truncate`d to
-        their last tokens (vLLM's truncate_prompt_tokens); checked. `chat`: the chat
-        template's options (Tokenizer.prompt_ids: tools, continue_final_message,
-        template_kwargs)."""
-        if self.tokenizer is not None:
-            try:  # a prompt to truncate may be long: its length is checked once cut
-                ids = self.tokenizer.prompt_ids(prompt, messages,
-                                                add_generation_prompt=add_generation_prompt,
-                                                max_tokens=None if truncate else
-                                                self.max_model_len - 1, **chat)
-            except TooLong as e:
-                raise ValueError(f"{e}; max_model_len {self.max_model_len} leaves no room "
-                                 "to generate") from None
-        elif messages is not None or isinstance(prompt, str):
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): "
-                             "give prompts as token ids, not text or chat messages")
-        else:
-            ids = list(prompt if prompt is not None else [])
-        ids = ids[-truncate:] if truncate else ids
-        return checks.check_prompt(ids, max_model_len=self.max_model_len,
-                                   vocab_size=self.model_config.vocab_size)
-
     def check_params(self, params: SamplingParams) -> tuple[object | None, object | None]:
         """Engine-level limits of sampling parameters (beyond SamplingParams' own); returns
         what fills the request's token mask (engine/structured/): the constraint's
@@ -174,27 +148,6 @@ class Engine(RolloutControls, adapters.AdapterControls):
                                                    prompt_token_ids=prompt_token_ids,
                                                    lora_request=lora_request),
                           priority=priority)
-
-    def prepare(self, prompt: str | Sequence[int] | None = None,
-                params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                prompt_token_ids: list[int] | None = None,
-                lora_request: object = None) -> PreparedRequest:
-        """A request checked and its prompt tokenized (`prompt_token_ids`, from
-        `prompt_token_ids()`, saves tokenizing it again), the engine unchanged: the faces
-        check a whole batch, or prepare off the engine's thread, before adding any. No
-        `params`: `default_params` (the checkpoint's generation_config.json values)."""
-        params = params if params is not None else self.default_params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params is a {type(params).__name__}, not SamplingParams")
-        grammar, token_filter = self.check_params(params)
-        truncate = params.truncate_prompt_tokens
-        ids = prompt_token_ids[-truncate:] if prompt_token_ids and truncate else (
-            prompt_token_ids or self.prompt_token_ids(prompt, messages, truncate=truncate))
-        if params.max_tokens is None:  # vLLM's: what the context leaves after the prompt
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        return PreparedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
-                               grammar=grammar, token_filter=token_filter,
-                               lora=self.adapter_of(lora_request))
 
     def add_prepared(self, request_id: str, prepared: PreparedRequest, *,
                      priority: int = 0) -> None:
@@ -281,11 +234,13 @@ class Engine(RolloutControls, adapters.AdapterControls):
             done, self._in_flight = self._in_flight, None
             read = self._complete(done)
         plan = self.scheduler.schedule()
+        failed = [self._sync(pid) for pid in dict.fromkeys(  # their adapter unreadable
+            r.parent_id for r in self.scheduler.take_failed())]
         if not plan.chunks and self._in_flight is None:
-            if self.scheduler.has_unfinished() and not read:
+            if self.scheduler.has_unfinished() and not read and not failed:
                 raise RuntimeError("the scheduler could not place any waiting request "
                                    "(KV cache smaller than one request?)")
-            return read
+            return read + failed
         compiles = self.compiles.begin()
         dispatched = self._dispatch(plan) if plan.chunks else None
         previous = dispatched
@@ -295,7 +250,7 @@ class Engine(RolloutControls, adapters.AdapterControls):
         self._check_compiles(compiles)
         if not self.has_unfinished():
             self.clock.idle()
-        return outputs
+        return outputs + failed
 
     def _reads_first(self) -> bool:
         """Whether the step in flight is read before this call plans: most running

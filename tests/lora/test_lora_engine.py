@@ -194,3 +194,40 @@ def test_refusals_name_the_problem(six, tmp_path):
                               path / "adapter_model.safetensors")
         with pytest.raises(ValueError, match=reason):
             llm.engine.add_lora(LoRARequest(reason, 70 + len(reason), str(path)))
+
+
+def test_sleep_level_two_keeps_the_adapters(six, alone):
+    root, loras = six
+    llm = LLM(str(root / "model"), enable_lora=True, max_loras=2, max_lora_rank=16,
+              **SMALL)
+    assert llm.generate([PROMPT], GREEDY, lora_request=loras[1])[0].outputs[0].token_ids \
+        == alone["a1"]
+    llm.sleep(level=2)
+    llm.update_weights(str(root / "model"))
+    llm.wake_up()
+    for lora in (loras[1], None):  # the resident adapter's slot came back with it
+        assert llm.generate([PROMPT], GREEDY, lora_request=lora)[0].outputs[0].token_ids \
+            == alone[lora.lora_name if lora else None]
+
+
+def test_an_adapter_gone_from_disk_fails_its_request_alone(six, alone, tmp_path):
+    import shutil
+
+    root, loras = six
+    gone = tmp_path / "gone"
+    shutil.copytree(loras[0].lora_path, gone)
+    doomed = LoRARequest("gone", 40, str(gone))
+    llm = LLM(str(root / "model"), enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=1, **SMALL)
+    engine = llm.engine
+    engine.add_request("doomed", prompt_token_ids=PROMPT, params=GREEDY, lora_request=doomed)
+    engine.add_request("other", prompt_token_ids=PROMPT, params=GREEDY,
+                       lora_request=loras[1])  # evicts the doomed one's host copy
+    shutil.rmtree(gone)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+    assert finished["doomed"].finish_reason == "error"
+    assert finished["other"].token_ids == alone["a1"]

@@ -106,6 +106,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy
         self.adapters = adapters
+        self.failed: list[Request] = []  # finished with an error while scheduled
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0
@@ -186,9 +187,11 @@ class Scheduler:
             if self.policy == "static" and self._static_quota == 0:
                 break  # the batch is formed: no newcomers until it has finished
             request = self.waiting[index]
-            if (self._waits_for_sibling(request) or request.num_output_placeholders
-                    or not self._takes_adapter(request)):
+            if self._waits_for_sibling(request) or request.num_output_placeholders:
                 index += 1
+                continue
+            if not self._takes_adapter(request):
+                index += not request.finished  # a failed one left the queue
                 continue
             if self.pool.enable_caching and not request.scoring_prompt:
                 self.pages.take_cached(request)  # as vLLM: a scoring prompt runs every position
@@ -210,8 +213,22 @@ class Scheduler:
 
     def _takes_adapter(self, request: Request) -> bool:
         """Whether the request runs on the base model or got a slot holding its adapter
-        (else it waits, as for pages, while requests of other adapters go on)."""
-        return request.lora is None or self.adapters.acquire(request)
+        (else it waits, as for pages, while requests of other adapters go on). An
+        adapter that can no longer be read (its host copy dropped, its files gone) ends
+        the request with an error, the others unharmed."""
+        if request.lora is None:
+            return True
+        try:
+            return self.adapters.acquire(request)
+        except ValueError as e:
+            self.finish(request, "error", f"lora_request: {e}")
+            self.failed.append(request)
+            return False
+
+    def take_failed(self) -> list[Request]:
+        """The requests `schedule` ended with an error since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _waits_for_sibling(self, request: Request) -> bool:
         """An n > 1 sibling waits while another computes their shared prompt pages."""

@@ -60,7 +60,7 @@ class Sleeper:
         self.runner = runner
         self.level = 0
         self.asleep: set[str] = set()
-        self._host_params: object | None = None  # level 1: the params in host memory
+        self._host_params: dict | None = None  # leaf path -> its host copy (sleep)
         self._param_specs: object | None = None  # their shapes, dtypes and shardings
 
     @property
@@ -69,13 +69,16 @@ class Sleeper:
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and batch state; level 1 copies the params to host memory
-        first, level 2 drops them."""
+        first, level 2 drops them but for the LoRA adapter slots (copied: they are the
+        adapters loaded, which no weight update brings back)."""
         runner = self.runner
         jax.block_until_ready((runner.params, runner.kv_cache, runner.state))
         self._param_specs = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             runner.params)
-        self._host_params = jax.device_get(runner.params) if level == 1 else None
+        self._host_params = {  # leaf path -> host copy
+            path: leaf for path, leaf in _paths(jax.device_get(runner.params)).items()
+            if level == 1 or path.startswith("['lora']")}
         _delete(runner.params)
         _delete(runner.kv_cache)
         _delete(runner.state)
@@ -120,17 +123,18 @@ class Sleeper:
     def _wake_weights(self) -> None:
         """The params' leaves still specs, from the host copy; RuntimeError when there
         is none (level 2) and some were not given back."""
+        paths = list(_paths(self.runner.params))
         leaves, treedef = jax.tree.flatten(self.runner.params)
         missing = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.Array)]
-        if missing and self._host_params is None:
+        host = self._host_params or {}
+        if any(paths[i] not in host for i in missing):
             raise RuntimeError(
                 f"the weights were dropped by sleep(level=2) and {len(missing)} of "
                 f"{len(leaves)} params leaves are not back: give new ones while asleep "
                 "(update_weights(...), or engine.sleeper.set_params(params) with the "
                 "tree the engine serves), then wake_up()")
         if missing:
-            host = jax.tree.leaves(self._host_params)
-            placed = jax.device_put([host[i] for i in missing],
+            placed = jax.device_put([host[paths[i]] for i in missing],
                                     [leaves[i].sharding for i in missing])
             for index, leaf in zip(missing, placed, strict=True):
                 leaves[index] = leaf
@@ -154,3 +158,9 @@ def check_like(params: object, specs: object) -> None:
             raise ValueError(f"params{jax.tree_util.keystr(path)}: {leaf.dtype}"
                              f"{list(leaf.shape)}, the engine serves {spec.dtype}"
                              f"{list(spec.shape)}")
+
+
+def _paths(tree: object) -> dict[str, object]:
+    """A pytree's leaves by their key path (jax.tree_util.keystr), in tree order."""
+    return {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
