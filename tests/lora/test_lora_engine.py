@@ -145,10 +145,11 @@ def test_data_parallel_and_ngram_speculation_serve_adapters(six, alone):
                 extra
 
 
-def test_int8_base_weights_take_float_adapters(six):
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_base_weights_take_float_adapters(six, mode):
     root, loras = six
     llm = LLM(str(root / "model"), enable_lora=True, max_loras=2, max_lora_rank=16,
-              quantization="int8", **SMALL)
+              quantization=mode, **SMALL)
     first = llm.generate([PROMPT] * 3, GREEDY, lora_request=[loras[0], None, loras[1]])
     again = [llm.generate([PROMPT], GREEDY, lora_request=lora)[0]
              for lora in (loras[0], None, loras[1])]
