@@ -35,11 +35,12 @@ STREAM_REFUSED = ("a batch line is answered with one JSON body; stream=true is n
 
 
 def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], None], *,
-             model_name: str, progress: bool = False) -> None:
+             model_name: str, progress: bool = False, lora_modules: Sequence[str] = ()) -> None:
     """Send each request (an OpenAI batch line that names a route) to its route, with
     LINES_PER_SLOT lines per engine slot in flight, and call `on_record` with each line's
     output record as its answer comes back. `model_name`: what a body's `model` must name,
-    as `serve`'s --served_model_name."""
+    as `serve`'s --served_model_name, or an adapter of `lora_modules` (serve's
+    --lora_modules: name=path or vLLM's JSON), each loaded first."""
     if not requests:
         return
     pooling = isinstance(llm.engine, PoolingEngine)
@@ -49,7 +50,8 @@ def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], 
     else:
         loop = EngineLoop(llm.engine, max_waiting_requests=NO_WAITING_LIMIT)
         in_flight = LINES_PER_SLOT * llm.engine.counts()[2]
-    app = create_app(server.make_state(llm, ServerConfig(), loop, model_name))
+    config = ServerConfig(lora_modules=tuple(lora_modules))
+    app = create_app(server.make_state(llm, config, loop, model_name))
     loop.start()
     try:
         with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:

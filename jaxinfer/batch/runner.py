@@ -38,12 +38,13 @@ FAILED_LINES_EXIT = 3  # the CLI's exit code when the output holds error records
 
 def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
         *, progress: bool = True, retry_errors: bool = True,
-        model_name: str | None = None) -> dict:
+        model_name: str | None = None, lora_modules: Sequence[str] = ()) -> dict:
     """Run every request of `input_path` not yet in `output_path`; returns a summary.
     `retry_errors`: lines whose earlier run ended in an error record run again (their
     old record is dropped first); False keeps those records and skips the lines.
     `model_name`: what an OpenAI-format line's body.model must name when it gives one
-    (default: the model directory's name). Multi-host: call it on every process; only
+    (default: the model directory's name), or one of `lora_modules` (serve's
+    --lora_modules: LoRA adapters by name). Multi-host: call it on every process; only
     process 0 touches `output_path`."""
     output_path, primary = pathlib.Path(output_path), distributed.is_primary()
     check_paths(input_path, output_path if primary else None)
@@ -52,6 +53,10 @@ def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
     requests = read_requests(input_path, done.ids, done.lines,  # duplicate ids raise here
                              urls=openai.urls_of(is_pooling(llm)))
     check_formats(input_path, done, requests)
+    if lora_modules and requests.format != OPENAI:
+        raise ValueError(f"lora_modules: {input_path} is in jaxinfer's format, whose lines "
+                         "name no model; an adapter is chosen by an OpenAI-format line's "
+                         "body.model")
     if requests.format == OPENAI and distributed.process_count() > 1:
         raise ValueError(f"{input_path} is in OpenAI's batch format, which runs on one host "
                          "(or over Ray with --ray); a multi-host batch takes jaxinfer's format")
@@ -72,7 +77,8 @@ def run(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike,
         for record in requests.errors:
             record_done(record)
         complete(llm, requests.pending, record_done, progress=progress and primary,
-                 model_name=model_name or pathlib.Path(llm.engine.model_dir).name)
+                 model_name=model_name or pathlib.Path(llm.engine.model_dir).name,
+                 lora_modules=lora_modules)
     elapsed = time.perf_counter() - started
     _log_failures(counts)
     return {**counts, "seconds": round(elapsed, 2),
@@ -130,13 +136,16 @@ def _finished_on_primary(path: pathlib.Path, primary: bool, retry_errors: bool) 
 
 
 def complete(llm: LLM, requests: Sequence[Request], on_record: Callable[[dict], None], *,
-             progress: bool = False, model_name: str | None = None) -> None:
+             progress: bool = False, model_name: str | None = None,
+             lora_modules: Sequence[str] = ()) -> None:
     """Run `requests` on `llm`, calling `on_record` with each one's record as it finishes:
-    OpenAI-format lines through the server's routes (in_process.py, `model_name` as
-    there; default: the model directory's name), jaxinfer's with `complete_lines`."""
+    OpenAI-format lines through the server's routes (in_process.py, `model_name` and
+    `lora_modules` as there; default name: the model directory's), jaxinfer's with
+    `complete_lines`."""
     if requests and openai.is_line(requests[0].record):
         in_process.complete(llm, requests, on_record, progress=progress,
-                            model_name=model_name or pathlib.Path(llm.engine.model_dir).name)
+                            model_name=model_name or pathlib.Path(llm.engine.model_dir).name,
+                            lora_modules=lora_modules)
     elif requests and is_pooling(llm):
         for request in requests:  # jaxinfer's lines are prompts to generate from
             on_record(error_record(request.line, request.id, "this is a pooling model: "

@@ -1,7 +1,8 @@
 """A command line in vLLM's spellings read as absl reads jaxinfer's: flag names with
 dashes or underscores, argparse's `--no-flag`, vLLM's `-tp`, `-dp` and `-q`, several
-values after a list flag (`--lora-modules a=A b=B`). Values are never touched. Unknown flags are taken out and kept, so that the command names them all
-in one line. See docs/cli.md#vllm-command-lines.
+values after a list flag (`--lora-modules a=A b=B`). Values are never touched. Unknown
+flags are taken out and kept, so that the command names them all in one line. See
+docs/cli.md#vllm-command-lines.
 """
 
 from __future__ import annotations

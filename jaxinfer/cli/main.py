@@ -57,7 +57,7 @@ class Command:
 _HUB_FLAGS = ("revision", "download_dir")
 _PLAN_FLAGS = (*_HUB_FLAGS, "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "page_size",
                "kv_cache_memory_bytes", "gpu_memory_utilization", "quantization",
-               "enable_expert_parallel")
+               "enable_expert_parallel", "enable_lora", "max_loras", "max_lora_rank")
 COMMANDS = {
     "generate": Command(run=generate, summary="complete one prompt and print prompt + "
                         "completion (default model: the bundled demo)",
@@ -67,7 +67,8 @@ COMMANDS = {
     "batch": Command(run=batch, summary="run a JSONL file of requests, appending JSONL "
                      "results (resumable; --ray: over Ray Data replicas)",
                      flags=("model", "input", "output", "format", "retry_errors", "ray",
-                            *RAY_FLAGS, *ENGINE_FLAGS, "enforce_eager", *DISTRIBUTED_FLAGS)),
+                            *RAY_FLAGS, "lora_modules", *ENGINE_FLAGS, "enforce_eager",
+                            *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
                      "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
                      "/ping, /version, /metrics, /docs)",
@@ -121,6 +122,8 @@ def command_help(name: str) -> str:
         value = command.defaults.get(flag_name, flag.default)
         default = "unset" if value is None else json.dumps(value)
         text = re.sub(r"^<[^>]*>: ", "", flag.help)  # absl prefixes enum help with choices
+        text = re.sub(r";\s*repeat this option to specify a list of values$", "",
+                      text)  # absl's note on a list flag, whose own help says so
         lines.append(f"  --{flag_name} ({kind}; default {default})")
         lines += textwrap.wrap(text, width=88, initial_indent=" " * 6,
                                subsequent_indent=" " * 6)

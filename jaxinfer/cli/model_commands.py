@@ -63,6 +63,10 @@ def batch() -> None:
 
     if not FLAGS.input or not FLAGS.output:
         raise app.UsageError("batch needs --input=IN.jsonl and --output=OUT.jsonl")
+    modules = _lora_modules(from_flags(ServerConfig, lora_modules=FLAGS.lora_modules))
+    if FLAGS.ray and modules:
+        raise app.UsageError("--lora_modules is not taken with --ray: its replicas serve "
+                             "the base model only")
     if FLAGS.ray:
         return _batch_on_ray()
     given = [name for name in RAY_FLAGS if FLAGS[name].present]
@@ -75,7 +79,7 @@ def batch() -> None:
                           input_name="--input", output_name="--output")
     batch_lib.read_requests(FLAGS.input)
     summary = batch_lib.run(make_llm(), FLAGS.input, FLAGS.output,
-                            retry_errors=FLAGS.retry_errors,
+                            retry_errors=FLAGS.retry_errors, lora_modules=modules,
                             model_name=FLAGS.model or DEFAULT_MODEL.name)  # as serve's
     if primary:
         report.write(summary, sys.stderr, FLAGS.format, title="batch summary")
@@ -183,16 +187,22 @@ def serve() -> None:
 
     config = from_flags(ServerConfig, **{name: FLAGS[name].value for name in SERVER_FLAGS})
     engine_config()  # engine flags refused before the port is taken
+    _lora_modules(config)
     multihost = distributed.process_count() > 1
     if multihost:
         try:
             lockstep.check_lockstep(engine_config())
         except ValueError as e:
             raise app.UsageError(f"--{e}") from None
+        try:
+            server.refuse_adapters(config)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
     if multihost and not distributed.is_primary():
         return _follow()
     sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
-    llm = make_llm()
+    adapters_first = bool(config.lora_modules)  # a bad adapter fails before warm-up
+    llm = make_llm(warm_up=not adapters_first)
     name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
 
     def ready(url: str) -> None:
@@ -205,7 +215,22 @@ def serve() -> None:
 
         leader = lockstep.Leader(llm.engine, KeyValueChannel())
     server.serve(llm, config, sock, model_name=name, ready=ready, lockstep=leader,
-                 step_timeout_s=FLAGS.heartbeat_timeout_s if multihost else None)
+                 step_timeout_s=FLAGS.heartbeat_timeout_s if multihost else None,
+                 warm_up=adapters_first and not FLAGS.enforce_eager)
+
+
+def _lora_modules(config: ServerConfig) -> tuple[str, ...]:
+    """--lora_modules, refused before the model loads without --enable_lora or for a
+    directory that is not there (the adapter itself is read once the engine is up)."""
+    modules = config.lora_adapters
+    if modules and not engine_config().enable_lora:
+        raise app.UsageError("--lora_modules needs --enable_lora (the engine serves no "
+                             "adapters without it)")
+    for module in modules:
+        if not os.path.isdir(module.path):
+            raise app.UsageError(f"--lora_modules {module.name}={module.path}: no such "
+                                 "directory")
+    return config.lora_modules
 
 
 def _follow() -> None:

@@ -25,7 +25,7 @@ from jaxinfer.config import ServerConfig
 from jaxinfer.engine.parallel.lockstep import Leader, Watchdog
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.pooling.engine import PoolingEngine
-from jaxinfer.server import http
+from jaxinfer.server import adapters, http
 from jaxinfer.server.app import ServerState, create_app
 from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.pooling_loop import PoolingLoop
@@ -40,9 +40,12 @@ ENGINE_FAILED_EXIT = 1
 
 def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
           model_name: str, ready: Callable[[str], None] | None = None,
-          lockstep: Leader | None = None, step_timeout_s: float | None = None) -> None:
+          lockstep: Leader | None = None, step_timeout_s: float | None = None,
+          warm_up: bool = False) -> None:
     """Serve `llm` until a signal, on `sock` (from `bind`) or a socket bound to the
-    config's host and port; `ready(url)` is called once it listens. Multi-host, process
+    config's host and port; `ready(url)` is called once it listens. `warm_up`: warm the
+    engine up once the config's LoRA modules are loaded (a bad one fails before the
+    compiles: the CLI makes the LLM without warm-up then). Multi-host, process
     0: `lockstep` wraps `llm.engine` (engine/parallel/lockstep.py), a step running longer than
     `step_timeout_s` fails the engine, and so does a step that raises; either exits the
     process non-zero FAILURE_GRACE_S later. A pooling model gets a PoolingLoop instead
@@ -55,8 +58,11 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
         loop = EngineLoop(lockstep or llm.engine,
                           max_waiting_requests=config.max_waiting_requests)
     if lockstep is not None:
+        refuse_adapters(config)
         _fail_fatally(loop, lockstep, step_timeout_s)
     state = make_state(llm, config, loop, model_name)
+    if warm_up:
+        llm.engine.warm_up()
     app = create_app(state)
     sock = sock or bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
@@ -77,6 +83,15 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None, *,
         if lockstep is not None and loop.healthy:
             lockstep.close()  # after the drain: the followers return
     log.info("server at %s stopped", url)
+
+
+def refuse_adapters(config: ServerConfig) -> None:
+    """Multi-host: the other processes' engines are not sent adapters."""
+    given = "lora_modules" if config.lora_modules else (
+        "allow_runtime_lora_updating" if config.allow_runtime_lora_updating else adapters.ENV)
+    if config.lora_modules or adapters.runtime_updating(config):
+        raise ValueError(f"{given}: a multi-host server serves no LoRA adapters (the other "
+                         "processes are not sent them); serve adapters from one host")
 
 
 def _fail_fatally(loop: EngineLoop, lockstep: Leader, step_timeout_s: float | None) -> None:
@@ -106,7 +121,9 @@ def _exit_now() -> None:
 def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop | PoolingLoop,
                model_name: str) -> ServerState:
     """What the routes share, for `llm` served as `model_name` (also the batch runner's
-    in-process app, jaxinfer/batch/in_process.py); a pooling model samples nothing."""
+    in-process app, jaxinfer/batch/in_process.py); a pooling model samples nothing. The
+    config's LoRA modules are loaded here, before the loop's thread starts (ValueError
+    naming lora_modules for a bad one)."""
     tokenizer = llm.tokenizer
     for flag in ("reasoning_parser", "tool_call_parser"):
         if tokenizer is None and getattr(config, flag) is not None:
@@ -117,7 +134,9 @@ def make_state(llm: LLM, config: ServerConfig, loop: EngineLoop | PoolingLoop,
         token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
     pooling = isinstance(llm.engine, PoolingEngine)
-    return ServerState(loop=loop, config=config, model_name=model_name,
+    served = adapters.Adapters(enabled=not pooling and llm.engine.config.enable_lora)
+    adapters.load_modules(llm.engine, served, config.lora_adapters, model_name)
+    return ServerState(loop=loop, config=config, model_name=model_name, adapters=served,
                        model_root=str(llm.engine.model_dir), max_model_len=llm.max_model_len,
                        defaults=SamplingParams() if pooling else llm.engine.default_params,
                        token_text=token_text, tokenizer=tokenizer,

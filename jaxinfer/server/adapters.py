@@ -97,22 +97,19 @@ def _engines(engine: Any) -> list[Any]:
     return list(getattr(engine, "replicas", None) or [engine])
 
 
-def add_everywhere(engine: Any, lora: LoRARequest, replacing: LoRARequest | None = None
-                   ) -> None:
-    """Read `lora` into every engine (a bad adapter raises ValueError, nothing changed),
-    in place of `replacing`."""
+def add_everywhere(engine: Any, lora: LoRARequest) -> None:
+    """Read `lora` into every engine, in place of any adapter of its name there (a bad
+    adapter raises ValueError and is added nowhere)."""
     added = []
     try:
         for one in _engines(engine):
-            _forget_name(one, lora.lora_name, keep=replacing)
+            _forget_name(one, lora.lora_name)
             one.add_lora(lora)
             added.append(one)
     except Exception:
         for one in added:
             one.remove_lora(lora.lora_int_id)
         raise
-    if replacing is not None:
-        remove_everywhere(engine, replacing)
 
 
 def remove_everywhere(engine: Any, lora: LoRARequest) -> None:
@@ -121,12 +118,13 @@ def remove_everywhere(engine: Any, lora: LoRARequest) -> None:
         one.remove_lora(lora.lora_int_id)
 
 
-def _forget_name(engine: Any, name: str, keep: LoRARequest | None) -> None:
-    """Drop a host copy under `name` the server no longer serves (a request prepared with
-    an adapter as it was unloaded reads it back), which would refuse the name."""
+def _forget_name(engine: Any, name: str) -> None:
+    """Drop the engine's host copy of an adapter under `name`: the one a load in place
+    replaces, or one the server no longer serves (a request prepared with it as it was
+    unloaded reads it back); the engine refuses a second adapter under a name."""
     slots = engine.adapter_slots
     for held in slots.loaded() if slots is not None else []:
-        if held.lora_name == name and held != keep:
+        if held.lora_name == name:
             engine.remove_lora(held.lora_int_id)
 
 

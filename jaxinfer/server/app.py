@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models)
-and vLLM's (/tokenize, /detokenize, /health, /ping, /version, /metrics, /docs) over an
-EngineLoop, or a pooling model's (pooling_routes.py) over a PoolingLoop; bodies read by
-hand so every error leaves in OpenAI's shape. See docs/serving.md (#routes, #errors,
+and vLLM's (/tokenize, /detokenize, /health, /ping, /version, /metrics, /docs; adapter
+loads: lora_routes.py) over an EngineLoop, or a pooling model's (pooling_routes.py) over
+a PoolingLoop; bodies read by hand so every error leaves in OpenAI's shape. A request's
+`model` may name a LoRA adapter (adapters.py). See docs/serving.md (#routes, #errors,
 #prompt-logprobs) and docs/pooling.md#serving.
 """
 
@@ -21,7 +22,9 @@ from starlette.exceptions import HTTPException
 
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import (
+    adapters,
     dev_routes,
+    lora_routes,
     openapi,
     pooling_routes,
     prometheus,
@@ -85,6 +88,8 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
                     "updates; those routes are not served")
     elif state.config.server_dev_mode:
         dev_routes.install(app)
+    if adapters.runtime_updating(state.config) and not pooling:
+        lora_routes.install(app)
     return app
 
 
@@ -101,7 +106,8 @@ async def _api_error(request: fastapi.Request, error: Exception) -> JSONResponse
 async def _http_error(request: fastapi.Request, error: Exception) -> JSONResponse:
     if error.status_code == 404:
         path = protocol.shortened(request.url.path)
-        return _error_response(APIError(404, f"{request.method} {path} does not exist; the "
+        return _error_response(APIError(404, f"{request.method} {path} does not exist"
+                                        f"{lora_routes.off_hint(request.url.path)}; the "
                                         f"routes are {', '.join((*ROUTES, *DOCS))}",
                                         code="not_found"))
     return _error_response(APIError(error.status_code, str(error.detail)))
@@ -143,10 +149,7 @@ async def _metrics(request: fastapi.Request) -> Response:
 
 async def _models(request: fastapi.Request) -> Response:
     state = authorized(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.started,
-        "owned_by": "jaxinfer",
-        "root": state.model_root, "max_model_len": state.max_model_len}]})
+    return JSONResponse({"object": "list", "data": lora_routes.model_cards(state)})
 
 
 # ---- completions and chat ----------------------------------------------------------------
@@ -156,12 +159,12 @@ async def _completions(request: fastapi.Request) -> Response:
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     prompts = body.prompt if _is_batch(body.prompt) else [body.prompt]
-    limit = protocol.max_tokens(body)
+    limit, lora = protocol.max_tokens(body), state.adapters.get(body.model)
     submissions = [Submission(prompt=p, params=params, limit=limit, echo=body.echo,
                               constraint_field=structured.field(body),
-                              priority=body.priority) for p in prompts]
+                              priority=body.priority, lora=lora) for p in prompts]
     shape = _Shape("text_completion", "cmpl", state, params, top=body.logprobs,
-                   echo=body.echo, echo_only=protocol.echo_only(body))
+                   echo=body.echo, echo_only=protocol.echo_only(body), lora=lora)
     return await _respond(request, state, shape, submissions, body)
 
 
@@ -178,10 +181,10 @@ async def _chat(request: fastapi.Request) -> Response:
                             continue_final_message=body.continue_final_message,
                             template_kwargs=tokenization.template_kwargs(
                                 body.chat_template_kwargs, body.reasoning_effort),
-                            priority=body.priority)
+                            priority=body.priority, lora=state.adapters.get(body.model))
     shape = _Shape("chat.completion", "chatcmpl", state, params, top=body.top_logprobs or 0,
                    reasoning=splitter(state.config, state.tokenizer, params, calls),
-                   chat_echo=_chat_echo(body, messages))
+                   chat_echo=_chat_echo(body, messages), lora=submission.lora)
     return await _respond(request, state, shape, [submission], body)
 
 
@@ -215,6 +218,7 @@ class _Shape:
     echo_only: bool = False
     reasoning: ReasoningSplitter | None = None  # chat: --reasoning_parser
     chat_echo: str = ""  # chat `echo`: the text the reply starts with
+    lora: Any = None  # the adapter the request's `model` named: the answers' `model`
     response_id: str = ""
 
     def __post_init__(self) -> None:
@@ -254,7 +258,8 @@ class _Shape:
 
     def body(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = self.kind + (".chunk" if chunk and self.chat else "")
-        return out.header(kind, self.response_id, self.state.model_name) | {
+        model = self.lora.lora_name if self.lora else self.state.model_name
+        return out.header(kind, self.response_id, model) | {
             "choices": choices, **extra}
 
 

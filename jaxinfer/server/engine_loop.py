@@ -22,7 +22,7 @@ from jaxinfer.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from jaxinfer.server import protocol, tools
+from jaxinfer.server import adapters, protocol, tools
 from jaxinfer.server.protocol import APIError
 from jaxinfer.server.streams import Inbox, Stream, Update, moved, piece_of
 
@@ -47,6 +47,7 @@ class Submission:
     priority: int = 0  # lower runs first
     # the field an output constraint came in: the param of an error compiling it
     constraint_field: str | None = None
+    lora: Any = None  # the LoRARequest of the adapter the request's `model` named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Prepared:
     request: PreparedRequest
     text: str  # the echoed prompt (`Submission.echo`), else ""
     priority: int = 0
+    lora: Any = None  # attached on the engine thread, which alone touches adapters
 
 
 class EngineLoop:
@@ -160,7 +162,7 @@ class EngineLoop:
         except Exception as e:
             log.exception("preparing a request failed")
             raise APIError(500, f"adding the request failed: {e}") from None
-        return Prepared(request, text, submission.priority)
+        return Prepared(request, text, submission.priority, submission.lora)
 
     def _prompt_ids(self, submission: Submission) -> list[int]:
         chat = {} if submission.messages is None else {
@@ -269,8 +271,8 @@ class EngineLoop:
                 raise APIError(503, "the model is sleeping: POST /wake_up first",
                                code="sleeping")
             for prepared, stream in group:
-                self.engine.add_prepared(stream.request_id, prepared.request,
-                                         priority=prepared.priority)
+                request = adapters.attach(self.engine, prepared.request, prepared.lora)
+                self.engine.add_prepared(stream.request_id, request, priority=prepared.priority)
                 streams.append(stream)
         except Exception as e:
             if not isinstance(e, APIError):

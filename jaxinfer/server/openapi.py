@@ -12,8 +12,8 @@ import fastapi.openapi.utils
 import pydantic
 from pydantic.json_schema import models_json_schema
 
+from jaxinfer.server import lora_routes, tokenization
 from jaxinfer.server import pooling_protocol as pooling
-from jaxinfer.server import tokenization
 from jaxinfer.server.protocol import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -27,6 +27,8 @@ BODIES: dict[str, tuple[type[pydantic.BaseModel], ...]] = {
     **{path: (pooling.ScoreRequest,) for path in ("/score", "/v1/score")},
     **{path: (pooling.RerankRequest,) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
     **{path: (pooling.ClassifyRequest,) for path in ("/classify", "/v1/classify")},
+    lora_routes.LOAD: (lora_routes.LoadAdapterRequest,),
+    lora_routes.UNLOAD: (lora_routes.UnloadAdapterRequest,),
 }
 ANSWERS: dict[str, type[pydantic.BaseModel]] = {
     "/tokenize": tokenization.TokenizeResponse,
@@ -67,6 +69,8 @@ def schema(app: fastapi.FastAPI, version: str) -> dict[str, Any]:
     components = document.setdefault("components", {}).setdefault("schemas", {})
     components.update(definitions.get("$defs", {}))
     for path, bodies in BODIES.items():
+        if path not in document["paths"]:  # a route this server does not serve
+            continue
         shapes = [refs[(m, "validation")] for m in bodies]
         body = shapes[0] if len(shapes) == 1 else {"oneOf": shapes}
         operation = document["paths"][path]["post"]

@@ -18,6 +18,7 @@ from jaxinfer.config import ServerConfig
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.server import bodies, protocol
 from jaxinfer.server import responses as out
+from jaxinfer.server.adapters import Adapters
 from jaxinfer.server.engine_loop import EngineLoop
 from jaxinfer.server.fields import check_message_content, take_ignored
 from jaxinfer.server.pooling_loop import PoolingLoop
@@ -39,6 +40,8 @@ class ServerState:
     enable_prompt_logprobs: bool = False  # the engine compiled its scoring steps
     # --reasoning_parser (server/reasoning.py), /tokenize and /detokenize
     tokenizer: Tokenizer | None = None
+    # the LoRA adapters served by name (server/adapters.py): none without enable_lora
+    adapters: Adapters = dataclasses.field(default_factory=Adapters)
     draining: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # a signal came
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))  # /v1/models
 
@@ -68,7 +71,7 @@ BodyModel = type[Body] | Callable[[Any], type[Body]]  # a model, or one picked b
 async def parsed(request: fastapi.Request, model: BodyModel) -> tuple[ServerState, Any]:
     """The state and the body as `model` (a class, or a function of the JSON giving the
     class: /tokenize's two forms); a 400 naming the first bad field, a 404 naming a model
-    this server does not serve."""
+    this server does not serve (the served model or one of its adapters)."""
     state = authorized(request)
     data = protocol.parse_json(await bodies.read(request, state.config, state.draining))
     take_ignored(request.url.path, data, request.scope)
@@ -76,7 +79,10 @@ async def parsed(request: fastapi.Request, model: BodyModel) -> tuple[ServerStat
     if not isinstance(model, type):
         model = model(data)
     body = protocol.validate(model, data)
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                       f"{state.model_name!r}", param="model", code="model_not_found")
+    name = getattr(body, "model", None)
+    if name is not None and name != state.model_name and state.adapters.get(name) is None:
+        names = ", ".join(repr(lora.lora_name) for lora in state.adapters.loaded())
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{state.model_name!r}" + (f" and the adapters {names}" if names else ""),
+                       param="model", code="model_not_found")
     return state, body

@@ -130,6 +130,19 @@ class DataParallelEngine:
     def release(self, request_id: str) -> RequestOutput:
         return self.replicas[self._owner.pop(request_id)].release(request_id)
 
+    def add_lora(self, lora_request: object) -> bool:
+        """Read an adapter on every replica (docs/lora.md); False if all had it."""
+        return any([engine.add_lora(lora_request) for engine in self.replicas])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any([engine.remove_lora(lora_id) for engine in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        return set().union(*(engine.list_loras() for engine in self.replicas))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return all([engine.pin_lora(lora_id) for engine in self.replicas])
+
     def sleep(self, level: int = 1) -> None:
         """Every replica sleeps (each checks first, so none sleeps if one refuses)."""
         for engine in self.replicas:

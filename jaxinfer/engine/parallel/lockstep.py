@@ -50,6 +50,10 @@ def encode(step: int, ops: Sequence[list], shutdown: bool = False) -> bytes:
 
 
 def add_op(request_id: str, prepared: PreparedRequest, priority: int) -> list:
+    if prepared.lora is not None:  # each host would read it, and might fail alone
+        raise ValueError("lora_request on a multi-host job: not supported (the hosts run "
+                         "one schedule, and an adapter one of them cannot read would "
+                         "split it); serve adapters with one process per host")
     params = dataclasses.asdict(prepared.params)
     return ["add", request_id, prepared.prompt, prepared.prompt_token_ids, params, priority]
 
