@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import pathlib
@@ -27,6 +28,19 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 FAMILIES = tuple(testing.FAMILIES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """After each test module, JAX's caches of compiled programs are cleared. Each
+    XLA:CPU executable maps its machine code in a few memory regions while it lives,
+    and the whole suite in one process kept enough of them to pass the kernel's limit
+    of 65,530 mappings (vm.max_map_count): the process then died in an mmap. See
+    docs/testing.md#one-process."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+
 # The TPU ahead-of-time checks run in .venv-tpu (`make test-tpu-aot`), never here.
 collect_ignore = [] if importlib.util.find_spec("libtpu") else ["tpu_aot"]
 
