@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 _WHERE = {"LLM": "jaxinfer.api", "EngineConfig": "jaxinfer.config",
+          "LoRARequest": "jaxinfer.lora.request",
           "RequestOutput": "jaxinfer.engine.request", "SamplingParams": "jaxinfer.engine.request",
           "StructuredOutputsParams": "jaxinfer.engine.structured"}
 
