@@ -202,9 +202,9 @@ def kernel_bound(shape: Shape, bucket: Bucket, context: int) -> tuple[float, flo
 
 def compile_rows(cfg: Any, device: str, settings: Any, chosen: list[Bucket]
                  ) -> list[dict[str, Any]]:
-    """aot.bucket_row (per-chip memory, FLOPs, bytes accessed) of each bucket's step
+    """aot_rows.bucket_row (per-chip memory, FLOPs, bytes accessed) of each bucket's step
     compiled for one chip of `device`."""
-    from jaxinfer import aot
+    from jaxinfer import aot, aot_rows
     from jaxinfer.model import sharding
     from jaxinfer.sizing import accelerators
 
@@ -218,7 +218,7 @@ def compile_rows(cfg: Any, device: str, settings: Any, chosen: list[Bucket]
     for bucket, result in zip(chosen, compiled, strict=True):
         if isinstance(result, Exception):
             raise RuntimeError(f"{bucket} does not compile: {str(result)[:500]}")
-        rows.append(aot.bucket_row(result, acc) | {"num_pages": plan.num_pages})
+        rows.append(aot_rows.bucket_row(result, acc) | {"num_pages": plan.num_pages})
     return rows
 
 

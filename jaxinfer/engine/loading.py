@@ -70,11 +70,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     root = pathlib.Path(model_dir)
     model_config = runner_choice.served_head(checkpoint.load_config(root), config)
     ep = config.enable_expert_parallel
-    ModelOptions(expert_parallel=ep, batch_invariant=config.batch_invariant,
-                 lora=config.lora_slots).check(model_config)
-    if config.enable_lora and config.runner == "pooling":
-        raise ValueError("enable_lora=True serves adapters on a generating model; "
-                         f"{root} is served as a pooling model")
+    check_options(model_config, config, root)
     tokenizer = load_tokenizer(pathlib.Path(config.tokenizer or root),
                                skip=config.skip_tokenizer_init,
                                chat_template=config.chat_template)
@@ -116,9 +112,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         enable_prompt_logprobs=config.enable_prompt_logprobs,
         uses_draft_probs=parts.proposes_with_model, options=options,
         pooling=config.runner == "pooling")
-    if options.lora is not None:
-        runner.adapters = runner_lib.DeviceAdapters(runner, model_config, functools.partial(
-            peft.read, cfg=model_config, max_rank=options.lora.max_rank))
+    runner.adapters = adapter_slots(runner, model_config)
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,
@@ -127,6 +121,29 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
+
+
+def check_options(model_config: ModelConfig, config: EngineConfig,
+                  root: pathlib.Path) -> None:
+    """ValueError unless the engine's options suit the model (ModelOptions.check), and
+    LoRA adapters go to a generating model."""
+    ModelOptions(expert_parallel=config.enable_expert_parallel,
+                 batch_invariant=config.batch_invariant,
+                 lora=config.lora_slots).check(model_config)
+    if config.enable_lora and config.runner == "pooling":
+        raise ValueError("enable_lora=True serves adapters on a generating model; "
+                         f"{root} is served as a pooling model")
+
+
+def adapter_slots(runner: runner_lib.Runner, model_config: ModelConfig
+                  ) -> runner_lib.DeviceAdapters | None:
+    """The runner's LoRA slots, reading PEFT adapters for `model_config` (the
+    checkpoint's); None without enable_lora."""
+    slots = runner.options.lora
+    if slots is None:
+        return None
+    return runner_lib.DeviceAdapters(runner, model_config, functools.partial(
+        peft.read, cfg=model_config, max_rank=slots.max_rank))
 
 
 def _quantized(params: dict, served: ModelConfig, root: pathlib.Path, config: EngineConfig,

@@ -224,6 +224,21 @@ def _check_pages(groups: dict[str, int], pages_per_request: int, kv_cache_bytes:
             f"{need} or lower max_model_len")
 
 
+def _check_budget(kv_cache_bytes: int | None, memory_bytes: int | None, tp: int,
+                  num_devices: int) -> None:
+    if (kv_cache_bytes is None) == (memory_bytes is None):
+        raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
+    if num_devices < tp:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
+
+
+def lora_bytes(cfg: ModelConfig, lora: LoraSlots | None, tp: int = 1) -> int:
+    """Bytes of the LoRA adapter slots on one of `tp` devices (0 without LoRA)."""
+    if lora is None:
+        return 0
+    return lora_lib.slot_bytes(sharding.served_config(cfg, tp), lora, tp)
+
+
 def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = None,
          max_model_len: int | None = None, max_num_seqs: int = 32, page_size: int = 16,
          kv_cache_bytes: int | None = None, memory_bytes: int | None = None,
@@ -249,17 +264,13 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     `lora`: the LoRA adapter slots held beside the weights (model/lora.py). Raises
     ValueError when not even one request of `max_model_len` fits, saying how
     much would."""
-    if (kv_cache_bytes is None) == (memory_bytes is None):
-        raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
     tp, num_devices = tensor_parallel_size, num_devices or tensor_parallel_size
-    if num_devices < tp:
-        raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
+    _check_budget(kv_cache_bytes, memory_bytes, tp, num_devices)
     kv_dtype = kv_dtype or dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
     weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel,
                            prequantized_group)
-    adapters = 0 if lora is None else lora_lib.slot_bytes(
-        sharding.served_config(cfg, tp), lora, tp)
+    adapters = lora_bytes(cfg, lora, tp)
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
     pages_per_request = -(-max_model_len // page_size)
@@ -269,8 +280,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     state = batch_state_bytes(max_num_seqs, max_model_len, page_size)
     if memory_bytes is not None:
         kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights + adapters, need,
-                                    dtype,
-                                    max_model_len, tp, state)
+                                    dtype, max_model_len, tp, state)
     groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
                          max_model_len=max_model_len, hybrid=hybrid_kv_cache,
                          max_num_batched_tokens=max_num_batched_tokens)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from jaxinfer import aot
+from jaxinfer import aot, aot_rows
 from jaxinfer.cli import aot_table
 from jaxinfer.config import load_preset
 from jaxinfer.sizing import accelerators
@@ -36,13 +36,13 @@ param.3: bf16[50400,16,1,2,128], param.4: s32[64]) -> (bf16[50400,16,1,2,128], s
 
 
 def test_collective_counts_reads_opcodes_and_counts_async_pairs_once():
-    assert aot.collective_counts(HLO) == {"all-reduce": 2, "all-gather": 1,
+    assert aot_rows.collective_counts(HLO) == {"all-reduce": 2, "all-gather": 1,
                                           "reduce-scatter": 0, "all-to-all": 0,
                                           "collective-permute": 0}
 
 
 def test_kv_page_shapes_are_the_entrys_5d_parameters():
-    assert aot.kv_page_shapes(HLO) == ["bf16[50400,16,1,2,128]"]
+    assert aot_rows.kv_page_shapes(HLO) == ["bf16[50400,16,1,2,128]"]
 
 
 def test_tensor_parallel_defaults_to_every_chip_of_the_slice():

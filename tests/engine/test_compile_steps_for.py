@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer import aot
+from jaxinfer import aot_rows
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.core.buckets import Bucket
 from jaxinfer.engine.runner import compile_steps_for
@@ -39,10 +39,10 @@ def test_compile_steps_for_splits_the_step_over_a_mesh():
     for bucket, step in zip(buckets, compiled, strict=True):
         assert not isinstance(step, Exception), step
         text = step.as_text()
-        assert aot.kv_page_shapes(text) == [f"f32[{PAGES},16,2,1,32]"]  # one head a device
+        assert aot_rows.kv_page_shapes(text) == [f"f32[{PAGES},16,2,1,32]"]  # one head a device
         # 2 a layer (o, down), 1 for the vocab-split embedding lookup, and the logits
         # gathered from their vocabulary columns: R x V floats, never the [D, V] head.
-        assert aot.collective_counts(text) == {
+        assert aot_rows.collective_counts(text) == {
             "all-reduce": 2 * cfg.num_layers + 1, "all-gather": 1, "reduce-scatter": 0,
             "all-to-all": 0, "collective-permute": 0}
         assert GATHERED.findall(text) == [f"f32[{bucket.num_slots},256]"]

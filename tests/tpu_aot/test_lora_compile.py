@@ -12,7 +12,7 @@ import math
 import jax
 import numpy as np
 
-from jaxinfer import aot
+from jaxinfer import aot, aot_rows
 from jaxinfer.config import load_preset
 from jaxinfer.config.lora import LoraSlots
 from jaxinfer.engine.core.buckets import BucketSet
@@ -43,7 +43,7 @@ def test_llama_8b_step_with_four_rank_16_slots_compiles_for_v5e_4():
     assert abs(per_chip - plan.lora_bytes) <= 0.05 * plan.lora_bytes
     arguments = compiled.memory_analysis().argument_size_in_bytes
     planned = plan.weight_bytes + plan.lora_bytes + plan.kv_cache_bytes
-    assert aot.agreement(planned, arguments) < 0.01
+    assert aot_rows.agreement(planned, arguments) < 0.01
     hlo = compiled.as_text()
     assert np.sum([line.count("bf16[4096,4,16]") for line in hlo.splitlines()
                    if line.startswith("ENTRY")]) >= 1  # A of q: [in, slots, rank]

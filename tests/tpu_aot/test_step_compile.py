@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from jaxinfer import aot
+from jaxinfer import aot, aot_rows
 from jaxinfer.config import DEFAULT_MODEL, load_preset
 from jaxinfer.engine.core.buckets import BucketSet
 from jaxinfer.sizing import accelerators, planner
@@ -49,7 +49,7 @@ def _check_report(report: dict, cfg) -> None:
     for row in rows:
         assert row["mosaic_kernels"] == 2 * cfg.num_layers  # prefill + decode pass a layer
         assert row["kv_pages"] == [kv_shape]  # bf16 pages, packed layout, no uint16
-        assert aot.agreement(report["planned_argument_bytes"], row["argument_bytes"]) < 0.01
+        assert aot_rows.agreement(report["planned_argument_bytes"], row["argument_bytes"]) < 0.01
         assert row["total_bytes"] <= report["chip_usable_hbm_bytes"]
         assert row["roofline_estimate_ms"] > 0 and row["flops"] > 0
 

@@ -106,16 +106,7 @@ class Runner:
         self.attention = attention
         self.mesh = mesh or sharding.make_mesh(1)
         shards = self.mesh.shape[sharding.MODEL_AXIS]
-        quantization = quantization_lib.mode_of(params)  # quantized at load, if at all
-        head = quantization is None or quantization_lib.has_quantized_head(params)
-        param_shardings, kv_shardings, whole = step_shardings(
-            cfg, self.mesh, quantization, kv_dtype=kv_dtype, quantized_head=head,
-            options=options)
-        if options.lora is not None:  # empty adapter slots, made where they live
-            params = {**params, "lora": jax.jit(
-                functools.partial(lora_lib.init, cfg, options.lora),
-                out_shardings=param_shardings["lora"])()}
-        self.params = jax.device_put(params, param_shardings)  # no-op when loaded so
+        param_shardings, kv_shardings, whole = self._place_params(params, kv_dtype)
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
@@ -150,6 +141,22 @@ class Runner:
         self.adapters = None  # LoRA adapter slots (lora.py), set by the loader
         self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
         self.last_step_bytes = 0
+
+    def _place_params(self, params: dict, kv_dtype: str) -> tuple[object, object, object]:
+        """Put `params` where the step takes them, with empty LoRA adapter slots when the
+        options hold some (made where they live); returns the step's (params, KV cache,
+        replicated) shardings."""
+        quantization = quantization_lib.mode_of(params)  # quantized at load, if at all
+        head = quantization is None or quantization_lib.has_quantized_head(params)
+        shardings = step_shardings(self.cfg, self.mesh, quantization, kv_dtype=kv_dtype,
+                                   quantized_head=head, options=self.options)
+        slots = self.options.lora
+        if slots is not None:
+            params = {**params, "lora": jax.jit(
+                functools.partial(lora_lib.init, self.cfg, slots),
+                out_shardings=shardings[0]["lora"])()}
+        self.params = jax.device_put(params, shardings[0])  # no-op when loaded so
+        return shardings
 
     def _jit_programs(self, cfg: ModelConfig, page_size: int, param_shardings: object,
                       kv_shardings: object, whole: object) -> None:
