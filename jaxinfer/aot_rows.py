@@ -22,9 +22,6 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 COLLECTIVE_OP = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
-# How to get libtpu's compiler (pyproject.toml's extra; the Makefile's venv).
-
-
 def kv_page_shapes(hlo_text: str) -> list[str]:
     """The distinct KV page array types among the compiled entry's parameters."""
     entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))

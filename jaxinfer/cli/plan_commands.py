@@ -274,6 +274,7 @@ def _plan_encoder(dtype: str, acc: accelerators.Accelerator | None) -> None:
 def _aot_encoder(device: str) -> None:
     """An encoder's packed steps compiled for one chip of --device (JSON report)."""
     from jaxinfer import aot as aot_lib
+    from jaxinfer.aot_rows import bucket_row
     from jaxinfer.pooling.compile import compile_encoder
 
     acc = accelerators.get(device)
@@ -282,7 +283,7 @@ def _aot_encoder(device: str) -> None:
         _encoder_config(), aot_lib.target_devices(acc), dtype=_served_dtype("tpu"),
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len, buckets=FLAGS.buckets,
-        row=lambda compiled: aot_lib.bucket_row(compiled, acc))}
+        row=lambda compiled: bucket_row(compiled, acc))}
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
     if not report["fits"]:
         sys.exit(1)
