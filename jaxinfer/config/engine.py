@@ -10,17 +10,20 @@ import json
 import pathlib
 from typing import Any
 
-from jaxinfer.config import lora
+from jaxinfer.config import lora, pipeline
+from jaxinfer.config.dtypes import (  # noqa: F401 (the names engine.py long exported)
+    DTYPE_CHOICES,
+    DTYPES,
+    check_dtype_choice,
+    checkpoint_dtype,
+    served_dtype,
+)
 from jaxinfer.config.model import ATTENTION_IMPLS
 from jaxinfer.config.pooling import RUNNERS
 
 # The demo checkpoint, package data (in a checkout, a link to checkpoints/demo).
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[1] / "demo"
 SCHEDULERS = ("continuous", "static")
-DTYPES = ("float32", "bfloat16")  # the dtypes weights are served in
-# --dtype's values (vLLM's): auto is the checkpoint's dtype (`served_dtype`); float is
-# float32; float16/half are refused (`check_dtype_choice`). docs/models.md#dtype.
-DTYPE_CHOICES = ("auto", *DTYPES, "float", "float16", "half")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")  # 8-bit: pallas/kv_quant.py
 # jaxinfer/model/quantization.py; mxfp4: experts only, packed (MXFP4 checkpoints' own)
 QUANTIZATION_MODES = ("int8", "w8a8", "fp8", "int4", "mxfp4")
@@ -248,6 +251,13 @@ class EngineConfig:
         "cache_aware (the one that has its leading pages, unless it is the busier by a "
         "batch; else the least loaded), round_robin, shortest_queue (SGLang's names)",
         LOAD_BALANCE_METHODS)
+    pipeline_parallel_size: int = setting(
+        1, "stages the layers are split into (pipeline parallelism), each on its own "
+        "tensor_parallel_size devices, a step's tokens flowing through them in "
+        "microbatches (vLLM's --pipeline-parallel-size; docs/parallelism.md)")
+    pipeline_microbatches: int = setting(
+        0, "with pipeline_parallel_size > 1: microbatches a step's tokens are split into "
+        "so the stages work at once; 0: one per stage")
     enable_expert_parallel: bool = setting(
         False, "mixture-of-experts models: each of the tensor_parallel_size devices holds "
         "whole experts (it must divide their number) instead of a slice of every expert; "
@@ -283,7 +293,8 @@ class EngineConfig:
                 raise ValueError(f"{field.name}={getattr(self, field.name)!r} must be one "
                                  f"of {choices}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
-                     "tensor_parallel_size", "data_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size",
+                     "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -297,6 +308,7 @@ class EngineConfig:
                              f"quantization='int4', not {self.quantization!r}")
         lora.check_settings(self.enable_lora, self.max_loras, self.max_lora_rank,
                             self.max_cpu_loras)
+        pipeline.check_settings(self)
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant=True runs each replica on one device; "
                              f"tensor_parallel_size={self.tensor_parallel_size} sums "
@@ -362,37 +374,3 @@ def parse_generation_overrides(value: dict | str | None) -> str | None:
         if not isinstance(number, int | float) or isinstance(number, bool):
             raise ValueError(f"{given}: {key}={number!r} is not a number")
     return json.dumps(value, sort_keys=True)
-
-
-def check_dtype_choice(dtype: object) -> None:
-    """ValueError unless `dtype` is a value of --dtype jaxinfer serves, with the reason
-    for the float16 it does not."""
-    if dtype in ("float16", "half"):
-        raise ValueError(
-            f"dtype={dtype!r} is not served: jaxinfer's attention kernels and KV cache take "
-            "float32 or bfloat16 activations. Use dtype='bfloat16' (float16's memory, "
-            "float32's range) or 'auto', which serves a float16 checkpoint in bfloat16")
-
-
-def checkpoint_dtype(hf: dict) -> str | None:
-    """The dtype a config.json says its weights were saved in (`dtype`, the older
-    `torch_dtype`, or its text tower's), or None when it says none."""
-    for config in (hf, hf.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if isinstance(config.get(key), str):
-                return config[key]
-    return None
-
-
-def served_dtype(requested: str, hf: dict | None, platform: str) -> str:
-    """The dtype weights are served in on `platform` ("cpu", "gpu", "tpu"): `requested`,
-    or for "auto" (vLLM's) the checkpoint's own, where float32 (also a config that names
-    none, as in vLLM) becomes bfloat16 on TPU and GPU (their fast path; on CPU it can be
-    the slow one) and float16 becomes bfloat16. See docs/models.md#dtype."""
-    check_dtype_choice(requested)
-    if requested != "auto":
-        return "float32" if requested == "float" else requested
-    saved = checkpoint_dtype(hf or {})
-    if saved in (None, "float32", "float"):
-        return "float32" if platform == "cpu" else "bfloat16"
-    return "bfloat16"

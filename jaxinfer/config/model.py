@@ -14,7 +14,7 @@ import pathlib
 import tomllib
 from typing import Any
 
-from jaxinfer.config import families
+from jaxinfer.config import families, pipeline
 from jaxinfer.config.families.base import pattern_layer_types
 from jaxinfer.config.lora import LoraSlots
 from jaxinfer.config.moe import MoEConfig
@@ -205,6 +205,11 @@ class ModelOptions:
     lora: LoraSlots | None = None
     """LoRA adapter slots on the device (model/lora.py), from `EngineConfig.enable_lora`,
     `max_loras` and `max_lora_rank`; None: no adapters."""
+    pipeline_stages: int = 1
+    """Stages the layers are split into over the mesh's stage axis (model/pipeline.py),
+    from `EngineConfig.pipeline_parallel_size`."""
+    pipeline_microbatches: int = 0
+    """Microbatches a pipelined step's tokens flow in (0: one per stage)."""
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError, naming the field, unless these options suit `cfg`."""
@@ -218,6 +223,12 @@ class ModelOptions:
         if self.lora is not None and self.batch_invariant:
             raise ValueError("enable_lora=True and batch_invariant=True: the adapters' "
                              "matmuls are not made invariant")
+        if self.pipeline_stages > 1 and (self.lora or self.feature_layers
+                                         or self.batch_invariant):
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_stages}: LoRA slots, "
+                             "speculative heads' features and batch_invariant are not "
+                             "pipelined")
+        pipeline.check_model(cfg, self.pipeline_stages)
         bad = [i for i in self.feature_layers if not FINAL_NORMED <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} must be in [{FINAL_NORMED}, "

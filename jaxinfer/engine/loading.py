@@ -81,10 +81,13 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
     config = with_checkpoint_quantization(root, config)
     max_len = max_model_len(model_config, config)
     mesh = runner_lib.make_mesh(model_config, config.tensor_parallel_size,
-                                config.data_parallel_size, replica, ep)
+                                config.data_parallel_size, replica, ep,
+                                config.pipeline_parallel_size)
     parts = spec_loading.prepare(root, model_config, config, max_len)
     options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers,
-                           batch_invariant=config.batch_invariant, lora=config.lora_slots)
+                           batch_invariant=config.batch_invariant, lora=config.lora_slots,
+                           pipeline_stages=config.pipeline_parallel_size,
+                           pipeline_microbatches=config.pipeline_microbatches)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     group = prequantized_int4.group_size(root)  # an AWQ or GPTQ checkpoint's int4 groups
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
@@ -128,8 +131,8 @@ def check_options(model_config: ModelConfig, config: EngineConfig,
     """ValueError unless the engine's options suit the model (ModelOptions.check), and
     LoRA adapters go to a generating model."""
     ModelOptions(expert_parallel=config.enable_expert_parallel,
-                 batch_invariant=config.batch_invariant,
-                 lora=config.lora_slots).check(model_config)
+                 batch_invariant=config.batch_invariant, lora=config.lora_slots,
+                 pipeline_stages=config.pipeline_parallel_size).check(model_config)
     if config.enable_lora and config.runner == "pooling":
         raise ValueError("enable_lora=True serves adapters on a generating model; "
                          f"{root} is served as a pooling model")
@@ -166,7 +169,8 @@ def check_data_parallel(config: EngineConfig) -> None:
                          "processes (a multi-host job): not supported; run one replica "
                          "over all processes (data_parallel_size=1), or one server or Ray "
                          "replica per host")
-    sharding.layout_mesh(config.data_parallel_size, config.tensor_parallel_size)
+    sharding.layout_mesh(config.data_parallel_size, config.tensor_parallel_size,
+                         pipeline_parallel_size=config.pipeline_parallel_size)
 
 
 def check_same_engine(served: ModelConfig, config: EngineConfig, max_len: int,

@@ -157,9 +157,12 @@ def read_features(store: jax.Array, slots: jax.Array) -> jax.Array:
 
 def kv_cache_shardings(mesh: jax.sharding.Mesh, kv_cache: object) -> object:
     """NamedShardings of a KV cache tree (arrays or specs): pages and scales split by
-    KV head over the model axis, a feature store replicated."""
+    KV head over the model axis, a feature store replicated; stacked by pipeline stage
+    (one more leading axis, model/pipeline.py) split by stage."""
     def named(x: object) -> jax.sharding.NamedSharding:
-        spec = {5: KV_PAGES_SPEC, 2: P()}.get(len(x.shape), KV_SCALES_SPEC)
+        spec = {5: KV_PAGES_SPEC, 2: P(), 3: KV_SCALES_SPEC,
+                6: P(sharding.STAGE_AXIS, *KV_PAGES_SPEC),  # by pipeline stage
+                4: P(sharding.STAGE_AXIS, *KV_SCALES_SPEC)}[len(x.shape)]
         return jax.sharding.NamedSharding(mesh, spec)
 
     return jax.tree.map(named, kv_cache)

@@ -17,6 +17,7 @@ from jaxinfer.model import fusion
 from jaxinfer.model.params_table import MODEL_AXIS
 
 DATA_AXIS = "data"  # data-parallel replicas: rows of layout_mesh
+STAGE_AXIS = "stage"  # pipeline stages (model/pipeline.py), outside the model axis
 
 
 def validate(cfg: ModelConfig, tensor_parallel_size: int, num_devices: int,
@@ -88,23 +89,39 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
 
 
 def layout_mesh(data_parallel_size: int, tensor_parallel_size: int,
-                devices: list | None = None) -> Mesh:
+                devices: list | None = None, pipeline_parallel_size: int = 1) -> Mesh:
     """The ("data", "model") mesh over the first data_parallel_size x tensor_parallel_size
-    devices (JAX's global order): row r is replica r's devices."""
+    devices (JAX's global order): row r is replica r's devices. With
+    pipeline_parallel_size > 1, ("data", "stage", "model"): a replica's stages in order,
+    each on tensor_parallel_size consecutive devices (so a stage stays on one host)."""
     devices = jax.devices() if devices is None else devices
-    wanted = data_parallel_size * tensor_parallel_size
+    pp = pipeline_parallel_size
+    wanted = data_parallel_size * pp * tensor_parallel_size
     if wanted > len(devices):
-        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
-                         f"{tensor_parallel_size} needs {wanted} devices; "
-                         f"{len(devices)} present")
-    grid = np.array(devices[:wanted]).reshape(data_parallel_size, tensor_parallel_size)
-    return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        stages = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
+        raise ValueError(f"data_parallel_size={data_parallel_size}{stages} x "
+                         f"tensor_parallel_size={tensor_parallel_size} needs {wanted} "
+                         f"devices; {len(devices)} present")
+    grid = np.array(devices[:wanted])
+    if pp == 1:
+        return Mesh(grid.reshape(data_parallel_size, tensor_parallel_size),
+                    (DATA_AXIS, MODEL_AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return Mesh(grid.reshape(data_parallel_size, pp, tensor_parallel_size),
+                (DATA_AXIS, STAGE_AXIS, MODEL_AXIS),
+                axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def replica_mesh(layout: Mesh, replica: int) -> Mesh:
-    """Replica `replica`'s own 1-D mesh: its row of `layout`."""
-    return Mesh(layout.devices[replica], (MODEL_AXIS,),
-                axis_types=(jax.sharding.AxisType.Auto,))
+    """Replica `replica`'s own mesh: its row of `layout`, 1-D ("model"), or ("stage",
+    "model") when the layout has stages."""
+    names = tuple(name for name in layout.axis_names if name != DATA_AXIS)
+    return Mesh(layout.devices[replica], names,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def stage_count(mesh: Mesh) -> int:
+    """Pipeline stages of `mesh` (1 without a stage axis)."""
+    return mesh.shape[STAGE_AXIS] if STAGE_AXIS in mesh.axis_names else 1
 
 
 def named(mesh: Mesh, specs: object) -> object:

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
+from jaxinfer.config import pipeline as stage_rules
 from jaxinfer.config.model import FINAL_NORMED
-from jaxinfer.model import invariance, layers, lora, moe, sharding
+from jaxinfer.model import invariance, layers, lora, moe, pipeline, sharding
 from jaxinfer.model.attention import (
     AttentionMetadata,
     KVCache,
@@ -71,11 +72,11 @@ def forward(
 def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: AttentionMetadata,
            cfg: ModelConfig, options: ModelOptions, max_q_len: int, routing: bool,
            hidden: bool = False) -> tuple:
+    if options.pipeline_stages > 1:
+        return _pipelined(params, kv_cache, token_ids, md, cfg, options, max_q_len, routing,
+                          hidden)
     x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
-    ropes = {kind: layers.rope_tables(md.positions, layers.rope_inv_freq(cfg, kind),
-                                      layers.rope_scale(cfg, kind))
-             for kind in layers.rope_kinds(cfg)}  # once per step and kind, not per layer
-    real_tokens = md.cu_q_lens[md.num_seqs[0]]
+    ropes = rope_tables(md.positions, cfg)
     kv_cache, store = split_feature_store(kv_cache, options)
     new_cache, routed, captured = [], [], {}
     adapters = _adapter_select(params, md)
@@ -84,20 +85,10 @@ def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: Attentio
             layer = lora.bind(layer, params["lora"][index], adapters, cfg)
         if index in options.feature_layers:
             captured[index] = x
-        h = layers.norm(x, layer["attn_norm"], cfg)
-        attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg,
-                                         rope=ropes[cfg.layer_rope(index)],
-                                         max_q_len=max_q_len,
-                                         window=cfg.layer_window(index))
-        x = x + post_norm(layer, "post_attn_norm", attn, cfg)
-        h = layers.norm(x, layer["mlp_norm"], cfg)
-        if "w_router" in layer:
-            y, experts = moe.moe_block(layer, h, cfg, expert_parallel=options.expert_parallel,
-                                       with_experts=True)
-            routed.append(moe.expert_counts(experts, real_tokens, cfg.moe.num_experts))
-        else:
-            y = layers.mlp(layer, h, cfg.hidden_act)
-        x = x + post_norm(layer, "post_mlp_norm", y, cfg)
+        x, kv_pages, experts = decoder_layer(layer, x, kv_pages, md, cfg, options, ropes,
+                                             index=index, max_q_len=max_q_len)
+        if experts is not None:
+            routed.append(experts)
         new_cache.append(kv_pages)
     if store is not None:
         captured[cfg.num_layers] = x
@@ -110,6 +101,66 @@ def _paged(params: Params, kv_cache: KVCache, token_ids: jax.Array, md: Attentio
     if not routing:
         return new_cache, logits
     return new_cache, logits, jnp.stack(routed) if routed else jnp.zeros((0, 0), jnp.int32)
+
+
+def _pipelined(params: Params, kv_cache: KVCache, token_ids: jax.Array,
+               md: AttentionMetadata, cfg: ModelConfig, options: ModelOptions,
+               max_q_len: int, routing: bool, hidden: bool) -> tuple:
+    """`_paged` with the layers in pipeline stages (model/pipeline.py): params["layers"]
+    and the KV cache by slot, stacked by stage; embedding and head on every stage."""
+    stages = options.pipeline_stages
+    x = layers.embed(params["embed"], token_ids, cfg.scale_embeddings)  # f32[T, D]
+    rows = jnp.arange(x.shape[0]) if hidden else md.logits_indices
+    like = [stage_rules.slot_layers(cfg.num_layers, stages, slot)[0]
+            for slot in range(len(params["layers"]))]  # each slot's layers are alike
+
+    def layer_fn(layer: Params, h: jax.Array, pages: object, md_micro: AttentionMetadata,
+                 ropes: dict, slot: int) -> tuple:
+        return decoder_layer(layer, h, pages, md_micro, cfg, options, ropes,
+                             index=like[slot], max_q_len=max_q_len)
+
+    out, kv_cache, counts = pipeline.run_stages(
+        layer_fn, params["layers"], kv_cache, x, md, rope_tables(md.positions, cfg),
+        stages=stages, microbatches=options.pipeline_microbatches or stages,
+        num_layers=cfg.num_layers, rows=rows)
+    if hidden:
+        logits = layers.norm(out, params["final_norm"], cfg).astype(jnp.float32)
+    else:
+        logits = compute_logits(params, out, cfg)
+    if not routing:
+        return kv_cache, logits
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    return kv_cache, logits, pipeline.layer_order(counts, cfg.num_layers, stages,
+                                                  moe_layers)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> dict:
+    """Each RoPE kind's (cos, sin) of the step's positions: once per step, not per layer."""
+    return {kind: layers.rope_tables(positions, layers.rope_inv_freq(cfg, kind),
+                                     layers.rope_scale(cfg, kind))
+            for kind in layers.rope_kinds(cfg)}
+
+
+def decoder_layer(layer: Params, x: jax.Array, kv_pages: object, md: AttentionMetadata,
+                  cfg: ModelConfig, options: ModelOptions, ropes: dict, *, index: int,
+                  max_q_len: int = 0) -> tuple[jax.Array, object, jax.Array | None]:
+    """Decoder layer `index` over this step's tokens x f32[T, D]: (x, its new KV pages,
+    tokens each expert got i32[E] in a MoE layer, else None)."""
+    h = layers.norm(x, layer["attn_norm"], cfg)
+    attn, kv_pages = attention_block(layer, h, kv_pages, md, cfg,
+                                     rope=ropes[cfg.layer_rope(index)],
+                                     max_q_len=max_q_len, window=cfg.layer_window(index))
+    x = x + post_norm(layer, "post_attn_norm", attn, cfg)
+    h = layers.norm(x, layer["mlp_norm"], cfg)
+    counts = None
+    if "w_router" in layer:
+        y, experts = moe.moe_block(layer, h, cfg, expert_parallel=options.expert_parallel,
+                                   with_experts=True)
+        real_tokens = md.cu_q_lens[md.num_seqs[0]]
+        counts = moe.expert_counts(experts, real_tokens, cfg.moe.num_experts)
+    else:
+        y = layers.mlp(layer, h, cfg.hidden_act)
+    return x + post_norm(layer, "post_mlp_norm", y, cfg), kv_pages, counts
 
 
 def _adapter_select(params: Params, md: AttentionMetadata) -> jax.Array | None:

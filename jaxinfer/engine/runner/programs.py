@@ -21,7 +21,16 @@ from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.runner.inputs import BIAS_WIDTH, NUM_SAMPLE_POSITIONS, STOP_WIDTH
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import mask_words
-from jaxinfer.model import batch_state, layers, lora, moe, params_table, scoring, sharding
+from jaxinfer.model import (
+    batch_state,
+    layers,
+    lora,
+    moe,
+    params_table,
+    pipeline,
+    scoring,
+    sharding,
+)
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model import step as model_step
 from jaxinfer.model.attention import (
@@ -91,12 +100,14 @@ def score_input_spec(bucket: Bucket) -> scoring.ScoreInputs:
 
 
 def make_mesh(cfg: ModelConfig, tensor_parallel_size: int, data_parallel_size: int = 1,
-              replica: int = 0, expert_parallel: bool = False) -> Mesh:
-    """Replica `replica`'s mesh (its row of the data x model layout), after checking the
-    size suits the model (whole experts per device with `expert_parallel`) and the
-    devices are there (sharding.py)."""
+              replica: int = 0, expert_parallel: bool = False,
+              pipeline_parallel_size: int = 1) -> Mesh:
+    """Replica `replica`'s mesh (its row of the data x [stage x] model layout), after
+    checking the size suits the model (whole experts per device with `expert_parallel`)
+    and the devices are there (sharding.py)."""
     sharding.validate(cfg, tensor_parallel_size, jax.device_count(), expert_parallel)
-    layout = sharding.layout_mesh(data_parallel_size, tensor_parallel_size)
+    layout = sharding.layout_mesh(data_parallel_size, tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size)
     return sharding.replica_mesh(layout, replica)
 
 
@@ -233,13 +244,21 @@ def step_shardings(cfg: ModelConfig, mesh: Mesh, quantization: str | None = None
         quantization, head=quantized_head)
     if options.lora is not None:  # adapter slots (model/lora.py), split as their targets
         specs = {**specs, "lora": lora.partition_specs(cfg, options.lora)}
+    stages = options.pipeline_stages
+    if stages > 1:  # layers by slot, stacked by stage (model/pipeline.py)
+        specs = {**specs, "layers": pipeline.stack_layers(specs["layers"], stages)}
     params = sharding.named(mesh, specs)
-    layer = NamedSharding(mesh, KV_PAGES_SPEC)
+    layer = _named_kv(mesh, KV_PAGES_SPEC, stages)
     if kv_quant.is_quantized(kv_dtype):
-        layer = QuantizedPages(layer, NamedSharding(mesh, KV_SCALES_SPEC))
+        layer = QuantizedPages(layer, _named_kv(mesh, KV_SCALES_SPEC, stages))
     store = [sharding.replicated(mesh)] * bool(options.feature_layers)
-    kv_cache = [layer] * cfg.num_layers + store
+    layers_held = pipeline.slot_count(cfg.num_layers, stages)
+    kv_cache = [layer] * layers_held + store
     return params, kv_cache, sharding.replicated(mesh)
+
+
+def _named_kv(mesh: Mesh, spec: object, stages: int) -> NamedSharding:
+    return NamedSharding(mesh, pipeline.stage_spec(spec) if stages > 1 else spec)
 
 
 def on_shardings(specs: object, shardings: object) -> object:

@@ -47,7 +47,7 @@ from jaxinfer.engine.runner.programs import (
 from jaxinfer.engine.runner.results import PromptScores, Sample, StepResult
 from jaxinfer.engine.runner.slots import SlotTable
 from jaxinfer.engine.runner.token_masks import TokenMasks
-from jaxinfer.model import batch_state, moe, scoring, sharding
+from jaxinfer.model import batch_state, moe, pipeline, scoring, sharding
 from jaxinfer.model import lora as lora_lib
 from jaxinfer.model import quantization as quantization_lib
 from jaxinfer.model.attention import init_kv_cache
@@ -72,11 +72,18 @@ def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str,
                      options: ModelOptions = DEFAULT_OPTIONS) -> dict:
     """Float `params` quantized to `mode` on the device, placed as the step shards them
     (AWQ's int4 scales, if any, already folded in by the checkpoint loader)."""
-    # the adapter slots are added after, float (Runner.__init__)
-    shardings, _, _ = step_shardings(cfg, mesh, mode,
-                                     options=dataclasses.replace(options, lora=None))
+    # the adapter slots are added after, float, and the layers stacked by pipeline stage
+    # (Runner.__init__)
+    shardings, _, _ = step_shardings(cfg, mesh, mode, options=dataclasses.replace(
+        options, lora=None, pipeline_stages=1))
     return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode),
                    out_shardings=shardings)(params)
+
+
+def _init_kv_cache(cfg: ModelConfig, *, stages: int, **kwargs: object) -> list:
+    """`init_kv_cache`, by layer slot stacked by stage when the layers are pipelined."""
+    kv_cache = init_kv_cache(cfg, **kwargs)
+    return kv_cache if stages == 1 else pipeline.stack_layers(kv_cache, stages)
 
 
 class Runner:
@@ -116,10 +123,11 @@ class Runner:
         # kept: sleep frees the KV cache and state, and wake makes them again with
         # these, as shaped and sharded as the compiled steps take them (memory.py)
         self.init_kv_cache = jax.jit(
-            functools.partial(init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
+            functools.partial(_init_kv_cache, cfg, num_pages=num_pages, page_size=page_size,
                               dtype=kv_quant.storage_dtype(kv_dtype), shards=shards,
                               group_windows=self.group_windows,
-                              feature_size=options.feature_size(cfg)),
+                              feature_size=options.feature_size(cfg),
+                              stages=options.pipeline_stages),
             out_shardings=kv_shardings)
         self.kv_cache = self.init_kv_cache()
         num_slots = self.buckets.max_num_seqs
@@ -150,6 +158,11 @@ class Runner:
         head = quantization is None or quantization_lib.has_quantized_head(params)
         shardings = step_shardings(self.cfg, self.mesh, quantization, kv_dtype=kv_dtype,
                                    quantized_head=head, options=self.options)
+        stages = self.options.pipeline_stages
+        if stages > 1:  # by slot, stacked by stage, each stage's on its own devices
+            params = {**params, "layers": jax.jit(
+                functools.partial(pipeline.stack_layers, stages=stages),
+                out_shardings=shardings[0]["layers"])(params["layers"])}
         slots = self.options.lora
         if slots is not None:
             params = {**params, "lora": jax.jit(
