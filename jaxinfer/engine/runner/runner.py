@@ -159,7 +159,9 @@ class Runner:
         shardings = step_shardings(self.cfg, self.mesh, quantization, kv_dtype=kv_dtype,
                                    quantized_head=head, options=self.options)
         stages = self.options.pipeline_stages
-        if stages > 1:  # by slot, stacked by stage, each stage's on its own devices
+        if stages > 1 and len(params["layers"]) == self.cfg.num_layers:
+            # by slot, stacked by stage, each stage's on its own devices (another
+            # replica's params come stacked)
             params = {**params, "layers": jax.jit(
                 functools.partial(pipeline.stack_layers, stages=stages),
                 out_shardings=shardings[0]["layers"])(params["layers"])}
