@@ -183,3 +183,16 @@ def test_only_activations_cross_stages(model_dir):
     crossing = {shape for shape, pairs in permutes
                 if any(stage_of[a] != stage_of[b] for a, b in pairs)}
     assert crossing == {micro, rows}
+
+
+def test_sleep_keeps_the_stages_and_weight_updates_are_refused(model_dir, one_device):
+    llm = LLM(str(model_dir), **SMALL, pipeline_parallel_size=2)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    llm.sleep(1)  # weights to host memory and back, stacked as they were
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
+        one_device[:len(PROMPTS)]
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        llm.sleep(2)
+    with pytest.raises(NotImplementedError, match="update_weights with pipeline"):
+        llm.update_weights(llm.engine.runner.params)

@@ -17,6 +17,11 @@ def put_to_sleep(engine: typing.Any, level: int) -> None:
     if engine.sleeper.level:
         return
     check_can_sleep(engine, level)
+    stages = engine.config.pipeline_parallel_size
+    if level == 2 and stages > 1:
+        raise NotImplementedError(f"sleep(level=2) with pipeline_parallel_size={stages}: "
+                                  "new weights come by update_weights, not supported with "
+                                  "pipeline stages yet; sleep(level=1) keeps them")
     drop_prefix_cache(engine.scheduler)
     engine.sleeper.sleep(level)
 

@@ -71,6 +71,11 @@ def update(engine: typing.Any, weights: object, policy: str = "abort") -> dict:
     the prefix cache reset, the params swapped. Returns what it did: bytes sent from
     host, requests aborted, cached pages dropped."""
     check_policy(policy)
+    stages = engine.config.pipeline_parallel_size
+    if stages > 1:
+        raise NotImplementedError(f"update_weights with pipeline_parallel_size={stages}: "
+                                  "the layers are stacked by stage, and updates name them "
+                                  "by layer; not supported yet")
     if engine.speculation is not None and engine.speculation.draft_model:
         raise NotImplementedError("update_weights with a draft model: its weights are "
                                   "its own; serve without one (ngram updates)")
