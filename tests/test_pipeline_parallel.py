@@ -196,3 +196,20 @@ def test_sleep_keeps_the_stages_and_weight_updates_are_refused(model_dir, one_de
         llm.sleep(2)
     with pytest.raises(NotImplementedError, match="update_weights with pipeline"):
         llm.update_weights(llm.engine.runner.params)
+
+
+def test_experts_split_inside_stages(tmp_path):
+    """Qwen3-MoE (4 layers, 8 experts) as PP 2 x TP 2 with expert parallelism: one
+    device's greedy tokens and tokens routed to each expert of each layer."""
+    testing.make_hf_model(tmp_path, "qwen3_moe", seed=5, num_hidden_layers=4)
+    settings = dict(SMALL, kv_cache_memory_bytes=None, max_num_seqs=2,
+                    max_num_batched_tokens=16)  # three buckets to compile
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    runs = []
+    for layout in ({}, dict(pipeline_parallel_size=2, tensor_parallel_size=2,
+                            enable_expert_parallel=True)):
+        llm = LLM(str(tmp_path), **settings, **layout)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+        runs.append((tokens, llm.metrics()["expert_tokens"]))
+    assert runs[1] == runs[0]
+    assert len(runs[0][1]) == 4 and sum(map(sum, runs[0][1])) > 0
