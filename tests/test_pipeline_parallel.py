@@ -15,9 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, testing
+from jaxinfer import LLM, SamplingParams, checkpoint, testing
+from jaxinfer.aot_rows import replica_groups
 from jaxinfer.config import EngineConfig, ModelConfig, ModelOptions
 from jaxinfer.config import pipeline as rules
+from jaxinfer.model import sharding
 
 LAYERS, PAGE_SIZE = 8, 4
 # per token: 8 layers x K,V x 4 KV heads x 16 dims x 4 bytes (float32)
@@ -92,6 +94,19 @@ def test_each_device_holds_its_stages_layers_and_kv_alone(model_dir):
                                           np.asarray(whole[start + 1][name]))
 
 
+def test_the_loader_reads_each_layer_onto_its_stage_alone(model_dir):
+    """No device ever holds another stage's layers, even while loading."""
+    cfg = checkpoint.load_config(model_dir)
+    mesh = sharding.replica_mesh(sharding.layout_mesh(1, 2, pipeline_parallel_size=4), 0)
+    params = checkpoint.load_params(model_dir, cfg, mesh=mesh)
+    starts = rules.stage_starts(LAYERS, 4)
+    for layer, leaves in enumerate(params["layers"]):
+        stage = max(s for s in range(4) if starts[s] <= layer)
+        for leaf in jax.tree.leaves(leaves):
+            assert leaf.sharding.device_set == set(mesh.devices[stage].flat)
+    assert params["embed"].sharding.device_set == set(mesh.devices.flat)
+
+
 def test_uneven_split_follows_vllms_rule():
     assert rules.stage_sizes(8, 3) == (3, 3, 2)
     assert rules.stage_sizes(10, 4) == (2, 3, 3, 2)
@@ -117,42 +132,6 @@ def test_what_is_not_pipelined_is_refused_by_name(field):
         field, True)
     with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 with {field}="):
         EngineConfig(pipeline_parallel_size=2, **{field: value})
-
-
-# The replica groups of an HLO collective, in any of three forms: explicit
-# {{0,1},{2,3}}; iota [groups, size]<=[dims]T(perm) (device ids arange(prod(dims))
-# reshaped to dims, transposed by perm, cut into rows); or over a mesh,
-# mesh['a'=4,'b'=2], device_ids=([dims]T(perm)) {'a'} (the ids laid on the mesh, one
-# group per point of the axes not named).
-EXPLICIT = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
-IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
-                  r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    shape = [int(d) for d in dims.split(",")]
-    ids = np.arange(np.prod(shape)).reshape(shape)
-    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-def replica_groups(line: str) -> list[list[int]]:
-    if match := EXPLICIT.search(line):
-        return [[int(i) for i in g.split(",") if i] for g in
-                re.findall(r"\{([\d,]*)\}", match.group(1))]
-    if match := IOTA.search(line):
-        return _iota(match.group(3), match.group(4)).reshape(
-            int(match.group(1)), int(match.group(2))).tolist()
-    match = MESH.search(line)
-    axes = re.findall(r"'(\w+)'=(\d+)", match.group(1))
-    sizes = [int(size) for _, size in axes]
-    ids = (_iota(match.group(2), match.group(3)) if match.group(2)
-           else np.arange(np.prod(sizes))).reshape(sizes)
-    grouped = [i for i, (name, _) in enumerate(axes)
-               if f"'{name}'" in match.group(4)]
-    rest = [i for i in range(len(axes)) if i not in grouped]
-    size = int(np.prod([sizes[i] for i in grouped]))
-    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
 
 
 def test_only_activations_cross_stages(model_dir):

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jaxinfer.checkpoint.names import (
     with_model_prefix,
 )
 from jaxinfer.config import ModelConfig
+from jaxinfer.config import pipeline as pipeline_rules
 from jaxinfer.model import fusion, quantization, sharding
 from jaxinfer.model.params_table import param_partition_specs, param_shapes
 from jaxinfer.model.transformer import Params
@@ -99,14 +101,13 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
                                          mode, head=False)
     target = np.dtype(jnp.dtype(dtype))
 
-    def array(name: str, layout: shard_source.Layout, shape: tuple[int, ...],
-              spec: PartitionSpec, dtype: np.dtype) -> jax.Array:
-        return placed_leaf(reader, mesh, name, layout, shape, spec, dtype)
+    placement = stage_placement(cfg, mesh)
 
     def leaf(path: tuple, shape: tuple[int, ...], spec: object) -> object:
         name = leaf_name(path)
+        mesh = placement(name)  # a layer's stage's devices, with pipeline stages
         if not quantization.is_quantized(spec):
-            return array(name, layouts[name], shape, spec, target)
+            return placed_leaf(reader, mesh, name, layouts[name], shape, spec, target)
         if spec.mode == mxfp4.MODE:
             return mxfp4.packed_weight(tensors[layouts[name].names[0]], layouts[name].kind,
                                        shape, spec, mesh, log and log.record)
@@ -116,12 +117,32 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: str = 
         scale_layout = compressed_tensors.scale_layout(layouts[name])
         return quantization.QuantizedWeight(
             _fp8_value(reader, mesh, name, layouts[name], shape, spec.value),
-            array(f"{name}.scale", scale_layout, shape[1:], spec.scale, np.dtype(np.float32)),
+            placed_leaf(reader, mesh, f"{name}.scale", scale_layout, shape[1:], spec.scale,
+                        np.dtype(np.float32)),
             spec.mode)
 
     shapes = param_shapes(served)
     return jax.tree_util.tree_map_with_path(
         leaf, shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def stage_placement(cfg: ModelConfig, mesh: Mesh) -> Callable[[str], Mesh]:
+    """leaf name -> the mesh it is read onto: with pipeline stages a layer's leaves go to
+    its stage's devices alone (model/pipeline.py stacks them in place), the rest to
+    every stage; else `mesh`."""
+    stages = sharding.stage_count(mesh)
+    if stages == 1:
+        return lambda name: mesh
+    starts = pipeline_rules.stage_starts(cfg.num_layers, stages)
+    meshes = [sharding.stage_mesh(mesh, stage) for stage in range(stages)]
+
+    def placement(name: str) -> Mesh:
+        if not name.startswith("layers."):
+            return mesh
+        layer = int(name.split(".")[1])
+        return meshes[max(s for s in range(stages) if starts[s] <= layer)]
+
+    return placement
 
 
 def placed_leaf(reader: shard_source.Reader, mesh: Mesh, name: str,

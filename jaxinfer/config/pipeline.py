@@ -31,6 +31,11 @@ def check_settings(config: Any) -> None:
         if getattr(config, name):
             raise ValueError(f"pipeline_parallel_size={config.pipeline_parallel_size} with "
                              f"{name}={getattr(config, name)!r}: not supported ({why})")
+    if config.quantization == "int4":
+        raise ValueError(f"pipeline_parallel_size={config.pipeline_parallel_size} with "
+                         "quantization='int4': not supported (its activation-aware scales "
+                         "are calibrated at load over every layer at once; serve an AWQ or "
+                         "GPTQ checkpoint, or int8)")
     if config.runner == "pooling":
         raise ValueError(f"pipeline_parallel_size={config.pipeline_parallel_size} with "
                          "runner='pooling': not supported (pooling steps are not "

@@ -62,6 +62,43 @@ def _stack(*leaves: object, present: list[bool]) -> object:
                       for leaf, here in zip(leaves, present, strict=True)])
 
 
+def stack_in_place(layer_list: Sequence[object], stages: int, shardings: list) -> list:
+    """`stack_layers` for arrays already on their stage's devices (the loader reads a
+    layer onto its stage alone, checkpoint/hf.py): each device's buffer becomes its
+    slice of the stacked array on `shardings` (per slot, stage-split), nothing moves
+    between devices, and a stage's missing slot is zeros made where it lives."""
+    sizes = rules.stage_sizes(len(layer_list), stages)
+    starts = rules.stage_starts(len(layer_list), stages)
+    slots = []
+    for slot in range(max(sizes)):
+        per_stage = [layer_list[start + min(slot, size - 1)]
+                     for start, size in zip(starts, sizes, strict=True)]
+        present = [slot < size for size in sizes]
+        slots.append(jax.tree.map(functools.partial(_assemble, present=present),
+                                  shardings[slot], *per_stage))
+    return slots
+
+
+def _assemble(sharding: jax.sharding.NamedSharding, *leaves: jax.Array,
+              present: list[bool]) -> jax.Array:
+    pieces = []
+    for leaf, here in zip(leaves, present, strict=True):
+        for shard in leaf.addressable_shards:
+            data = shard.data[None] if here else jnp.zeros(
+                (1, *shard.data.shape), shard.data.dtype, device=shard.device)
+            pieces.append(data)
+    return jax.make_array_from_single_device_arrays((len(leaves), *leaves[0].shape),
+                                                    sharding, pieces)
+
+
+def on_stages(layer_list: Sequence[object]) -> bool:
+    """Whether the layers' arrays sit on their stages' devices alone (`stack_in_place`),
+    rather than each on every device."""
+    first = jax.tree.leaves(layer_list[0])[0]
+    last = jax.tree.leaves(layer_list[-1])[0]
+    return first.sharding.device_set != last.sharding.device_set
+
+
 def microbatch_count(num_tokens: int, wanted: int) -> int:
     """Microbatches a step of `num_tokens` runs in: the largest divisor of it not above
     `wanted`, so every microbatch has the same static size."""

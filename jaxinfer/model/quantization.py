@@ -232,16 +232,32 @@ def quantize_params(params: dict, mode: str, head: bool = True) -> dict:
     leaves the head as it is (what a pre-quantized checkpoint that keeps it float
     serves: `checkpoint.quantized_head`). mxfp4 quantizes the experts alone (a model
     without experts is refused); already packed experts are decoded for another mode."""
+    check_quantizes(params, mode)
+    params = params | {"layers": quantize_layers(params["layers"], mode)}
+    return quantize_head(params, mode) if head else params
+
+
+def check_quantizes(params: dict, mode: str) -> None:
+    """ValueError unless `mode` quantizes something of `params` (mxfp4: experts)."""
     if mode in EXPERTS_ONLY and not any(name in EXPERT_WEIGHTS for layer in params["layers"]
                                         for name in layer):
         raise ValueError(f"quantization={mode!r} quantizes mixture-of-experts weights "
                          "(gpt-oss's MXFP4 experts); this model has no experts")
-    layers = [{name: _quantize_leaf(name, value, mode) for name, value in layer.items()}
-              for layer in params["layers"]]
-    if not head or head_mode(mode) is None:
-        return params | {"layers": layers}
+
+
+def quantize_layers(layer_list: list, mode: str) -> list:
+    """Each layer's linear weights (and experts) quantized to `mode` (jittable)."""
+    return [{name: _quantize_leaf(name, value, mode) for name, value in layer.items()}
+            for layer in layer_list]
+
+
+def quantize_head(params: dict, mode: str) -> dict:
+    """The params with the LM head quantized (a tied one as a quantized copy of the
+    embedding table) where `mode` quantizes heads (jittable)."""
+    if head_mode(mode) is None:
+        return params
     head_weight = params[HEAD] if HEAD in params else params["embed"].T  # [D, V]
-    return params | {"layers": layers, HEAD: quantize(head_weight, head_mode(mode))}
+    return params | {HEAD: quantize(head_weight, head_mode(mode))}
 
 
 def _quantize_leaf(name: str, value: jax.Array, mode: str) -> jax.Array | QuantizedWeight:

@@ -124,6 +124,11 @@ def stage_count(mesh: Mesh) -> int:
     return mesh.shape[STAGE_AXIS] if STAGE_AXIS in mesh.axis_names else 1
 
 
+def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """Pipeline stage `stage`'s own 1-D ("model") mesh: its devices of `mesh`."""
+    return Mesh(mesh.devices[stage], (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def named(mesh: Mesh, specs: object) -> object:
     """A pytree of PartitionSpecs -> NamedShardings on `mesh`."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,

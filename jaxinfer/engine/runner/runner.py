@@ -24,6 +24,7 @@ from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.core.scheduler import StepPlan
 from jaxinfer.engine.runner import exported, results
+from jaxinfer.engine.runner import stages as stages_lib
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
 from jaxinfer.engine.runner.inputs import (
@@ -76,6 +77,8 @@ def quantize_at_load(params: dict, cfg: ModelConfig, mesh: Mesh, mode: str,
     # (Runner.__init__)
     shardings, _, _ = step_shardings(cfg, mesh, mode, options=dataclasses.replace(
         options, lora=None, pipeline_stages=1))
+    if options.pipeline_stages > 1 and pipeline.on_stages(params["layers"]):
+        return stages_lib.quantize_on_stages(params, mesh, mode, shardings)
     return jax.jit(functools.partial(quantization_lib.quantize_params, mode=mode),
                    out_shardings=shardings)(params)
 
@@ -162,9 +165,8 @@ class Runner:
         if stages > 1 and len(params["layers"]) == self.cfg.num_layers:
             # by slot, stacked by stage, each stage's on its own devices (another
             # replica's params come stacked)
-            params = {**params, "layers": jax.jit(
-                functools.partial(pipeline.stack_layers, stages=stages),
-                out_shardings=shardings[0]["layers"])(params["layers"])}
+            params = {**params, "layers": stages_lib.stacked(
+                params["layers"], stages, shardings[0]["layers"])}
         slots = self.options.lora
         if slots is not None:
             params = {**params, "lora": jax.jit(
