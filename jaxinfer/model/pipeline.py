@@ -159,7 +159,9 @@ def _stage(layer_fn: Callable, stacked: list, kv_cache: list, x: jax.Array,
     moe_slots = sum("w_router" in layer for layer in layer_slots)
     counts = jnp.zeros((moe_slots, *_expert_shape(layer_slots)), jnp.int32)
     carry = (kv, jnp.zeros((size, x.shape[1]), x.dtype), jnp.zeros_like(x), counts)
-    kv, _, out, counts = jax.lax.fori_loop(0, microbatches + stages - 1, tick, carry)
+    for t in range(microbatches + stages - 1):  # unrolled: a loop carry copied the KV
+        carry = tick(t, carry)
+    kv, _, out, counts = carry
     result = from_last_stage(out[rows], stages)
     return (result, [jax.tree.map(lambda a: a[None], pages) for pages in kv],
             counts[None])
