@@ -96,9 +96,6 @@ VLLM_KEYWORDS: dict[str, Keyword] = {
     "num_gpu_blocks_override": Keyword((None,), "kv_cache_memory_bytes sizes the KV pool"),
     "cpu_offload_gb": Keyword((0,), "the weights stay in device memory: a larger model needs "
                               "more devices (tensor_parallel_size) or quantization"),
-    "pipeline_parallel_size": Keyword((1,), "jaxinfer has no pipeline stages: "
-                                      "tensor_parallel_size splits a model over devices, "
-                                      "data_parallel_size copies it"),
     "decode_context_parallel_size": Keyword((1,), "no context parallelism: "
                                             "tensor_parallel_size splits the KV heads"),
     "distributed_executor_backend": Keyword((None, "mp", "uni"), _ONE_PROCESS),
