@@ -1,5 +1,5 @@
 """A command line in vLLM's spellings read as absl reads jaxinfer's: flag names with
-dashes or underscores, argparse's `--no-flag`, vLLM's `-tp`, `-dp` and `-q`, several
+dashes or underscores, argparse's `--no-flag`, vLLM's `-tp`, `-pp`, `-dp` and `-q`, several
 values after a list flag (`--lora-modules a=A b=B`). Values are never touched. Unknown
 flags are taken out and kept, so that the command names them all in one line. See
 docs/cli.md#vllm-command-lines.
@@ -13,14 +13,13 @@ from absl import flags
 from absl.flags import _helpers  # absl's own suggestions for a misspelt flag
 
 # vLLM's one-dash short names of flags jaxinfer has (vLLM's EngineArgs)
-SHORT_NAMES = {"tp": "tensor_parallel_size", "dp": "data_parallel_size", "q": "quantization"}
+SHORT_NAMES = {"tp": "tensor_parallel_size", "dp": "data_parallel_size",
+               "pp": "pipeline_parallel_size", "q": "quantization"}
 # vLLM flags jaxinfer has none of, each with what to do instead (where a close name
 # would mislead, that it has no such setting)
 VLLM_ONLY = {
     "block_size": "did you mean --page-size? vLLM's KV cache block is jaxinfer's page",
     "trust_remote_code": "jaxinfer runs no code from a checkpoint; leave it out",
-    "pipeline_parallel_size": "jaxinfer has no pipeline stages: --tensor-parallel-size "
-                              "splits a model over devices, --data-parallel-size copies it",
     "tokenizer_mode": "jaxinfer has no such setting",
     "disable_log_requests": "jaxinfer has no such setting",
 }

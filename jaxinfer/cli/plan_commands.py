@@ -1,4 +1,4 @@
-"""The commands that load no weights: plan (memory plan, decode roofline, DP x TP
+"""The commands that load no weights: plan (memory plan, decode roofline, PP x TP x DP
 layouts), audit (prompt overlap) and aot (compile the step for a TPU slice). Each reads
 FLAGS and imports its library only when it runs. See docs/cli.md (#plan, #audit, #aot).
 """
@@ -23,10 +23,10 @@ from jaxinfer.sizing import accelerators
 # auto) and the step splits over every chip of --device unless told otherwise.
 PLAN_DEFAULTS = {"dtype": "auto: the checkpoint's, as the engine serves it on --device "
                           "(docs/models.md#dtype); bfloat16 for a preset",
-                 "tensor_parallel_size": "every device of --device (with "
+                 "tensor_parallel_size": "every device of --device a stage has (with "
                  "--data_parallel_size: the rest of them), else 1",
                  "data_parallel_size": "the devices of --device left over by "
-                 "--tensor_parallel_size, else 1"}
+                 "--tensor_parallel_size and --pipeline_parallel_size, else 1"}
 AOT_DEFAULTS = PLAN_DEFAULTS | {"device": "v5e-1",
                                 "tensor_parallel_size": "the slice's chips if the model splits "
                                 "(with --data_parallel_size: the rest of them)",
@@ -145,40 +145,63 @@ def _plan_budget(settings: EngineConfig, acc: accelerators.Accelerator | None
                          "--device=NAME")
 
 
+def choose_layout(chips: int | None, device: str | None, tp: int | None, dp: int | None,
+                  pp: int = 1) -> tuple[int, int]:
+    """(tensor_parallel_size, data_parallel_size) for `pp` stages on `chips` devices (None:
+    no --device): the sizes given (None: not given), the other filling the chips a stage
+    has; neither: every device a stage has tensor parallel, else 1. ValueError unless they
+    divide --device's chips or when they need more than it has."""
+    stages = "" if pp == 1 else f" x --pipeline_parallel_size={pp}"
+    if chips is not None and chips % pp:
+        raise ValueError(f"--pipeline_parallel_size={pp} must divide the {chips} devices of "
+                         f"--device={device}")
+    per_stage = None if chips is None else chips // pp
+    if dp is not None and tp is None:
+        if per_stage is not None and per_stage % dp:
+            over = "" if pp == 1 else f" over {pp} stages"
+            raise ValueError(f"--data_parallel_size={dp} must divide the {chips} devices of "
+                             f"--device={device}{over} (or give --tensor_parallel_size)")
+        tp = per_stage // dp if per_stage is not None else 1
+    else:
+        tp = tp or per_stage or 1
+        dp = dp or max(1, (per_stage or tp) // tp)
+    if chips is not None and dp * pp * tp > chips:
+        raise ValueError(f"--data_parallel_size={dp}{stages} x --tensor_parallel_size={tp} "
+                         f"needs {dp * pp * tp} devices; --device={device} has {chips}")
+    return tp, dp
+
+
+def _recommended_flags(split: object) -> str:
+    """The flags of a recommended layout, --pipeline_parallel_size only when it has stages."""
+    stages = "" if split.pipeline_parallel_size == 1 else (
+        f" --pipeline_parallel_size={split.pipeline_parallel_size}")
+    return (f"--data_parallel_size={split.data_parallel_size}{stages} "
+            f"--tensor_parallel_size={split.tensor_parallel_size}")
+
+
 def _plan_layout(cfg: object, acc: accelerators.Accelerator | None,
-                 recommended: object | None) -> tuple[int, int]:
-    """(tensor_parallel_size, data_parallel_size) to plan: the flags given, the other
-    filling --device's chips; neither: every device tensor parallel, else 1. ValueError
-    unless the model's heads split over it (naming the recommended layout) or the
-    replicas need more devices than --device has."""
+                 recommended: object | None) -> tuple[int, int, int]:
+    """(tensor_parallel_size, data_parallel_size, pipeline_parallel_size) to plan: the
+    flags given, `choose_layout` the rest. ValueError unless the model's heads split over
+    it (naming the recommended layout) or the replicas fit --device."""
     from jaxinfer.sizing import planner
 
     tp_given, dp_given = (FLAGS["tensor_parallel_size"].present,
                           FLAGS["data_parallel_size"].present)
-    chips = acc.chips if acc else None
-    if dp_given and not tp_given:
-        dp = FLAGS.data_parallel_size
-        if chips is not None and chips % dp:
-            raise ValueError(f"--data_parallel_size={dp} must divide the {chips} devices of "
-                             f"--device={FLAGS.device} (or give --tensor_parallel_size)")
-        tp = chips // dp if chips is not None else 1
-    else:
-        tp = FLAGS.tensor_parallel_size if tp_given else (chips or 1)
-        dp = FLAGS.data_parallel_size if dp_given else max(1, (chips or tp) // tp)
+    pp = FLAGS.pipeline_parallel_size
+    tp, dp = choose_layout(acc.chips if acc else None, FLAGS.device,
+                           FLAGS.tensor_parallel_size if tp_given else None,
+                           FLAGS.data_parallel_size if dp_given else None, pp)
     try:
         planner.check_tensor_parallel(cfg, tp, FLAGS.enable_expert_parallel)
     except ValueError as e:
         if tp_given or dp_given:
             raise
         hint = "" if recommended is None else (
-            f"; recommended here: --data_parallel_size={recommended.data_parallel_size} "
-            f"--tensor_parallel_size={recommended.tensor_parallel_size}")
+            f"; recommended here: {_recommended_flags(recommended)}")
         raise ValueError(f"{e} (by default every device of --device={FLAGS.device}; give "
                          f"--tensor_parallel_size){hint}") from None
-    if chips is not None and dp * tp > chips:
-        raise ValueError(f"--data_parallel_size={dp} x --tensor_parallel_size={tp} needs "
-                         f"{dp * tp} devices; --device={FLAGS.device} has {chips}")
-    return tp, dp
+    return tp, dp, pp
 
 
 def _plan_kwargs(settings: EngineConfig, acc: accelerators.Accelerator | None
@@ -223,26 +246,33 @@ def plan() -> None:
         dataclasses.replace(engine_config(), dtype=dtype))
     cfg = _model_config()
     kwargs = _plan_kwargs(settings, acc)
-    splits = [] if acc is None else layout.splits(cfg, acc, **kwargs)
-    tp, dp = _plan_layout(cfg, acc, layout.recommend(splits))
+    microbatches = settings.pipeline_microbatches
+
+    def check_stages(pp: int) -> object:  # EngineConfig's own checks of pp stages
+        return dataclasses.replace(settings, pipeline_parallel_size=pp)
+
+    splits = [] if acc is None else layout.splits(
+        cfg, acc, pipeline_microbatches=microbatches, check_stages=check_stages, **kwargs)
+    tp, dp, pp = _plan_layout(cfg, acc, layout.recommend(splits))
     price = FLAGS.price_per_hour if FLAGS.price_per_hour is not None else (
         acc.list_price_per_hour if acc else None)
     try:
-        result = planner.plan(cfg, tensor_parallel_size=tp, num_devices=dp * tp, **kwargs)
+        result = planner.plan(cfg, tensor_parallel_size=tp, num_devices=dp * pp * tp,
+                              pipeline_parallel_size=pp, pipeline_microbatches=microbatches,
+                              **layout.stage_budget(kwargs, pp))
     except ValueError as e:
         best = layout.recommend(splits)
         if best is None:
             raise
-        raise ValueError(f"{e} (recommended here: --data_parallel_size="
-                         f"{best.data_parallel_size} --tensor_parallel_size="
-                         f"{best.tensor_parallel_size})") from None
+        raise ValueError(f"{e} (recommended here: {_recommended_flags(best)})") from None
     report = {"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
               "quantization": settings.quantization,
               "data_parallel_size": dp, **result.summary(price_per_hour=price),
               "device": accelerators.describe(acc) if acc else None}
     if acc is not None:
-        chosen = next((s for s in splits if (s.tensor_parallel_size, s.data_parallel_size)
-                       == (tp, dp)), None) or layout.evaluate(cfg, acc, tp, dp, **kwargs)
+        chosen = next((s for s in splits if (s.tensor_parallel_size, s.data_parallel_size,
+                                             s.pipeline_parallel_size) == (tp, dp, pp)),
+                      None) or layout.evaluate(cfg, acc, tp, dp, pp, microbatches, **kwargs)
         report["layout"] = layout.report(splits, chosen, acc, result.max_model_len)
     report_lib.write(report, sys.stdout, FLAGS.format)
 

@@ -1,7 +1,8 @@
 """Accelerator presets: GCP TPU slices (`ACCELERATORS`, by gcloud's `--accelerator-type`
 names, with libtpu's topology) and GPU machines (`GPUS`), each chip's published peaks,
-HBM and interconnect; `find_preset` and `chip_for_device_kind` look them up. Sources
-and assumptions: docs/cli.md#plan and docs/cli.md#choosing-a-dp-x-tp-layout.
+HBM and interconnect, and the hosts a preset's chips sit on and the network between
+them; `find_preset` and `chip_for_device_kind` look them up. Sources and assumptions:
+docs/cli.md#plan and docs/cli.md#choosing-a-pp-x-tp-x-dp-layout.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Cente
 # baseLat and hwLat).
 NCCL_RING_LATENCY_S = 6.6e-6
 NCCL_SOURCE = "https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc"
+# The same model's latency a ring step over the network (hwLat, NET, Ring, LL): 2.7 us.
+NCCL_NET_HOP_LATENCY_S = 2.7e-6
+# GPU machines' network between hosts: each machine type's maximum total bandwidth, as
+# published (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth): A3 High 1,000
+# Gbps (GPUDirect-TCPX). An upper bound: it counts the general-purpose NIC too.
+GPU_NETWORK_SOURCE = "https://cloud.google.com/compute/docs/gpus/gpu-network-bandwidth"
 # TPU collectives run inside the compiled program (no launch); no latency is published.
 # Assumed: no fixed cost and 1 us a ring step, the ICI link latency ASTRA-sim's TPU
 # validation used ("as per TPU research team"; astra-sim.github.io, TPU-v3 validation).
@@ -152,10 +159,24 @@ class Accelerator:
     machine_type: str | None = None  # GPU: the GCP machine type (a3-highgpu-8g)
     list_price_per_hour: float | None = None  # USD, the whole preset; None: not known
     list_price_note: str = ""  # where and when the list price was read
+    # The hosts: chips on each (a VM, one JAX process; None: all on one), and for GPU
+    # machines of several hosts the network between them: what one host's NICs send at
+    # once, one direction, as published. A TPU slice's hosts need none: ICI joins every
+    # chip of a slice, across hosts too (the data-center network only joins slices).
+    host_chips: int | None = None
+    network_bytes_per_s: float | None = None
+    network_source: str = ""
 
     def __post_init__(self) -> None:
         if self.chips < 1:
             raise ValueError(f"{self.chips=} must be >= 1")
+        if self.host_chips is not None and (self.host_chips < 1
+                                            or self.chips % self.host_chips):
+            raise ValueError(f"{self.host_chips=} must divide the {self.chips} chips")
+        if self.hosts > 1 and self.chip.platform == "gpu" and not (
+                self.network_bytes_per_s and self.network_source):
+            raise ValueError(f"{self.network_bytes_per_s=} must be > 0, with its source, "
+                             f"for {self.hosts} GPU hosts")
         if (self.topology is None) != (self.chip.platform == "gpu"):
             raise ValueError(f"{self.topology=} must be given for TPU slices only")
         if self.list_price_per_hour is not None and not self.list_price_note:
@@ -166,10 +187,14 @@ class Accelerator:
     def hbm_bytes(self) -> int:
         return self.chips * self.chip.hbm_bytes
 
+    @property
+    def hosts(self) -> int:
+        return self.chips // (self.host_chips or self.chips)
+
 
 def _slices() -> dict[str, Accelerator]:
-    shapes = {"v5e": {1: "1x1", 4: "2x2", 8: "2x4"}, "v6e": {1: "1x1", 4: "2x2", 8: "2x4"},
-              "v5p": {4: "2x2x1", 8: "2x2x2"}}
+    shapes = {"v5e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4"},
+              "v6e": {1: "1x1", 4: "2x2", 8: "2x4"}, "v5p": {4: "2x2x1", 8: "2x2x2"}}
     table = {}
     for generation, sizes in shapes.items():
         for chips, shape in sizes.items():
@@ -177,8 +202,17 @@ def _slices() -> dict[str, Accelerator]:
             name = f"{generation}-{count}"
             table[name] = Accelerator(
                 name=name, chip=CHIPS[generation], chips=chips, topology=f"{generation}:{shape}",
-                chips_per_host=(1, 1, 1) if chips == 1 else None)
+                chips_per_host=(1, 1, 1) if chips == 1 else None,
+                host_chips=_tpu_host_chips(generation, chips))
     return table
+
+
+def _tpu_host_chips(generation: str, chips: int) -> int:
+    """Chips on each VM (host) of a TPU slice: cloud.google.com/tpu/docs/v5e ("Each TPU VM
+    in a v5e TPU slice contains 1, 4 or 8 chips": up to 8 on one host, multi-host slices
+    of 4-chip VMs, as deploy/tpu_slice.py runs them: 4 workers for v5litepod-16), v6e
+    alike; cloud.google.com/tpu/docs/v5p: 4 chips a host (v5p-16 is 2 hosts)."""
+    return min(chips, 4) if generation == "v5p" or chips > 8 else chips
 
 
 # GCP's GPU machine types, cloud.google.com/compute/docs/accelerator-optimized-machines:
@@ -195,6 +229,11 @@ GPU_MACHINES = {
 }
 
 
+# GPU presets of several machines: name -> (chip, machine type, machines, network bytes/s
+# a machine, one direction). h100-16: two a3-highgpu-8g, 1,000 Gbps each.
+MULTI_HOST_GPUS = {"h100-16": ("h100-80gb", "a3-highgpu-8g", 2, 1000e9 / 8)}
+
+
 def _gpu_machines() -> dict[str, Accelerator]:
     table = {}
     for prefix, (chip, machines) in GPU_MACHINES.items():
@@ -202,13 +241,19 @@ def _gpu_machines() -> dict[str, Accelerator]:
             name = f"{prefix}-{count}"
             table[name] = Accelerator(name=name, chip=CHIPS[chip], chips=count,
                                       machine_type=machine_type)
+    for name, (chip, machine_type, hosts, network) in MULTI_HOST_GPUS.items():
+        per_host = int(name.rsplit("-", 1)[1]) // hosts
+        table[name] = Accelerator(name=name, chip=CHIPS[chip], chips=hosts * per_host,
+                                  machine_type=f"{hosts}x {machine_type}", host_chips=per_host,
+                                  network_bytes_per_s=network,
+                                  network_source=GPU_NETWORK_SOURCE)
     return table
 
 
 ACCELERATORS = _slices()
 GPUS = _gpu_machines()
 PRESETS = ACCELERATORS | GPUS
-ALIASES = ({f"v5litepod-{n}": f"v5e-{n}" for n in (1, 4, 8)}
+ALIASES = ({f"v5litepod-{n}": f"v5e-{n}" for n in (1, 4, 8, 16)}
            | {acc.machine_type: name for name, acc in GPUS.items()})
 
 
@@ -259,4 +304,7 @@ def describe(acc: Accelerator) -> dict[str, object]:
             "device_ring_bytes_per_s": chip.ring_bytes_per_s,
             "collective_latency_s": chip.collective_latency_s,
             "hop_latency_s": chip.hop_latency_s,
-            "interconnect_source": chip.interconnect_source}
+            "interconnect_source": chip.interconnect_source,
+            "hosts": acc.hosts, "host_chips": acc.host_chips or acc.chips,
+            "network_bytes_per_s": acc.network_bytes_per_s,
+            "network_source": acc.network_source or None}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.sizing import pipeline_plan
 from jaxinfer.sizing.page_groups import PageGroupPlan, hybrid_summary
 
 GB = 1e9
@@ -32,7 +33,13 @@ class MemoryPlan:
     max_num_seqs: int
     bandwidth_gb_per_s: float | None  # None: unknown, no roofline
     tensor_parallel_size: int = 1
-    replicas: int = 1  # copies of the tensor-parallel group on the devices planned for
+    # Pipeline stages (sizing/pipeline_plan.py): every figure is a device of one stage's,
+    # num_pages each stage's pool; microbatches a step runs in (0: one per stage).
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int = 0
+    replicas: int = 1  # copies of the (stages x) tensor-parallel group on the devices
+    layer_weight_bytes: int | None = None  # the layer slots' share of weight_bytes
+    layer_matmul_flops_per_token: int | None = None  # the layer slots' matmul FLOPs
     unsharded_weight_bytes: int | None = None  # the whole model; None: weight_bytes
     matmul_flops_per_token: int = 0  # on one device, decode
     attention_flops_per_context_token: int = 0  # per new token and cached token, one device
@@ -64,15 +71,31 @@ class MemoryPlan:
         hit = expected_distinct_experts(self.num_experts, self.experts_per_token, batch)
         return self.weight_bytes - self.expert_weight_bytes * (1 - hit / self.num_experts)
 
+    def microbatches(self, batch: int) -> int:
+        """Microbatches a decode step of `batch` requests runs in (1 without stages)."""
+        return pipeline_plan.microbatches(batch, self.pipeline_parallel_size,
+                                          self.pipeline_microbatches)
+
     def decode_seconds(self, batch: int, context: int) -> tuple[float, float] | None:
         """(memory, compute) seconds of a decode step of `batch` requests at `context`
         tokens each on one device: its bytes over the bandwidth, its FLOPs over the peak
-        (0 when the peak is unknown). None when the bandwidth is unknown."""
+        (0 when the peak is unknown). None when the bandwidth is unknown. Pipelined, a
+        device runs its layer slots once a tick, m + pp - 1 ticks of batch / m requests
+        (m microbatches, the bubbles' ticks too: model/pipeline.py), reading the slots'
+        weights every tick; the embedding and head once a step."""
         if self.bandwidth_gb_per_s is None:
             return None
-        step_bytes = self.step_weight_bytes(batch) + batch * context * self.kv_bytes_per_token
-        flops = batch * (self.matmul_flops_per_token
-                         + context * self.attention_flops_per_context_token)
+        m = self.microbatches(batch)
+        ticks, micro = m + self.pipeline_parallel_size - 1, batch / m
+        layers = self.weight_bytes if self.layer_weight_bytes is None \
+            else self.layer_weight_bytes
+        layer_flops = self.matmul_flops_per_token if self.layer_matmul_flops_per_token \
+            is None else self.layer_matmul_flops_per_token
+        tick_weights = layers - (self.weight_bytes - self.step_weight_bytes(micro))
+        step_bytes = (ticks * (tick_weights + micro * context * self.kv_bytes_per_token)
+                      + self.weight_bytes - layers)
+        flops = (ticks * micro * (layer_flops + context * self.attention_flops_per_context_token)
+                 + batch * (self.matmul_flops_per_token - layer_flops))
         compute = flops / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
         return step_bytes / (self.bandwidth_gb_per_s * GB), compute
 
@@ -123,8 +146,13 @@ class MemoryPlan:
                     self.num_experts, self.experts_per_token, b), 2) for b in (1, batch)},
             "step_weight_bytes": {f"batch_{b}": round(self.step_weight_bytes(b))
                                   for b in (1, batch)}}
+        stages = {} if self.pipeline_parallel_size == 1 else {
+            "pipeline_microbatches": self.microbatches(batch),
+            "layer_weight_bytes": self.layer_weight_bytes}
         return moe | {
-            "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size, **stages,
+            "replicas": self.replicas,
             "weight_bytes": self.weight_bytes, "weight_gb": round(self.weight_bytes / GB, 3),
             "draft_weight_bytes": self.draft_weight_bytes,
             "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,

@@ -7,9 +7,6 @@ docs/kv_cache.md#sizing.
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
@@ -17,7 +14,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.config.lora import LoraSlots
 from jaxinfer.model import lora as lora_lib
 from jaxinfer.model import sharding
-from jaxinfer.model.params_table import EXPERTS, LAYER, param_partition_specs, param_shapes
+from jaxinfer.model.params_table import EXPERTS
 from jaxinfer.model.quantization import (
     HEAD,
     QUANTIZED_WEIGHTS,
@@ -28,6 +25,14 @@ from jaxinfer.model.quantization import (
     quantized_bytes,
 )
 from jaxinfer.pallas import kv_layout, kv_quant
+from jaxinfer.sizing import pipeline_plan
+from jaxinfer.sizing.device_params import (
+    by_layer,
+    decode_flops,
+    device_leaves,
+    matmul_flops_split,
+    param_counts,
+)
 from jaxinfer.sizing.memory_plan import GB, MemoryPlan
 from jaxinfer.sizing.page_groups import one_request_bytes, page_groups
 
@@ -35,17 +40,6 @@ EXPERT_WEIGHTS = EXPERTS
 # a pre-quantized AWQ/GPTQ int4 weight's (step, offset) per group and column: float32 each
 # (jaxinfer/checkpoint/prequantized_int4/)
 PREQUANTIZED_SCALE_BYTES = 8
-
-
-def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active) parameters: active counts k of the E experts per MoE layer."""
-    flat = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    total = sum(math.prod(shape) for shape in flat)
-    if cfg.moe is None:
-        return total, total
-    experts = sum(math.prod(shape) for name, shape, _, _ in _device_shapes(cfg, 1)
-                  if name in EXPERT_WEIGHTS)
-    return total, total - experts + experts * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
@@ -60,26 +54,10 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int = 1) -> int:
     return sharding.served_config(cfg, tp).num_kv_heads // tp
 
 
-def _device_shapes(cfg: ModelConfig, tp: int, expert_parallel: bool = False
-                   ) -> list[tuple[str, tuple[int, ...], int, PartitionSpec]]:
-    """(name, shape, elements on one device, spec) of every parameter, as the engine places
-    them: the served model (KV heads copied when fewer than devices) split by the
-    parameter table (model/params_table.py), experts whole with `expert_parallel`."""
-    served = sharding.served_config(cfg, tp)
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(param_partition_specs(served, tp, expert_parallel),
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
-    out = []
-    for (path, shape), spec in zip(flat, specs, strict=True):
-        split = sum(axis is not None for axis in spec)  # axes split over the model axis
-        out.append((path[-1].key, shape, math.prod(shape) // tp ** split, spec))
-    return out
-
-
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
                  quantization: str | None = None, quantized_head: bool = True,
-                 expert_parallel: bool = False, prequantized_group: int | None = None) -> int:
+                 expert_parallel: bool = False, prequantized_group: int | None = None,
+                 pipeline_parallel_size: int = 1) -> int:
     """Bytes of every parameter stored in `dtype` (the loader casts all of them) on each
     of `tensor_parallel_size` devices; with `quantization`, each layer's linear weights
     and the LM head (a second copy when tied to the embedding) take one byte per element
@@ -89,27 +67,40 @@ def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
     `expert_parallel`: each device holds whole experts (ModelOptions);
     `prequantized_group`: int4 weights read from an AWQ or GPTQ checkpoint, in its groups
     of that many rows with float32 step and offset (`prequantized_int4_bytes`).
-    mxfp4 packs the experts alone (17 bytes per 32 elements); the rest stays in `dtype`."""
-    check_tensor_parallel(cfg, tensor_parallel_size, expert_parallel)
+    mxfp4 packs the experts alone (17 bytes per 32 elements); the rest stays in `dtype`.
+    `pipeline_parallel_size`: a device of one stage, holding ceil(layers / stages) layer
+    slots (padding slots a whole layer each) and, as every stage, the embedding, final
+    norm and head (pipeline_plan.py)."""
+    top, per_layer = _weight_split(cfg, dtype, tensor_parallel_size, quantization,
+                                   quantized_head, expert_parallel, prequantized_group)
+    return top + pipeline_plan.stage_sum(cfg, pipeline_parallel_size, per_layer)
+
+
+def _weight_split(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None,
+                  quantized_head: bool, expert_parallel: bool,
+                  prequantized_group: int | None) -> tuple[int, list[int]]:
+    """`weight_bytes` on one of `tp` devices as (outside the layers, each layer)."""
+    check_tensor_parallel(cfg, tp, expert_parallel)
     check_applies(quantization, cfg)
-    tp, total = tensor_parallel_size, 0
     linear = linear_mode(quantization)  # mxfp4: the experts alone
     head = quantization if quantized_head and head_mode(quantization) else None
-    for name, shape, n, spec in _device_shapes(cfg, tp, expert_parallel):
+    leaves = []
+    for layer, name, shape, n, spec in device_leaves(cfg, tp, expert_parallel):
         if name in EXPERT_WEIGHTS:
-            total += _expert_bytes(name, shape, n, spec, dtype, quantization, tp)
+            nbytes = _expert_bytes(name, shape, n, spec, dtype, quantization, tp)
         elif linear is not None and name in QUANTIZED_WEIGHTS and prequantized_group:
-            total += prequantized_int4_bytes(name, shape, spec, prequantized_group, tp)
+            nbytes = prequantized_int4_bytes(name, shape, spec, prequantized_group, tp)
         elif linear is not None and name in QUANTIZED_WEIGHTS:
-            total += quantized_bytes(name, shape, spec, quantization, tp)
+            nbytes = quantized_bytes(name, shape, spec, quantization, tp)
         elif head is not None and name == HEAD:
-            total += quantized_bytes(name, shape, spec, head_mode(head), tp)
+            nbytes = quantized_bytes(name, shape, spec, head_mode(head), tp)
         else:
-            total += n * jnp.dtype(dtype).itemsize
+            nbytes = n * jnp.dtype(dtype).itemsize
         if name == "embed" and head is not None and cfg.tie_word_embeddings:
             head_spec = PartitionSpec(*reversed((tuple(spec) + (None, None))[:2]))
-            total += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(head), tp)
-    return total
+            nbytes += quantized_bytes(HEAD, shape[::-1], head_spec, head_mode(head), tp)
+        leaves.append((layer, nbytes))
+    return by_layer(cfg, leaves)
 
 
 def prequantized_int4_bytes(name: str, shape: tuple[int, int], spec: PartitionSpec,
@@ -139,40 +130,29 @@ def _expert_bytes(name: str, shape: tuple[int, ...], elements: int, spec: Partit
 
 
 def expert_weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
-                        quantization: str | None = None, expert_parallel: bool = False
-                        ) -> int:
+                        quantization: str | None = None, expert_parallel: bool = False,
+                        pipeline_parallel_size: int = 1) -> int:
     """The expert stacks' bytes on one device (part of `weight_bytes`)."""
-    shapes = _device_shapes(cfg, tensor_parallel_size, expert_parallel)
-    return sum(_expert_bytes(name, shape, n, spec, dtype, quantization, tensor_parallel_size)
-               for name, shape, n, spec in shapes if name in EXPERT_WEIGHTS)
+    tp = tensor_parallel_size
+    _, per_layer = by_layer(cfg, [
+        (layer, _expert_bytes(name, shape, n, spec, dtype, quantization, tp))
+        for layer, name, shape, n, spec in device_leaves(cfg, tp, expert_parallel)
+        if name in EXPERT_WEIGHTS])
+    return pipeline_plan.stage_sum(cfg, pipeline_parallel_size, per_layer)
 
 
-def decode_flops(cfg: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """FLOPs of one decoded token on one device: (matmuls, attention per cached token).
-    Matmuls: 2 x the matrices a token multiplies: k of E experts (their biases [E, n] are
-    none), a tied embedding once, as the LM head. Attention: 4 x heads x head_dim x layers."""
-    shapes = _device_shapes(cfg, tensor_parallel_size)
-    stacked = {p.key for p in LAYER if p.experts} | {"embed"}  # below, or not a matmul
-    matmul = sum(n for name, shape, n, _ in shapes if len(shape) == 2 and name not in stacked)
-    if cfg.moe is not None:  # each token runs k of the E experts
-        matmul += sum(n for name, _, n, _ in shapes if name in EXPERT_WEIGHTS
-                      ) * cfg.moe.num_experts_per_tok // cfg.moe.num_experts
-    if cfg.tie_word_embeddings:
-        matmul += next(n for name, _, n, _ in shapes if name == "embed")
-    heads = cfg.num_heads // tensor_parallel_size
-    return 2 * matmul, 4 * heads * cfg.head_dim * cfg.num_layers  # q.k and p.v
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1,
+                       pipeline_parallel_size: int = 1) -> int:
     """K and V of one token over all layers on one device, as stored: heads padded to
     whole 32-bit words (`pallas/kv_layout.py`; only 8-bit pages with an odd head count
     pad); 8-bit KV ("int8", "fp8") adds a float32 scale per real combined head
-    (`pallas/kv_quant.py`)."""
+    (`pallas/kv_quant.py`). With `pipeline_parallel_size`, one stage's layer slots."""
     heads = kv_heads_per_device(cfg, tensor_parallel_size)
     dtype = kv_quant.storage_dtype(kv_dtype)
     combined = kv_layout.padded_heads_for(heads, dtype)
     scales = 4 * 2 * heads if kv_quant.is_quantized(dtype) else 0
-    return (combined * cfg.head_dim * dtype.itemsize + scales) * cfg.num_layers
+    layers = pipeline_plan.layer_slots(cfg, pipeline_parallel_size)
+    return (combined * cfg.head_dim * dtype.itemsize + scales) * layers
 
 
 def batch_state_bytes(max_num_seqs: int, max_model_len: int, page_size: int) -> int:
@@ -183,14 +163,17 @@ def batch_state_bytes(max_num_seqs: int, max_model_len: int, page_size: int) -> 
 
 
 def _kv_budget(memory_bytes: int, weights: int, need: int, dtype: str, max_model_len: int,
-               tp: int, state: int) -> int:
-    """The KV bytes left in `memory_bytes` per device after the weights and the batch
-    state; ValueError saying by how much it falls short of one request."""
+               tp: int, state: int, pp: int = 1) -> int:
+    """The KV bytes left in `memory_bytes` per device (of one stage) after the weights and
+    the batch state; ValueError saying by how much it falls short of one request."""
     kv_cache_bytes = memory_bytes - weights - state
     if kv_cache_bytes >= need:
         return kv_cache_bytes
-    where = "" if tp == 1 else f" per device (tensor_parallel_size={tp})"
+    sizes = [f"tensor_parallel_size={tp}"] * (tp > 1) + [f"pipeline_parallel_size={pp}"] * (pp > 1)
+    where = f" per {'device' if tp > 1 else 'stage'} ({', '.join(sizes)})" if sizes else ""
     larger_tp = "" if tp == 1 and weights < memory_bytes else ", raise tensor_parallel_size"
+    if pp > 1:
+        larger_tp = ", raise tensor_parallel_size or pipeline_parallel_size"
     raise ValueError(
         f"{memory_bytes / GB:.3f} GB{where} holds the {weights / GB:.3f} GB of {dtype} weights, "
         f"{state / GB:.3f} GB of per-request state and {max(kv_cache_bytes, 0) / GB:.3f} GB of "
@@ -225,11 +208,13 @@ def _check_pages(groups: dict[str, int], pages_per_request: int, kv_cache_bytes:
 
 
 def _check_budget(kv_cache_bytes: int | None, memory_bytes: int | None, tp: int,
-                  num_devices: int) -> None:
+                  num_devices: int, pp: int = 1) -> None:
     if (kv_cache_bytes is None) == (memory_bytes is None):
         raise ValueError("give exactly one of kv_cache_bytes or memory_bytes")
-    if num_devices < tp:
-        raise ValueError(f"tensor_parallel_size={tp} exceeds num_devices={num_devices}")
+    if num_devices < tp * pp:
+        stages = "" if pp == 1 else f" x pipeline_parallel_size={pp}"
+        raise ValueError(f"tensor_parallel_size={tp}{stages} exceeds "
+                         f"num_devices={num_devices}")
 
 
 def lora_bytes(cfg: ModelConfig, lora: LoraSlots | None, tp: int = 1) -> int:
@@ -248,8 +233,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
          draft: ModelConfig | tuple[int, int] | None = None,
          max_num_batched_tokens: int = 512,
          hybrid_kv_cache: bool = True, expert_parallel: bool = False,
-         prequantized_group: int | None = None, lora: LoraSlots | None = None
-         ) -> MemoryPlan:
+         prequantized_group: int | None = None, lora: LoraSlots | None = None,
+         pipeline_parallel_size: int = 1, pipeline_microbatches: int = 0) -> MemoryPlan:
     """The plan per device for a KV budget: `kv_cache_bytes` for the cache alone, or
     `memory_bytes` for weights plus cache (exactly one), on each of `tensor_parallel_size`
     devices; `num_devices` (default: tensor_parallel_size) hold its replicas. `draft`: a
@@ -261,48 +246,79 @@ def plan(cfg: ModelConfig, *, dtype: str = "float32", kv_dtype: str | None = Non
     sliding-window and full-attention layers gives its sliding layers their own pages
     (`page_groups`). `expert_parallel`: each device holds whole experts (ModelOptions).
     `prequantized_group`: an AWQ or GPTQ checkpoint's int4 groups (`weight_bytes`).
-    `lora`: the LoRA adapter slots held beside the weights (model/lora.py). Raises
-    ValueError when not even one request of `max_model_len` fits, saying how
-    much would."""
-    tp, num_devices = tensor_parallel_size, num_devices or tensor_parallel_size
-    _check_budget(kv_cache_bytes, memory_bytes, tp, num_devices)
-    kv_dtype = kv_dtype or dtype
+    `lora`: the LoRA adapter slots held beside the weights (model/lora.py).
+    `pipeline_parallel_size` stages: the budget is the stages' together (1/pp each), the
+    figures a device of one stage's (`num_pages`: each stage's pool; pipeline_plan.py);
+    `pipeline_microbatches` (0: one per stage) for the roofline. Raises ValueError when
+    not even one request of `max_model_len` fits, saying how much would."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    num_devices = num_devices or tp * pp
     max_model_len = max_model_len or cfg.max_position_embeddings
-    weights = weight_bytes(cfg, dtype, tp, quantization, quantized_head, expert_parallel,
-                           prequantized_group)
+    _check_budget(kv_cache_bytes, memory_bytes, tp, num_devices, pp)
+    pipeline_plan.check_plan(cfg, pp, beside=draft is not None or lora is not None,
+                             hybrid=hybrid_kv_cache, page_size=page_size,
+                             max_model_len=max_model_len)
+    kv_dtype = kv_dtype or dtype
+    top, per_layer = _weight_split(cfg, dtype, tp, quantization, quantized_head,
+                                   expert_parallel, prequantized_group)
+    layer_weights = pipeline_plan.stage_sum(cfg, pp, per_layer)
     adapters = lora_bytes(cfg, lora, tp)
-    per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
+    per_token = kv_bytes_per_token(cfg, kv_dtype, tp, pp)
     draft_weights, draft_per_token = _draft_bytes(draft, dtype, kv_dtype, tp)
+    pool = _stage_pool(cfg, per_token, draft_per_token, page_size=page_size,
+                       max_model_len=max_model_len, hybrid=hybrid_kv_cache,
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+                       memory_bytes=memory_bytes, pp=pp, tp=tp, dtype=dtype,
+                       weights=top + layer_weights + draft_weights + adapters)
+    return MemoryPlan(weight_bytes=top + layer_weights, layer_weight_bytes=layer_weights,
+                      kv_bytes_per_token=per_token, page_size=page_size,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      bandwidth_gb_per_s=bandwidth_gb_per_s, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp, pipeline_microbatches=pipeline_microbatches,
+                      replicas=num_devices // (tp * pp), peak_flops_per_s=peak_flops_per_s,
+                      unsharded_weight_bytes=weight_bytes(cfg, dtype, 1, quantization,
+                                                          quantized_head, False,
+                                                          prequantized_group),
+                      draft_weight_bytes=draft_weights, lora_bytes=adapters,
+                      draft_kv_bytes_per_token=draft_per_token, **pool,
+                      **_flop_fields(cfg, tp, pp),
+                      **_moe_fields(cfg, dtype, tp, quantization, expert_parallel, pp))
+
+
+def _stage_pool(cfg: ModelConfig, per_token: int, draft_per_token: int, *, page_size: int,
+                max_model_len: int, hybrid: bool, max_num_batched_tokens: int,
+                max_num_seqs: int, kv_cache_bytes: int | None, memory_bytes: int | None,
+                pp: int, tp: int, dtype: str, weights: int) -> dict:
+    """MemoryPlan's page fields for one stage's pool: its share of the budget (1/pp of
+    `kv_cache_bytes`, or of `memory_bytes` less `weights` and the batch state);
+    ValueError when one request of max_model_len does not fit."""
     pages_per_request = -(-max_model_len // page_size)
     need = one_request_bytes(cfg, per_token, draft_per_token, page_size=page_size,
-                             max_model_len=max_model_len, hybrid=hybrid_kv_cache,
+                             max_model_len=max_model_len, hybrid=hybrid,
                              max_num_batched_tokens=max_num_batched_tokens)
     state = batch_state_bytes(max_num_seqs, max_model_len, page_size)
-    if memory_bytes is not None:
-        kv_cache_bytes = _kv_budget(memory_bytes, weights + draft_weights + adapters, need,
-                                    dtype, max_model_len, tp, state)
+    kv_cache_bytes = kv_cache_bytes // pp if memory_bytes is None else _kv_budget(
+        memory_bytes // pp, weights, need, dtype, max_model_len, tp, state, pp)
     groups = page_groups(cfg, kv_cache_bytes, per_token, draft_per_token, page_size=page_size,
-                         max_model_len=max_model_len, hybrid=hybrid_kv_cache,
+                         max_model_len=max_model_len, hybrid=hybrid,
                          max_num_batched_tokens=max_num_batched_tokens)
     _check_pages(groups, pages_per_request, kv_cache_bytes, max_model_len, need)
-    matmul_flops, attention_flops = decode_flops(cfg, tp)
-    return MemoryPlan(weight_bytes=weights, kv_bytes_per_token=per_token, page_size=page_size,
-                      max_model_len=max_model_len, pages_per_request=pages_per_request,
-                      max_num_seqs=max_num_seqs, bandwidth_gb_per_s=bandwidth_gb_per_s,
-                      tensor_parallel_size=tp, replicas=num_devices // tp,
-                      unsharded_weight_bytes=weight_bytes(
-                          cfg, dtype, 1, quantization, quantized_head,
-                          prequantized_group=prequantized_group),
-                      matmul_flops_per_token=matmul_flops,
-                      attention_flops_per_context_token=attention_flops,
-                      peak_flops_per_s=peak_flops_per_s, draft_weight_bytes=draft_weights,
-                      draft_kv_bytes_per_token=draft_per_token, batch_state_bytes=state,
-                      lora_bytes=adapters,
-                      **_moe_fields(cfg, dtype, tp, quantization, expert_parallel), **groups)
+    return {"pages_per_request": pages_per_request, "batch_state_bytes": state, **groups}
+
+
+def _flop_fields(cfg: ModelConfig, tp: int, pp: int) -> dict:
+    """MemoryPlan's FLOPs a decoded token on one device of one stage: its matmuls (the
+    layer slots' apart) and its attention per cached token."""
+    matmul, attention = decode_flops(cfg, tp, pp)
+    _, per_layer = matmul_flops_split(cfg, tp)
+    return {"matmul_flops_per_token": matmul,
+            "layer_matmul_flops_per_token": pipeline_plan.stage_sum(cfg, pp, per_layer),
+            "attention_flops_per_context_token": attention}
 
 
 def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None,
-                expert_parallel: bool) -> dict:
+                expert_parallel: bool, pp: int = 1) -> dict:
     """MemoryPlan's parameter counts and, for a mixture of experts, its routing and the
     experts' bytes on one device."""
     total, active = param_counts(cfg)
@@ -310,6 +326,6 @@ def _moe_fields(cfg: ModelConfig, dtype: str, tp: int, quantization: str | None,
     if cfg.moe is None:
         return out
     return out | {"expert_weight_bytes": expert_weight_bytes(cfg, dtype, tp, quantization,
-                                                           expert_parallel),
+                                                           expert_parallel, pp),
                   "num_experts": cfg.moe.num_experts,
                   "experts_per_token": cfg.moe.num_experts_per_tok}

@@ -101,11 +101,13 @@ def test_names_are_read_and_values_left_as_they_are():
     reading = argv_lib.read(["jaxinfer", "serve", "--served-model-name", "my-model",
                              "--api-key", "-k-e-y-", "--max-model-len", "4096", "MODEL",
                              "--enable-prefix-caching", "--noenable-prefix-caching",
-                             "-tp", "2", "-dp=1", "--prompt", "--x--", "--", "--y"])
+                             "-tp", "2", "-pp", "2", "-dp=1", "--prompt", "--x--", "--",
+                             "--y"])
     assert reading.argv == ["jaxinfer", "serve", "--served_model_name", "my-model",
                             "--api_key", "-k-e-y-", "--max_model_len", "4096", "MODEL",
                             "--enable_prefix_caching", "--noenable_prefix_caching",
-                            "--tensor_parallel_size", "2", "--data_parallel_size=1",
+                            "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                            "--data_parallel_size=1",
                             "--prompt", "--x--", "--", "--y"]
     assert reading.positionals == ["serve", "MODEL", "--y"]
     assert reading.unknown == [] and reading.stray_values == []

@@ -34,4 +34,4 @@ def no_fields_to_hf(cfg: ModelConfig, rope_parameters: dict[str, Any]) -> HFConf
 FAMILY = Family(
     name="llama", architectures=("LlamaForCausalLM",), model_type="llama",
     from_hf=dense_fields, to_hf=no_fields_to_hf,
-    presets=("llama2-7b", "llama3.1-8b", "smollm-135m"))
+    presets=("llama2-7b", "llama3.1-8b", "llama3.1-70b", "smollm-135m"))
