@@ -19,6 +19,7 @@ from jaxinfer import LLM, SamplingParams, checkpoint, testing
 from jaxinfer.aot_rows import replica_groups
 from jaxinfer.config import EngineConfig, ModelConfig, ModelOptions
 from jaxinfer.config import pipeline as rules
+from jaxinfer.engine.structured import StructuredOutputsParams
 from jaxinfer.model import sharding
 
 LAYERS, PAGE_SIZE = 8, 4
@@ -164,13 +165,17 @@ def test_only_activations_cross_stages(model_dir):
     assert crossing == {micro, rows}
 
 
-def test_sleep_keeps_the_stages_and_weight_updates_are_refused(model_dir, one_device):
+def test_sleep_and_structured_outputs_with_stages_updates_refused(model_dir, one_device):
     llm = LLM(str(model_dir), **SMALL, pipeline_parallel_size=2)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     llm.sleep(1)  # weights to host memory and back, stacked as they were
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
         one_device[:len(PROMPTS)]
+    constrained = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=(
+        StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")))
+    text = llm.generate(["code: "], constrained)[0].outputs[0].text
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text  # the grammar's mask applied
     with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
         llm.sleep(2)
     with pytest.raises(NotImplementedError, match="update_weights with pipeline"):
