@@ -79,10 +79,10 @@ COMMANDS = {
                        flags=("model", *_HUB_FLAGS, "output", "dtype", "quantization",
                               "calibration_data")),
     "plan": Command(run=plan, summary="print a model's memory plan per device, decode "
-                    "roofline and cost on a device, and the best DP x TP layout of its "
-                    "chips; loads no weights",
+                    "roofline and cost on a device, and the best PP x TP x DP layout of "
+                    "its chips; loads no weights",
                     flags=("model", "device", "tensor_parallel_size", "data_parallel_size",
-                           "memory_gb",
+                           "pipeline_parallel_size", "pipeline_microbatches", "memory_gb",
                            "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS,
                            "speculative_config", "format"),
                     defaults=PLAN_DEFAULTS),
@@ -92,7 +92,7 @@ COMMANDS = {
     "aot": Command(run=aot, summary="compile the step for a TPU slice with libtpu's "
                    "compiler (no TPU needed)",
                    flags=("model", "device", "tensor_parallel_size", "data_parallel_size",
-                          "buckets",
+                          "pipeline_parallel_size", "pipeline_microbatches", "buckets",
                           "max_num_batched_tokens", *_PLAN_FLAGS, "format"),
                    defaults=AOT_DEFAULTS),
     "eval_ppl": Command(run=eval_ppl, summary="perplexity of text files through prompt "
