@@ -306,13 +306,15 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, max_len: int,
                   hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
                   expert_parallel=config.enable_expert_parallel,
                   prequantized_group=prequantized_group, lora=config.lora_slots,
+                  pipeline_parallel_size=config.pipeline_parallel_size,
+                  pipeline_microbatches=config.pipeline_microbatches,
                   bandwidth_gb_per_s=round(runner_lib.memory_bandwidth(), 1))
     if config.kv_cache_memory_bytes is not None:
         return planner.plan(model_config, kv_cache_bytes=config.kv_cache_memory_bytes,
                             **common)
     device_limit = runner_lib.device_memory_limit()
     if device_limit:  # every device of the mesh holds 1/n of the weights and of each page
-        total = device_limit * config.tensor_parallel_size
+        total = device_limit * config.tensor_parallel_size * config.pipeline_parallel_size
         return planner.plan(model_config,
                             memory_bytes=int(total * config.gpu_memory_utilization),
                             **common)
