@@ -13,19 +13,19 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.aot_rows import report_row
+from jaxinfer.aot_rows import report_row, stage_traffic
 from jaxinfer.config import ModelConfig, ModelOptions
 from jaxinfer.config.lora import LoraSlots
 from jaxinfer.engine import runner
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.model import lora as lora_lib
-from jaxinfer.model import quantization, sharding
+from jaxinfer.model import pipeline, quantization, sharding
 from jaxinfer.model.attention import kv_cache_spec
 from jaxinfer.model.params_table import param_shapes
 from jaxinfer.pallas import AttentionSettings
@@ -107,6 +107,8 @@ class Settings:
     # model whose layers differ in attention compiles with a KV page group per kind
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel: whole experts a chip
     lora: LoraSlots | None = None  # EngineConfig.lora_slots: adapter slots beside the weights
+    pipeline_parallel_size: int = 1  # stages of TP chips each, the layers split among them
+    pipeline_microbatches: int = 0  # EngineConfig's: a pipelined step's (0: one per stage)
 
 
 def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
@@ -127,26 +129,38 @@ def choose_tensor_parallel(cfg: ModelConfig, acc: accelerators.Accelerator, s: S
 def choose_layout(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings
                   ) -> tuple[int, int, str | None]:
     """(tensor_parallel_size, data_parallel_size, why TP uses fewer chips or None). With
-    no data_parallel_size, one replica (`choose_tensor_parallel`); with one, TP is the
-    given size or the slice's chips over the replicas, and the replicas' chips must fit
-    the slice (ValueError)."""
-    dp = s.data_parallel_size
-    if dp is None:
+    no data_parallel_size, one replica (`choose_tensor_parallel`; with stages, TP is the
+    given size or the slice's chips over the stages); with one, TP is the given size or
+    the slice's chips over the replicas and stages, and the chips of every replica's
+    stages must fit the slice (ValueError)."""
+    dp, pp = s.data_parallel_size, s.pipeline_parallel_size
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size={pp} must be >= 1")
+    if dp is None and pp == 1:
         tp, why = choose_tensor_parallel(cfg, acc, s)
         return tp, 1, why
-    if dp < 1:
+    if dp is not None and dp < 1:
         raise ValueError(f"data_parallel_size={dp} must be >= 1")
+    groups = (dp or 1) * pp  # replicas x stages, each of TP chips
     tp = s.tensor_parallel_size
     if tp is None:
-        if acc.chips % dp:
-            raise ValueError(f"data_parallel_size={dp} must divide the slice's {acc.chips} "
-                             "chips (or give tensor_parallel_size)")
-        tp = acc.chips // dp
+        if acc.chips % groups:
+            sizes = [f"data_parallel_size={dp}"] * (dp is not None) + [
+                f"pipeline_parallel_size={pp}"] * (pp > 1)
+            raise ValueError(f"{' x '.join(sizes)} must divide the slice's {acc.chips} chips "
+                             "(or give tensor_parallel_size)")
+        tp = acc.chips // groups
     sharding.check_split(cfg, tp, s.expert_parallel)
-    if dp * tp > acc.chips:
-        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs "
-                         f"{dp * tp} chips; {acc.name} has {acc.chips}")
-    return tp, dp, None
+    if groups * tp > acc.chips:
+        stages = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
+        raise ValueError(f"data_parallel_size={dp or 1}{stages} x tensor_parallel_size={tp} "
+                         f"needs {groups * tp} chips; {acc.name} has {acc.chips}")
+    return tp, dp or 1, None
+
+
+def layout_name(tp: int, dp: int, pp: int) -> str:
+    """"DP 2 x TP 4", or with stages "DP 1 x PP 2 x TP 8"."""
+    return f"DP {dp} x PP {pp} x TP {tp}" if pp > 1 else f"DP {dp} x TP {tp}"
 
 
 def replicas_to_compile(dp: int) -> list[int]:
@@ -159,24 +173,30 @@ def plan_for(cfg: ModelConfig, acc: accelerators.Accelerator, s: Settings,
              tensor_parallel_size: int = 1) -> planner.MemoryPlan:
     """The memory plan on each chip of `acc` at `tensor_parallel_size` (raises ValueError
     when nothing fits): the engine's rule, weights plus pool within
-    `gpu_memory_utilization` of the usable HBM."""
+    `gpu_memory_utilization` of the usable HBM. With pipeline stages, a chip of one
+    stage: its layer slots, the embedding and head, its stage's pool (a chip's budget,
+    as `plan` takes --kv_cache_memory_bytes too)."""
     common = dict(dtype=s.dtype, kv_dtype=s.kv_dtype, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, page_size=s.page_size,
                   bandwidth_gb_per_s=acc.chip.hbm_bytes_per_s / 1e9,
                   tensor_parallel_size=tensor_parallel_size, quantization=s.quantization,
                   quantized_head=s.quantized_head, hybrid_kv_cache=s.hybrid_kv_cache,
                   expert_parallel=s.expert_parallel, lora=s.lora)
+    pp = s.pipeline_parallel_size  # plan() takes the stages' budgets together; here a chip's
+    if pp > 1:
+        common |= dict(pipeline_parallel_size=pp, pipeline_microbatches=s.pipeline_microbatches)
     if s.kv_cache_memory_bytes is not None:
-        return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes, **common)
+        return planner.plan(cfg, kv_cache_bytes=s.kv_cache_memory_bytes * pp, **common)
     budget = int(acc.chip.usable_hbm_bytes * s.gpu_memory_utilization)
-    return planner.plan(cfg, memory_bytes=budget, **common)
+    return planner.plan(cfg, memory_bytes=budget * pp, **common)
 
 
 def model_options(s: Settings, feature_layers: tuple[int, ...] = ()) -> ModelOptions:
     """The options the engine runs the model with under `s`, keeping `feature_layers`
     for speculative heads."""
     return ModelOptions(expert_parallel=s.expert_parallel, feature_layers=feature_layers,
-                        lora=s.lora)
+                        lora=s.lora, pipeline_stages=s.pipeline_parallel_size,
+                        pipeline_microbatches=s.pipeline_microbatches)
 
 
 def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shards: int,
@@ -184,7 +204,8 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
     """(params, kv_cache) of the served model as whole-array ShapeDtypeStructs in the
     TPU's storage dtypes; the KV pages hold each of `shards` chips' pool of each page
     group's pages (compile_steps_for places them on the mesh), then the feature store
-    of `feature_layers` if any."""
+    of `feature_layers` if any. With pipeline stages, the layers and their pages by slot,
+    stacked [stages, ...] (model/pipeline.py), each stage's pool the plan's."""
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(s.dtype)),
                           param_shapes(served), is_leaf=lambda x: isinstance(x, tuple))
     if s.quantization is not None:  # the quantized pytree's specs, as the Runner holds it
@@ -196,6 +217,10 @@ def step_specs(served: ModelConfig, plan: planner.MemoryPlan, s: Settings, shard
                        page_size=s.page_size, dtype=s.kv_dtype, backend="tpu", shards=shards,
                        group_windows=group_windows(plan),
                        feature_size=model_options(s, feature_layers).feature_size(served))
+    stages = s.pipeline_parallel_size
+    if stages > 1:
+        params = {**params, "layers": pipeline.stack_layers(params["layers"], stages)}
+        kv = pipeline.stack_layers(kv, stages)
     return params, kv
 
 
@@ -225,10 +250,12 @@ def group_windows(plan: planner.MemoryPlan) -> tuple[int | None, ...]:
     return tuple(group.window for group in plan.page_groups)
 
 
-def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
+def pick_buckets(buckets: BucketSet, which: str | Sequence[Bucket]) -> list[Bucket]:
     """"all", "ends" (the smallest decode bucket, the largest bucket, and one mixed
-    bucket in between), or "smallest" (the smallest decode bucket: placement and the
-    weights' memory at the least compile time)."""
+    bucket in between), "smallest" (the smallest decode bucket: placement and the
+    weights' memory at the least compile time), or the buckets given."""
+    if not isinstance(which, str):
+        return list(which)
     every = buckets.all()
     if which == "all":
         return every
@@ -241,55 +268,71 @@ def pick_buckets(buckets: BucketSet, which: str) -> list[Bucket]:
     return sorted({every[0], middle, every[-1]})
 
 
-def compile_report(cfg: ModelConfig, *, device: str, settings: Settings,
-                   buckets: str = "all",
+def compile_report(cfg: ModelConfig, *, device: str | accelerators.Accelerator,
+                   settings: Settings, buckets: str | Sequence[Bucket] = "all",
                    progress: Callable[[dict[str, Any]], None] | None = None
                    ) -> dict[str, Any]:
-    """Compile every (or the `ends`) bucket's step for `tensor_parallel_size` chips of
-    `device`, for replica 0 and the last of `data_parallel_size` (each on its own chips);
-    a dict with the plan per chip, the layout, one row per bucket and replica (per-chip
-    memory, cost, collectives, the devices the executable was compiled for), and the
-    compiler's message for buckets that failed. `buckets`: replica 0's rows.
+    """Compile every (or the `ends`) bucket's step for the `pipeline_parallel_size` x
+    `tensor_parallel_size` chips of a replica of `device` (a slice's name, or its
+    Accelerator), for replica 0 and the last of `data_parallel_size` (each on its own
+    chips); a dict with the plan per chip, the layout, one row per bucket and replica
+    (per-chip memory, cost, collectives, with stages what crosses them, the devices the
+    executable was compiled for), and the compiler's message for buckets that failed.
+    `buckets`: a choice of `pick_buckets`, or the buckets; "buckets": replica 0's rows.
     `progress(event)`, if given, hears of the work as it goes (`progress_events`)."""
-    acc = accelerators.get(device)
+    acc = device if isinstance(device, accelerators.Accelerator) else accelerators.get(device)
     tp, dp, why = choose_layout(cfg, acc, settings)
+    pp = settings.pipeline_parallel_size
     report: dict[str, Any] = {
         "device": acc.name, "topology": acc.topology, "chips_in_slice": acc.chips,
-        "chips_used": tp * dp, "tensor_parallel_size": tp, "data_parallel_size": dp,
-        "layout": f"DP {dp} x TP {tp}", "tensor_parallel_note": why,
-        "chip_hbm_bytes": acc.chip.hbm_bytes,
+        "chips_used": tp * pp * dp, "tensor_parallel_size": tp, "data_parallel_size": dp,
+        "pipeline_parallel_size": pp, "layout": layout_name(tp, dp, pp),
+        "tensor_parallel_note": why, "chip_hbm_bytes": acc.chip.hbm_bytes,
         "chip_usable_hbm_bytes": acc.chip.usable_hbm_bytes,
         "peak_bf16_flops": acc.chip.bf16_flops, "hbm_bytes_per_s": acc.chip.hbm_bytes_per_s,
         "settings": dataclasses.asdict(settings) | {"tensor_parallel_size": tp,
                                                     "data_parallel_size": dp}}
-    try:
+    try:  # the planner also refuses stages that cannot run one program
         plan = plan_for(cfg, acc, settings, tp)
     except ValueError as err:
         return report | {"fits": False, "error": str(err)}
     report["plan"] = plan.summary()
-    served = sharding.served_config(cfg, tp)
-    params, kv = step_specs(served, plan, settings, tp)
     chosen = pick_buckets(BucketSet(max_num_batched_tokens=settings.max_num_batched_tokens,
                                     max_num_seqs=settings.max_num_seqs), buckets)
-    devices = target_devices(acc)
+    layout = sharding.layout_mesh(dp, tp, target_devices(acc), pipeline_parallel_size=pp)
     began = time.perf_counter()
-    report["replicas"] = []
     events = progress_events(progress, report, chosen, replicas_to_compile(dp))
-    for replica in replicas_to_compile(dp):
-        mesh = sharding.make_mesh(tp, devices[replica * tp:])  # this replica's chips
-        results = compile_buckets(served, params, kv, chosen, settings, mesh,
-                                  group_windows=group_windows(plan),
-                                  on_compiled=functools.partial(events, replica))
-        report["replicas"].append({
-            "replica": replica, "chips": list(range(replica * tp, (replica + 1) * tp)),
-            "device_ids": [d.id for d in mesh.devices.flat],
-            "buckets": [report_row(bucket, compiled, acc, plan)
-                        for bucket, compiled in zip(chosen, results, strict=True)]})
+    report["replicas"] = [compile_replica(cfg, acc, plan, settings, chosen, layout, replica,
+                                          functools.partial(events, replica))
+                          for replica in replicas_to_compile(dp)]
     report["compile_s"] = round(time.perf_counter() - began, 1)
     report["buckets"] = report["replicas"][0]["buckets"]
     report["fits"] = all(r["compiled"] for rep in report["replicas"] for r in rep["buckets"])
     report["planned_argument_bytes"] = plan.weight_bytes + plan.lora_bytes + plan.kv_cache_bytes
     return report
+
+
+def compile_replica(cfg: ModelConfig, acc: accelerators.Accelerator, plan: planner.MemoryPlan,
+                    s: Settings, chosen: list[Bucket], layout: jax.sharding.Mesh,
+                    replica: int, on_compiled: Callable[[int, Any], None]) -> dict[str, Any]:
+    """Replica `replica`'s part of the report: its chips (its row of `layout`, stages in
+    order), the devices compiled for, and a row per bucket of `chosen`; with pipeline
+    stages each row also says what crosses the stage axis (aot_rows.stage_traffic)."""
+    mesh = sharding.replica_mesh(layout, replica)
+    tp, pp = mesh.shape[sharding.MODEL_AXIS], s.pipeline_parallel_size
+    served = sharding.served_config(cfg, tp)
+    params, kv = step_specs(served, plan, s, tp)
+    results = compile_buckets(served, params, kv, chosen, s, mesh,
+                              group_windows=group_windows(plan), on_compiled=on_compiled)
+    rows = []
+    for bucket, compiled in zip(chosen, results, strict=True):
+        row = report_row(bucket, compiled, acc, plan)
+        if pp > 1 and row["compiled"]:
+            row |= stage_traffic(compiled.as_text(), tp, pp)
+        rows.append(row)
+    first = replica * tp * pp
+    return {"replica": replica, "chips": list(range(first, first + tp * pp)),
+            "device_ids": [d.id for d in mesh.devices.flat], "buckets": rows}
 
 
 def progress_events(progress: Callable[[dict[str, Any]], None] | None,

@@ -355,7 +355,9 @@ def aot() -> None:
         data_parallel_size=engine.data_parallel_size
         if FLAGS["data_parallel_size"].present else None,  # default: one replica
         quantization=engine.quantization, quantized_head=_quantized_head(),
-        expert_parallel=FLAGS.enable_expert_parallel, lora=engine.lora_slots)
+        expert_parallel=FLAGS.enable_expert_parallel, lora=engine.lora_slots,
+        pipeline_parallel_size=engine.pipeline_parallel_size,  # TP default: chips / stages
+        pipeline_microbatches=engine.pipeline_microbatches)
     report = aot_lib.compile_report(
         cfg, device=device, settings=settings, buckets=FLAGS.buckets,
         progress=lambda event: print(aot_table.progress_line(event), file=sys.stderr,

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxinfer import aot, aot_rows
@@ -147,3 +148,67 @@ def test_exit_code_is_3_when_a_bucket_failed_and_1_when_nothing_fits():
     report["replicas"][1]["buckets"].append(failed)
     assert aot_table.exit_code(report) == 3
     assert aot_table.exit_code({"error": "the weights alone need 16.1 GB"}) == 1
+
+
+def test_pipeline_stages_take_the_slice_over_their_tensor_parallel_chips():
+    cfg, acc = load_preset("llama3.1-8b"), accelerators.get("v6e-8")
+    assert aot.choose_layout(cfg, acc, aot.Settings(pipeline_parallel_size=2)) == (4, 1, None)
+    assert aot.choose_layout(cfg, acc, aot.Settings(pipeline_parallel_size=2,
+                                                    data_parallel_size=2)) == (2, 2, None)
+    assert aot.choose_layout(cfg, acc, aot.Settings(pipeline_parallel_size=4,
+                                                    tensor_parallel_size=2)) == (2, 1, None)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 x tensor_parallel_size=8 "
+                                         "needs 16 chips; v6e-8 has 8"):
+        aot.choose_layout(cfg, acc, aot.Settings(pipeline_parallel_size=2,
+                                                 tensor_parallel_size=8))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 must divide the slice's 8"):
+        aot.choose_layout(cfg, acc, aot.Settings(pipeline_parallel_size=3))
+    assert aot.layout_name(4, 1, 2) == "DP 1 x PP 2 x TP 4"
+    assert aot.layout_name(4, 2, 1) == "DP 2 x TP 4"
+
+
+def test_pipelined_step_specs_stack_layers_and_pages_by_stage():
+    cfg = dataclasses.replace(load_preset("llama3.1-8b"), num_layers=5)  # stages of 3, 2
+    settings = aot.Settings(pipeline_parallel_size=2, max_num_seqs=4, max_model_len=256,
+                            kv_cache_memory_bytes=2**24)
+    plan = aot.plan_for(cfg, accelerators.get("v5e-8"), settings, 4)
+    params, kv = aot.step_specs(cfg, plan, settings, 4)
+    assert len(params["layers"]) == len(kv) == 3  # slots a stage
+    assert params["layers"][0]["wqkv"].shape == (2, 4096, 6144)
+    assert params["embed"].shape == (cfg.vocab_size, 4096)  # on every stage, not stacked
+    assert all(leaf.shape[0] == 2 for leaf in jax.tree.leaves([params["layers"], kv]))
+    # each stage's own pool: the plan's pages of a chip, 2**24 bytes of it
+    assert kv[0].shape[1] == plan.page_groups[0].num_pages
+    assert plan.kv_cache_bytes <= 2**24
+
+
+HLO_STAGES = """\
+  %collective-permute-start = (f32[8,8192]{1,0}, f32[8,8192]{1,0}, u32[], u32[]) \
+collective-permute-start(%fusion.2), channel_id=3, source_target_pairs={{0,2},{1,3}}
+  %collective-permute-done = f32[8,8192]{1,0} collective-permute-done(%collective-permute-start)
+  %collective-permute.1 = bf16[4,16]{1,0} collective-permute(%x), source_target_pairs={{0,1}}
+  %all-reduce.1 = f32[8,8192]{1,0} all-reduce(%a), channel_id=1, replica_groups=[2,2]<=[4]
+  %all-reduce.2 = f32[8]{0} all-reduce(%b), channel_id=2, replica_groups={{0,2},{1,3}}
+  %all-gather.3 = f32[4,64]{1,0} all-gather(%c), replica_groups={}, dimensions={1}
+"""
+
+
+def test_stage_traffic_counts_permutes_and_groups_spanning_stages():
+    # 2 stages of 2 chips: ids 0, 1 are stage 0; 2, 3 stage 1
+    assert aot_rows.stage_traffic(HLO_STAGES, chips_per_stage=2, stages=2) == {
+        "collective_permutes": 2, "collective_permute_bytes": 8 * 8192 * 4 + 4 * 16 * 2,
+        "cross_stage_permutes": 1, "cross_stage_permute_bytes": 8 * 8192 * 4,
+        "cross_stage_permute_shapes": ["f32[8,8192]"],
+        "cross_stage_collectives": {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 0,
+                                    "all-to-all": 0}}
+
+
+def test_replica_groups_reads_the_three_forms():
+    read = aot_rows.replica_groups
+    assert read("x, replica_groups={{0,1},{2,3}}, y") == [[0, 1], [2, 3]]
+    assert read("x, replica_groups=[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert read("x, replica_groups=[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert read("x, replica_groups=mesh['stage'=2,'model'=4] {'model'}") == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert read("x, replica_groups=mesh['stage'=2,'model'=2] {'stage'}") == [[0, 2], [1, 3]]
+    assert read("x, replica_groups={}", num_devices=3) == [[0, 1, 2]]
