@@ -1,7 +1,9 @@
 """Multi-host on one machine: two processes joined by `jax.distributed` on 127.0.0.1,
-4 CPU devices each and tensor parallelism over all 8, write exactly what one process
-with 8 CPU devices writes; only process 0 writes; processes given different settings
-refuse to start; a process killed mid-run stops the other with an error.
+4 CPU devices each, with tensor parallelism over all 8 or pipeline parallelism of 2
+stages x tensor parallelism of 4 (stage 0 on process 0's devices, stage 1 on process
+1's, activations handed between the processes), write exactly what one process with 8
+CPU devices and the same flags writes; only process 0 writes; processes given different
+settings refuse to start; a process killed mid-run stops the other with an error.
 
 The processes are CLI subprocesses; the test harness (never the package) sets their
 device count through JAX's own JAX_NUM_CPU_DEVICES.
@@ -25,8 +27,12 @@ from jaxinfer.config import DistributedConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300  # a hang fails the test instead of the CI job
-ENGINE = ["--tensor_parallel_size=8", "--max_num_seqs=2", "--max_num_batched_tokens=16",
-          "--max_model_len=64", "--compilation_cache_dir="]
+ENGINE = ["--max_num_seqs=2", "--max_num_batched_tokens=16", "--max_model_len=64",
+          "--compilation_cache_dir="]
+# how the 8 devices split the model: tensor parallel over all, or 2 pipeline stages (one
+# a process) of 4
+LAYOUTS = {"tp8": ["--tensor_parallel_size=8"],
+           "pp2-tp4": ["--pipeline_parallel_size=2", "--tensor_parallel_size=4"]}
 REQUESTS = [
     {"id": "greedy", "prompt": "def read(path):", "max_tokens": 12, "temperature": 0.0},
     {"id": "seeded", "prompt": "import os", "max_tokens": 12, "temperature": 0.8, "seed": 3},
@@ -48,10 +54,10 @@ def _write_jsonl(path: pathlib.Path, records: list[dict]) -> pathlib.Path:
     return path
 
 
-def _batch(model: pathlib.Path, inp: pathlib.Path, out: pathlib.Path, *extra: str
-           ) -> list[str]:
+def _batch(model: pathlib.Path, inp: pathlib.Path, out: pathlib.Path, *extra: str,
+           layout: str = "tp8") -> list[str]:
     return [sys.executable, "-m", "jaxinfer", "batch", f"--model={model}", f"--input={inp}",
-            f"--output={out}", "--format=json", *ENGINE, *extra]
+            f"--output={out}", "--format=json", *ENGINE, *LAYOUTS[layout], *extra]
 
 
 def _env(num_devices: int) -> dict[str, str]:
@@ -84,13 +90,16 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
                 p.kill()
 
 
-def test_two_processes_write_what_one_process_writes(model_dir, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_processes_write_what_one_process_writes(model_dir, tmp_path, layout):
     inp = _write_jsonl(tmp_path / "in.jsonl", REQUESTS)
-    ref = subprocess.run(_batch(model_dir, inp, tmp_path / "ref.jsonl"), cwd=ROOT,
-                         env=_env(8), capture_output=True, text=True, timeout=TIMEOUT_S)
+    ref = subprocess.run(_batch(model_dir, inp, tmp_path / "ref.jsonl", layout=layout),
+                         cwd=ROOT, env=_env(8), capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
     assert ref.returncode == 0, ref.stderr
     outs = [tmp_path / f"out{i}.jsonl" for i in range(2)]
-    results = _finish(_start_pair([_batch(model_dir, inp, out) for out in outs]))
+    results = _finish(_start_pair([_batch(model_dir, inp, out, layout=layout)
+                                   for out in outs]))
     for i, (code, stderr) in enumerate(results):
         assert code == 0, f"process {i}: {stderr}"
     want = (tmp_path / "ref.jsonl").read_text().splitlines()
@@ -110,12 +119,14 @@ def test_processes_given_different_settings_refuse_to_start(model_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_killed_process_stops_the_other_with_an_error(model_dir, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_process_stops_the_other_with_an_error(model_dir, tmp_path, layout):
     requests = [{"id": str(i), "prompt": "x" * (1 + i % 5), "max_tokens": 50,
                  "temperature": 0.0} for i in range(40)]
     inp = _write_jsonl(tmp_path / "in.jsonl", requests)
     out = tmp_path / "out.jsonl"
-    procs = _start_pair([_batch(model_dir, inp, out)] * 2, "--heartbeat_timeout_s=10")
+    procs = _start_pair([_batch(model_dir, inp, out, layout=layout)] * 2,
+                        "--heartbeat_timeout_s=10")
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and not (out.exists() and out.read_text()):
         time.sleep(0.1)  # until steps run and results come

@@ -1,9 +1,10 @@
 """Multi-host serving on one machine: `serve` as two processes joined by jax.distributed on
-127.0.0.1, 4 CPU devices each, tensor parallel over all 8 (process 0 answers HTTP,
-process 1 follows its engine step by step), answers the real `openai` client with
-exactly the text of one process with 8 devices; SIGTERM to both drains the request in
-flight and both exit 0; `kill -9` of process 1 fails process 0's requests in flight with
-an error, turns /health to 503, and process 0 exits non-zero within 60 s.
+127.0.0.1, 4 CPU devices each, tensor parallel over all 8 or in 2 pipeline stages (one a
+process) of 4 (process 0 answers HTTP, process 1 follows its engine step by step),
+answers the real `openai` client with exactly the text of one process with 8 devices and
+the same layout; SIGTERM to both drains the request in flight and both exit 0; `kill -9`
+of process 1 fails process 0's requests in flight with an error, turns /health to 503,
+and process 0 exits non-zero within 60 s.
 
 The processes are CLI subprocesses; the harness (never the package) sets their device
 count through JAX's own JAX_NUM_CPU_DEVICES.
@@ -24,18 +25,22 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from serving import Server, start_server
+from serving import START_TIMEOUT_S, Server, start_server
 
 from jaxinfer import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-# A tiny llama, 8 query heads and 2 KV heads: tensor parallel over 8 devices.
-ENGINE = {"tensor_parallel_size": 8, "dtype": "float32", "max_num_seqs": 4,
-          "max_num_batched_tokens": 32, "max_model_len": 128}
+ENGINE = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 32,
+          "max_model_len": 128}
+# A tiny llama (2 layers, 8 query heads, 2 KV heads) over 8 devices: tensor parallel over
+# all, or 2 pipeline stages of 4 (stage 0 on process 0's devices, stage 1 on process 1's)
+LAYOUTS = {"tp8": {"tensor_parallel_size": 8},
+           "pp2-tp4": {"pipeline_parallel_size": 2, "tensor_parallel_size": 4}}
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 EXIT_TIMEOUT_S = 120  # a process that outlives this after being stopped fails the test
+FOLLOWING = "jaxinfer: following process 0's server"  # the follower is warm
 LOST_HOST_EXIT_S = 60  # the bound the behaviour promises (heartbeat_timeout_s below it)
 
 
@@ -63,27 +68,45 @@ def _free_port() -> int:
 
 
 class Job:
-    """Process 0 (the server) and process 1 (the follower) of one multi-host server."""
+    """Process 0 (the server) and process 1 (the follower) of one multi-host server, both
+    warm. Process 0 listens once its own warm-up is done, but the follower's can take
+    far longer (JAX writes the persistent compilation cache from process 0 alone, and
+    process 1 found nothing to load: it compiles every program), and a step waits for
+    it: a request sent before it is warm can outlast --heartbeat_timeout_s."""
 
-    def __init__(self, model: pathlib.Path, cache: pathlib.Path, *extra: str) -> None:
+    def __init__(self, model: pathlib.Path, cache: pathlib.Path, *extra: str,
+                 layout: str = "tp8") -> None:
         job = [f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2", *extra]
         model_flags = [f"--model={model}", f"--served_model_name={MODEL}",
                        f"--compilation_cache_dir={cache}"]
+        engine = ENGINE | LAYOUTS[layout]
         self.follower_log: list[str] = []
         self.follower = subprocess.Popen(
             [sys.executable, "-m", "jaxinfer", "serve", "--port=0", *model_flags,
-             *(f"--{k}={v}" for k, v in ENGINE.items()), *job, "--process_id=1"],
+             *(f"--{k}={v}" for k, v in engine.items()), *job, "--process_id=1"],
             cwd=ROOT, env=os.environ | _env(4), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=lambda: self.follower_log.extend(self.follower.stderr),
-                         daemon=True).start()
+        warm = threading.Event()
+
+        def read() -> None:  # keeps draining stderr so the follower never blocks on it
+            for line in self.follower.stderr:
+                self.follower_log.append(line)
+                if line.startswith(FOLLOWING):
+                    warm.set()
+            warm.set()
+
+        threading.Thread(target=read, daemon=True).start()
         try:
             self.server: Server = start_server(*model_flags, *job, "--process_id=0",
-                                               env=_env(4), **ENGINE)
+                                               env=_env(4), **engine)
         except BaseException:
             self.follower.kill()
             raise
         self.processes = [self.server.process, self.follower]
+        if not (warm.wait(START_TIMEOUT_S) and self.follower.poll() is None):
+            self.kill()
+            raise RuntimeError("the follower did not start:\n"
+                               + "".join(self.follower_log[-30:]))
 
     def wait(self) -> list[int]:
         """Both exit codes; kills any process still running after EXIT_TIMEOUT_S."""
@@ -102,18 +125,25 @@ def _env(num_devices: int) -> dict[str, str]:
     return {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(num_devices)}
 
 
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> str:
+    """The layout the module's servers run (one pair of reference and job at a time)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir, cache_dir):
-    """One process, 8 devices: the expected text."""
+def reference(model_dir, cache_dir, layout):
+    """One process, 8 devices, the same layout: the expected text."""
     server = start_server(f"--model={model_dir}", f"--served_model_name={MODEL}",
-                          f"--compilation_cache_dir={cache_dir}", env=_env(8), **ENGINE)
+                          f"--compilation_cache_dir={cache_dir}", env=_env(8),
+                          **ENGINE | LAYOUTS[layout])
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def job(model_dir, cache_dir):
-    job = Job(model_dir, cache_dir)
+def job(model_dir, cache_dir, layout):
+    job = Job(model_dir, cache_dir, layout=layout)
     yield job
     for p in job.processes:
         p.send_signal(signal.SIGTERM)
@@ -202,8 +232,10 @@ def test_sigterm_to_both_processes_drains_and_both_exit_0(model_dir, cache_dir):
     assert codes == [0, 0], "".join(job.server.log[-20:] + job.follower_log[-20:])
 
 
-def test_a_killed_follower_fails_the_requests_and_process_0_exits(model_dir, cache_dir):
-    job = Job(model_dir, cache_dir, "--heartbeat_timeout_s=20")
+@pytest.mark.parametrize("killed_layout", list(LAYOUTS))
+def test_a_killed_follower_fails_the_requests_and_process_0_exits(model_dir, cache_dir,
+                                                                   killed_layout):
+    job = Job(model_dir, cache_dir, "--heartbeat_timeout_s=20", layout=killed_layout)
     results = {}
     try:
         body = {"model": MODEL, "prompt": "def g(y):", "max_tokens": 110, "temperature": 0,
