@@ -12,7 +12,8 @@ def format_table(report: dict[str, Any]) -> str:
     """The per-bucket table `python -m jaxinfer aot` prints: one block per replica
     compiled."""
     head = (f"{report['device']} ({report['topology']}, {report['layout']}: compiled for "
-            f"{report['tensor_parallel_size']} chips a replica, {report['chips_used']} of "
+            f"{report['tensor_parallel_size'] * report.get('pipeline_parallel_size', 1)} chips "
+            f"a replica, {report['chips_used']} of "
             f"{report['chips_in_slice']} used; figures per chip; usable HBM "
             f"{report['chip_usable_hbm_bytes'] / GIB:.2f} GiB a chip)")
     if report.get("tensor_parallel_note"):

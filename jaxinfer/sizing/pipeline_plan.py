@@ -90,11 +90,11 @@ def microbatch_bytes(cfg: ModelConfig, tokens: int, m: int) -> int:
 
 def stage_send_bytes(cfg: ModelConfig, tokens: int, pp: int, m: int) -> int:
     """What one stage boundary carries in a step, from each device of the sending stage
-    to its peer: a microbatch every tick, the bubbles' too (tokens x hidden x 4 when m
-    divides tokens, times (m + pp - 1) / m); 0 without stages."""
+    to its peer: a microbatch every tick but the last (whose hand-on nobody reads), the
+    bubbles' too; 0 without stages."""
     if pp == 1:
         return 0
-    return ticks(pp, m) * microbatch_bytes(cfg, tokens, m)
+    return (ticks(pp, m) - 1) * microbatch_bytes(cfg, tokens, m)
 
 
 def broadcast_bytes(cfg: ModelConfig, rows: int, pp: int) -> int:

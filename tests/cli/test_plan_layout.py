@@ -139,7 +139,7 @@ def test_plan_lists_pp_x_tp_x_dp_for_a_70b_on_v5e_16():
     assert pp2["fits"] and pp2["tp_crosses_hosts"]  # 8 chips span two 4-chip hosts
     layer_slots = -(-cfg.num_layers // 2)
     assert pp2["kv_cache_bytes"] % (16 * layer_slots * 2 * 1 * cfg.head_dim * 2) == 0
-    assert pp2["stage_send_bytes"] == (2 + 2 - 1) * -(-pp2["batch"] // 2) * cfg.hidden_size * 4
+    assert pp2["stage_send_bytes"] == (2 + 2 - 2) * -(-pp2["batch"] // 2) * cfg.hidden_size * 4
     assert rows[1, 4, 4]["fits"] and not rows[1, 4, 4]["tp_crosses_hosts"]
     assert rows[2, 1, 8] == {"data_parallel_size": 2, "pipeline_parallel_size": 1,
                              "tensor_parallel_size": 8, "fits": False,

@@ -199,7 +199,8 @@ def test_70b_on_v5e_16_lists_pp2_tp8_with_a_stages_bytes_per_chip():
     assert split.kv_cache_bytes == (budget - weights - state) // page_bytes * page_bytes
     # a step of `batch` requests in 2 microbatches: 3 ticks of batch / 2 rows each
     assert split.microbatches == 2 and split.bubble == pytest.approx(1 / 3)
-    assert split.stage_send_bytes == 3 * -(-split.batch // 2) * cfg.hidden_size * 4
+    # M + PP - 2 hand-ons: the last tick's is read by nobody (XLA drops it)
+    assert split.stage_send_bytes == 2 * -(-split.batch // 2) * cfg.hidden_size * 4
     assert split.kv_read_bytes == 3 * split.batch // 2 * 8192 * per_token
     four = table[1, 4, 4]  # 20 layer slots a chip, TP inside a host
     assert four.weight_bytes == llama_device_bytes(cfg, tp=4, pp=4)[0]
