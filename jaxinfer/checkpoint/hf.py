@@ -152,7 +152,8 @@ def placed_leaf(reader: shard_source.Reader, mesh: Mesh, name: str,
     HF tensors (fused on the fly): what loading and a weight update by HF names share."""
     return jax.make_array_from_callback(
         shape, NamedSharding(mesh, spec),
-        lambda index: reader.slice_of(name, layout, shape, index, dtype))
+        lambda index: reader.slice_of(name, layout, shape, index, dtype),
+        dtype=dtype)  # a stage on another process's devices: no shard read here
 
 
 def leaves_from_hf_tensors(tensors: dict, cfg: ModelConfig, dtype: str, mesh: Mesh, *,
@@ -233,7 +234,8 @@ def _fp8_value(reader: shard_source.Reader, mesh: Mesh, name: str,
     return jax.make_array_from_callback(
         shape[::-1], NamedSharding(mesh, spec),
         lambda index: np.ascontiguousarray(reader.slice_of(
-            name, layout, shape, index[::-1], compressed_tensors.FP8).T))
+            name, layout, shape, index[::-1], compressed_tensors.FP8).T),
+        dtype=compressed_tensors.FP8)
 
 
 def _scheme(hf: dict, source: pathlib.Path) -> compressed_tensors.Scheme | None:

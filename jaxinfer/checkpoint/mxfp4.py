@@ -155,10 +155,12 @@ def packed_weight(tensor: MXFP4Tensor, kind: str, shape: tuple[int, int, int],
 
     value = jax.make_array_from_callback(
         value_shape, NamedSharding(mesh, spec.value),
-        lambda index: part(tensor.blocks, BLOCK // 2, _full(index, 3)))
+        lambda index: part(tensor.blocks, BLOCK // 2, _full(index, 3)),
+        dtype=tensor.blocks.dtype)
     scale = jax.make_array_from_callback(
         scale_shape, NamedSharding(mesh, spec.scale),
-        lambda index: part(tensor.scales[..., None], 1, _full(index, 3)))
+        lambda index: part(tensor.scales[..., None], 1, _full(index, 3)),
+        dtype=tensor.scales.dtype)
     return quantization.QuantizedWeight(value, scale, MODE)
 
 

@@ -172,6 +172,6 @@ def quantized_leaf(reader: shard_source.Reader, mesh: Mesh, name: str,
     value = jax.make_array_from_callback(
         (rows // 2, columns), NamedSharding(mesh, spec.value),
         lambda index: reader.slice_of(name, named(VALUE), (rows // 2, columns), index,
-                                      np.dtype(np.uint8)))
+                                      np.dtype(np.uint8)), dtype=np.dtype(np.uint8))
     return QuantizedWeight(value, jax.make_array_from_callback(
-        (2, rows // group, columns), NamedSharding(mesh, spec.scale), scale), MODE)
+        (2, rows // group, columns), NamedSharding(mesh, spec.scale), scale, dtype=F32), MODE)
