@@ -58,6 +58,13 @@ def check_same(what: str, value: str | bytes) -> None:
                          "with process 0; every process must run on the same inputs")
 
 
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (a no-op in one process).
+    Every process must call it at the same point."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def broadcast_from_primary(value: str) -> str:
     """Process 0's `value`, on every process (a no-op in one process). Every process
     must call it at the same point."""

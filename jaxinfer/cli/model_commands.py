@@ -179,6 +179,9 @@ def eval_ppl() -> None:
     sys.stdout.write(json.dumps(report) + "\n")
 
 
+WARM = "serve: every process warmed up"  # the barrier a multi-host server starts after
+
+
 def serve() -> None:
     """Serve over HTTP. Multi-host (the distributed flags): process 0 serves, the other
     processes follow its engine step by step (jaxinfer/engine/parallel/lockstep.py)."""
@@ -203,6 +206,8 @@ def serve() -> None:
     sock = server.bind(config.host, config.port)  # a taken port fails before warm-up
     adapters_first = bool(config.lora_modules)  # a bad adapter fails before warm-up
     llm = make_llm(warm_up=not adapters_first)
+    if multihost:  # ready only once the followers have compiled too (their first step
+        distributed.barrier(WARM)  # would otherwise run into the step timeout)
     name = config.served_model_name or FLAGS.model or DEFAULT_MODEL.name
 
     def ready(url: str) -> None:
@@ -239,12 +244,14 @@ def _follow() -> None:
     once, and process 0 drains first): it returns when process 0 says shutdown. A step
     that fails or hangs past --heartbeat_timeout_s exits non-zero at once (JAX's
     shutdown barrier would wait for the peer that is gone)."""
+    from jaxinfer import distributed
     from jaxinfer.engine.parallel import lockstep
     from jaxinfer.engine.parallel.channel import KeyValueChannel
 
     signal.signal(signal.SIGTERM, lambda sig, frame: logging.info(
         "follower: SIGTERM ignored; process 0 drains and then stops every process"))
     llm = make_llm()
+    distributed.barrier(WARM)
     timeout = FLAGS.heartbeat_timeout_s
     watchdog = lockstep.Watchdog(timeout, lambda seconds: _exit_failed(
         f"a step has run for {seconds:.0f}s, longer than --heartbeat_timeout_s={timeout}"))
