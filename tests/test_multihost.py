@@ -109,6 +109,31 @@ def test_two_processes_write_what_one_process_writes(model_dir, tmp_path, layout
     assert '"done": 4' in results[0][1] and '"done"' not in results[1][1]
 
 
+def test_generate_across_two_stages_prints_what_one_process_prints(model_dir):
+    """`generate` with a pipeline stage on each process: process 0 prints one process's
+    completion (greedy), process 1 nothing."""
+    command = [sys.executable, "-m", "jaxinfer", "generate", f"--model={model_dir}",
+               "--prompt=def read(path):", "--max_tokens=12", "--temperature=0", *ENGINE,
+               *LAYOUTS["pp2-tp4"]]
+    ref = subprocess.run(command, cwd=ROOT, env=_env(8), capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert ref.returncode == 0, ref.stderr
+    procs = _start_pair([command] * 2)
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (_, stderr)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"process {i}: {stderr}"
+    # Gloo's own connection lines go to stdout too (its C++ logging): left out
+    printed = [[line for line in stdout.splitlines() if not line.startswith("[Gloo]")]
+               for stdout, _ in outputs]
+    assert printed[0] == ref.stdout.splitlines()
+    assert printed[0][0].startswith("def read(path):")
+    assert printed[1] == []
+
+
 def test_processes_given_different_settings_refuse_to_start(model_dir, tmp_path):
     inp = _write_jsonl(tmp_path / "in.jsonl", REQUESTS[:1])
     results = _finish(_start_pair([_batch(model_dir, inp, tmp_path / "out.jsonl", "--seed=1"),
