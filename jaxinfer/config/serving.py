@@ -170,10 +170,20 @@ class ServerConfig:
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
         "and unload adapters while the server runs (also turned on by vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); under --api_key")
+    responses_store_max_entries: int = setting(
+        1024, "/v1/responses: responses kept for GET /v1/responses/{id} and "
+        "previous_response_id; past it the least recently used go (then a 404)")
+    responses_store_max_bytes: int = setting(
+        256 * 2**20, "/v1/responses: the kept responses' size in all (JSON bytes, each with "
+        "its conversation); past it the least recently used go")
+    responses_store_ttl_s: int = setting(
+        3600, "/v1/responses: seconds a response is kept after it was made")
 
     def __post_init__(self) -> None:
         self._check_lora_modules()
-        for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout"):
+        for name in ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout",
+                     "responses_store_max_entries", "responses_store_max_bytes",
+                     "responses_store_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")

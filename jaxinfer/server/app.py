@@ -40,6 +40,7 @@ from jaxinfer.server.fields import IgnoredFieldsHeader
 from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError, ChatRequest, CompletionRequest
 from jaxinfer.server.reasoning import ReasoningSplitter, splitter
+from jaxinfer.server.responses_api import routes as responses_routes
 from jaxinfer.server.state import ServerState, authorized, parsed, state_of
 from jaxinfer.server.streams import Disconnected, Piece, Stream, Update, updates
 from jaxinfer.server.usage import per_chunk
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",),
           "/v1/models": ("GET",), "/tokenize": ("POST",), "/detokenize": ("POST",),
           "/health": ("GET",), "/ping": ("GET", "POST"), "/version": ("GET",),
-          "/metrics": ("GET",), **pooling_routes.ROUTES}
+          "/metrics": ("GET",), **pooling_routes.ROUTES, **responses_routes.ROUTES}
 DOCS = ("/docs", "/redoc", "/openapi.json")  # FastAPI's own
 
 
@@ -88,6 +89,7 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
                     "updates; those routes are not served")
     elif state.config.server_dev_mode:
         dev_routes.install(app)
+    responses_routes.install(app, state.config)  # /v1/responses: a 400 on a pooling model
     if adapters.runtime_updating(state.config) and not pooling:
         lora_routes.install(app)
     return app
