@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
 from jaxinfer.server import (
     adapters,
+    anthropic,
     dev_routes,
     lora_routes,
     openapi,
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",),
           "/v1/models": ("GET",), "/tokenize": ("POST",), "/detokenize": ("POST",),
           "/health": ("GET",), "/ping": ("GET", "POST"), "/version": ("GET",),
-          "/metrics": ("GET",), **pooling_routes.ROUTES, **responses_routes.ROUTES}
+          "/metrics": ("GET",), **pooling_routes.ROUTES, **responses_routes.ROUTES,
+          **anthropic.ROUTES}
 DOCS = ("/docs", "/redoc", "/openapi.json")  # FastAPI's own
 
 
@@ -81,6 +83,7 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
                 "/detokenize": tokenization.detokenize}
     pooling = isinstance(state.loop, PoolingLoop)
     handlers |= pooling_routes.handlers(pooling)
+    handlers |= anthropic.handlers(_chat_answer)  # /v1/messages: chat, translated
     for path, handler in handlers.items():
         for method in ROUTES[path]:  # a route per method: one operation id each
             app.add_api_route(path, handler, methods=[method])
@@ -172,6 +175,12 @@ async def _completions(request: fastapi.Request) -> Response:
 
 async def _chat(request: fastapi.Request) -> Response:
     state, body = await parsed(request, ChatRequest)
+    return await _chat_answer(request, state, body)
+
+
+async def _chat_answer(request: fastapi.Request, state: ServerState,
+                       body: ChatRequest) -> Response:
+    """The chat route once its body is read; /v1/messages is answered through it."""
     params = protocol.sampling_params(body, state.defaults)
     protocol.check_scoring(body, params, enabled=state.enable_prompt_logprobs)
     params, calls = tools.plan(body, state.config, params)
