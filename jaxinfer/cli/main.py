@@ -70,8 +70,8 @@ COMMANDS = {
                             *RAY_FLAGS, "lora_modules", *ENGINE_FLAGS, "enforce_eager",
                             *DISTRIBUTED_FLAGS)),
     "serve": Command(run=serve, summary="OpenAI-compatible HTTP server (/v1/completions, "
-                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                     "/ping, /version, /metrics, /docs)",
+                     "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, "
+                     "/health, /ping, /version, /metrics, /docs)",
                      flags=("model", *SERVER_FLAGS, *ENGINE_FLAGS, "enforce_eager",
                             *DISTRIBUTED_FLAGS)),
     "convert": Command(run=convert, summary="copy an HF checkpoint directory to an orbax one "

@@ -15,12 +15,14 @@ from pydantic.json_schema import models_json_schema
 from jaxinfer.server import lora_routes, tokenization
 from jaxinfer.server import pooling_protocol as pooling
 from jaxinfer.server.protocol import ChatRequest, CompletionRequest
+from jaxinfer.server.responses_api.protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 # route -> the bodies it takes (one of them); and the models of its 200 answers
 BODIES: dict[str, tuple[type[pydantic.BaseModel], ...]] = {
     "/v1/completions": (CompletionRequest,),
     "/v1/chat/completions": (ChatRequest,),
+    "/v1/responses": (ResponsesRequest,),
     "/tokenize": (tokenization.TokenizeCompletionRequest, tokenization.TokenizeChatRequest),
     "/detokenize": (tokenization.DetokenizeRequest,),
     "/v1/embeddings": (pooling.EmbeddingRequest,),

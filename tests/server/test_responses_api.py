@@ -171,6 +171,12 @@ def test_a_streamed_function_call_sends_its_arguments_as_deltas(rclient, rserver
     assert events[-1].response.output[0].arguments == arguments
 
 
+def test_openapi_lists_the_routes_and_the_request_body(rserver):
+    paths = rserver.get("/openapi.json").json()["paths"]
+    body = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"].endswith("/ResponsesRequest")
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+
 # ---- the store -------------------------------------------------------------------------
 
 def test_previous_response_id_continues_the_conversation(rclient, rserver):
