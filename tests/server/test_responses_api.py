@@ -151,6 +151,10 @@ def test_forced_function_call_and_its_output_sent_back(rclient, rserver):
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}], 8)
     assert continued.output_text == items.output_text == text
     assert continued.usage.input_tokens == items.usage.input_tokens == usage.prompt_tokens
+    # a stored conversation holding a call goes on (its arguments kept as JSON text)
+    again = _greedy(rclient, rserver, previous_response_id=items.id, input="And Rome?",
+                    max_output_tokens=4)
+    assert again.usage.input_tokens > items.usage.input_tokens + items.usage.output_tokens
 
 
 def test_a_streamed_function_call_sends_its_arguments_as_deltas(rclient, rserver):

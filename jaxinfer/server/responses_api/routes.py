@@ -77,17 +77,19 @@ class _Run:
                  history: list[dict]) -> None:
         params = protocol.sampling_params(chat, state.defaults)
         params, calls = tools.plan(chat, state.config, params)
-        self.messages = [m.plain() for m in chat.messages]
         self.field = structured.field(chat) or calls.field
         self.submission = Submission(
-            messages=self.messages, params=params, limit=protocol.max_tokens(chat),
+            messages=[m.plain() for m in chat.messages], params=params,
+            limit=protocol.max_tokens(chat),
             tools=calls.tools, constraint_field=self.field,
             template_kwargs=tokenization.template_kwargs(None, chat.reasoning_effort),
             lora=state.adapters.get(body.model))
         self.reader: ReasoningSplitter | None = splitter(state.config, state.tokenizer,
                                                          params, calls)
         self.body, self.state = body, state
-        self.conversation = history + _new_turns(self.messages, body, len(history))
+        # as the body gave them (a call's arguments JSON text), to be read again later
+        sent = [m.model_dump(exclude_none=True) for m in chat.messages]
+        self.conversation = history + _new_turns(sent, body, len(history))
         self.id = output.new_id("resp")
         self.created_at = output.now()
         lora = self.submission.lora
