@@ -24,7 +24,6 @@ from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError, ChatRequest
 from jaxinfer.server.state import ServerState, authorized, state_of
 from jaxinfer.server.streams import Disconnected
-from jaxinfer.text.tokenizer import TooLong
 
 log = logging.getLogger(__name__)
 # the chat route once its body is read (server/app.py): what a Messages request becomes
@@ -108,7 +107,7 @@ async def _count_tokens(request: fastapi.Request) -> Response:
             add_generation_prompt=chat.add_generation_prompt is not False,
             continue_final_message=chat.continue_final_message,
             template_kwargs=tokenization.template_kwargs(chat.chat_template_kwargs))
-    except (ValueError, TypeError, TooLong) as e:
+    except (ValueError, TypeError) as e:  # a text too long to count: its length alone
         raise APIError(400, f"messages: {e}", param="messages") from None
     return JSONResponse({"input_tokens": len(ids)})
 
