@@ -9,6 +9,7 @@ a PoolingLoop; bodies read by hand so every error leaves in OpenAI's shape. A re
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import importlib.metadata
 import json
@@ -25,6 +26,7 @@ from jaxinfer.server import (
     adapters,
     anthropic,
     dev_routes,
+    http_metrics,
     lora_routes,
     openapi,
     pooling_routes,
@@ -73,6 +75,8 @@ def create_app(state: ServerState) -> fastapi.FastAPI:
     openapi.install(app, VERSION)
     app.state.server = state
     app.add_middleware(IgnoredFieldsHeader)  # names the fields a request had ignored
+    app.state.http_requests = collections.Counter()  # by route (server/http_metrics.py)
+    app.add_middleware(http_metrics.RequestCounter, counts=app.state.http_requests)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Disconnected, _disconnected)
@@ -148,7 +152,8 @@ async def _version(request: fastapi.Request) -> Response:
 async def _metrics(request: fastapi.Request) -> Response:
     state = state_of(request)
     snapshot = await state.loop.call(prometheus.snapshot)
-    return PlainTextResponse(prometheus.exposition(snapshot, state.model_name),
+    by_route = http_metrics.families(request.app.state.http_requests)
+    return PlainTextResponse(prometheus.exposition(snapshot, state.model_name, by_route),
                              media_type=prometheus.CONTENT_TYPE)
 
 

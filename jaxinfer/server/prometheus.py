@@ -7,7 +7,7 @@ docs/serving.md#metrics and docs/parallelism.md#data-parallelism.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -41,9 +41,10 @@ def snapshot(engine: Engine) -> dict[str, Any]:
             "prefix_cache": metrics.prefix_cache() if metrics.prefix_cache else None}
 
 
-def exposition(snap: dict[str, Any], model_name: str) -> bytes:
+def exposition(snap: dict[str, Any], model_name: str, extra: Iterable[Metric] = ()) -> bytes:
+    """The engine's families, then `extra` (the server's own: server/http_metrics.py)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snap, model_name))
+    registry.register(_Collector(snap, model_name, extra=extra))
     return generate_latest(registry)
 
 
@@ -68,14 +69,16 @@ def _pooling_families(snap: dict[str, int]) -> Iterator[Metric]:
 
 class _Collector:
     def __init__(self, snap: dict[str, Any], model_name: str,
-                 families: Callable[[dict[str, Any]], Iterator[Metric]] | None = None) -> None:
+                 families: Callable[[dict[str, Any]], Iterator[Metric]] | None = None,
+                 extra: Iterable[Metric] = ()) -> None:
         self.snap = snap
         self.model_name = model_name
         self.families = families or _families
+        self.extra = list(extra)
 
     def collect(self) -> Iterator[Metric]:
         label = {"model_name": self.model_name}
-        for family in self._unlabelled():
+        for family in [*self._unlabelled(), *self.extra]:
             family.samples = [s._replace(labels=label | s.labels) for s in family.samples]
             yield family
 

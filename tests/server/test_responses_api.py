@@ -132,7 +132,8 @@ def test_forced_function_call_and_its_output_sent_back(rclient, rserver):
                        max_output_tokens=40)
     (call,) = response.output
     assert call.type == "function_call" and call.name == "get_weather"
-    assert call.id.startswith("fc_") and call.call_id and call.status == "completed"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    assert call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), TOOLS[0]["parameters"])
     assert response.status == "completed"
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
@@ -180,6 +181,20 @@ def test_openapi_lists_the_routes_and_the_request_body(rserver):
     body = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"].endswith("/ResponsesRequest")
     assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+
+def test_metrics_count_requests_by_route(rclient, rserver):
+    def count(handler: str, method: str, status: int) -> float:
+        name = f"jaxinfer:http_requests_total{{handler={handler},method={method},status={status}}}"
+        return metric_values(rserver).get(name, 0)
+
+    before = [count("/v1/responses", "POST", 200), count("/v1/chat/completions", "POST", 200),
+              count("/v1/responses/{response_id}", "GET", 404)]
+    _greedy(rclient, rserver, input="a", max_output_tokens=2)
+    _chat_text(rclient, rserver, [{"role": "user", "content": "a"}], 2)
+    with pytest.raises(openai.NotFoundError):
+        rclient.responses.retrieve("resp_gone")
+    assert [count("/v1/responses", "POST", 200), count("/v1/chat/completions", "POST", 200),
+            count("/v1/responses/{response_id}", "GET", 404)] == [b + 1 for b in before]
 
 # ---- the store -------------------------------------------------------------------------
 

@@ -87,8 +87,9 @@ class EventWriter:
                            **self._where())]
 
     def _start_call(self, delta: dict) -> list[Event]:
-        call = {"id": delta["id"], "function": {"name": delta["function"]["name"],
-                                                "arguments": ""}}
+        # OpenAI's call ids (`call_...`) rather than the chat path's (`chatcmpl-tool-...`)
+        call = {"id": output.new_id("call"), "function": {"name": delta["function"]["name"],
+                                                          "arguments": ""}}
         self._open = output.call_item(output.new_id("fc"), call, "in_progress")
         self._text = ""
         return [self.event("response.output_item.added", output_index=len(self.items),

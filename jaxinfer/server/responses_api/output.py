@@ -14,7 +14,7 @@ from jaxinfer.server.responses_api.protocol import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:
-    """OpenAI's ids: `resp_...`, `msg_...`, `fc_...`, `rs_...`."""
+    """OpenAI's ids: `resp_...`, `msg_...`, `fc_...`, `call_...`, `rs_...`."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -39,14 +39,6 @@ def call_item(item_id: str, call: dict, status: str = "completed") -> dict[str, 
     function = call["function"]
     return {"type": "function_call", "id": item_id, "call_id": call["id"],
             "name": function["name"], "arguments": function["arguments"], "status": status}
-
-
-def items(text: str, reasoning: str, calls: list[dict]) -> list[dict[str, Any]]:
-    """A whole choice's output items, in the order the model wrote them."""
-    out = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
-    if text or not calls:
-        out.append(message_item(new_id("msg"), text))
-    return out + [call_item(new_id("fc"), call) for call in calls]
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
