@@ -4,9 +4,10 @@
 same greedy text as /v1/chat/completions for the same conversation, a forced function
 call and its output sent back, `text.format` json_schema, `previous_response_id`, the
 store's bounds (an evicted id is a 404), GET and DELETE, bad inputs as 4xx in OpenAI's
-shape, a client leaving mid-stream and a stalled body. Reasoning items come from a tiny
-Qwen3 checkpoint served with `--reasoning_parser=qwen3`. The store's bounds are also
-checked on the store itself, with a clock of the test's."""
+shape, a client leaving mid-stream and a stalled body, requests counted by route in
+/metrics. Reasoning items come from a tiny Qwen3 checkpoint served with
+`--reasoning_parser=qwen3`. The store's bounds (with a clock of the test's) and the
+translation into chat messages are also checked without a server."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ import pytest
 from serving import metric_values, start_server
 
 from jaxinfer import testing
+from jaxinfer.server import protocol
+from jaxinfer.server.protocol import APIError
+from jaxinfer.server.responses_api import translation
+from jaxinfer.server.responses_api.protocol import ResponsesRequest
 from jaxinfer.server.responses_api.store import ResponseStore
 
 STORE_ENTRIES = 4
@@ -267,6 +272,39 @@ def test_store_bounds_count_size_and_age():
     assert store.get("f") is None and store.get("g") is not None
     assert len(store) == 1
 
+
+
+# ---- the translation, without a server ----------------------------------------------------
+
+def test_items_become_chat_messages_in_order():
+    body = protocol.validate(ResponsesRequest, {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                     {"type": "input_text", "text": "twice?"}]},
+        {"type": "reasoning", "summary": [], "content": [
+            {"type": "reasoning_text", "text": "two calls"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "1"}]}]})
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": a}}
+             for c, a in (("c1", "{}"), ("c2", '{"a": 1}'))]
+    assert translation.messages(body, history) == [
+        {"role": "system", "content": "Be brief."}, *history,
+        {"role": "user", "content": "Weather twice?"},
+        {"role": "assistant", "content": "", "tool_calls": calls, "reasoning": "two calls"},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+
+
+def test_chat_errors_are_worded_with_the_responses_fields():
+    for chat, responses in (("max_completion_tokens", "max_output_tokens"),
+                            ("response_format.json_schema", "text.format"),
+                            ("tools[2].function.parameters", "tools[2].parameters"),
+                            ("messages", "input"), ("temperature", "temperature")):
+        error = translation.renamed(APIError(400, f"{chat}: bad", param=chat))
+        assert (error.param, error.message) == (responses, f"{responses}: bad")
 
 # ---- bad inputs, disconnects, deadlines -------------------------------------------------
 
