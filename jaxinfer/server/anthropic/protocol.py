@@ -74,6 +74,15 @@ class Tool(Body):
     strict: bool | None = None
     cache_control: CacheControl = None
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _a_client_tool(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"server tools are not served ({str(kind)[:80]}): only client "
+                             "tools, each with an input_schema")
+        return data
+
 
 class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
