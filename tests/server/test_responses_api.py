@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import signal
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -41,6 +43,9 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
                          "properties": {"city": {"type": "string",
                                                  "enum": ["Paris", "Rome", "Oslo"]}},
                          "required": ["city"], "additionalProperties": False}}]
+# a long string the constraint will not let end early (no ignore_eos in this API)
+LONG = {"format": {"type": "json_schema", "name": "long",
+                   "schema": {"type": "string", "minLength": 2000}}}
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added",
                "response.output_text.delta", "response.output_text.done",
                "response.content_part.done", "response.output_item.done"]
@@ -358,15 +363,12 @@ def _idle(server, limit_s: float = 30) -> dict[str, float]:
 
 def test_a_client_leaving_mid_stream_aborts_and_frees_its_pages(rclient, rserver):
     before = _idle(rserver)
-    # a long string the constraint will not let end early (no ignore_eos here)
-    text = {"format": {"type": "json_schema", "name": "long",
-                       "schema": {"type": "string", "minLength": 2000}}}
 
     async def read_then_leave() -> int:
         async with openai.AsyncOpenAI(base_url=rserver.url, api_key="unused",
                                       max_retries=0, timeout=120) as client:
             stream = await client.responses.create(
-                model=rserver.model, input="Say it:", max_output_tokens=400, text=text,
+                model=rserver.model, input="Say it:", max_output_tokens=400, text=LONG,
                 temperature=0, stream=True)
             received = 0
             async for _ in stream:
@@ -400,6 +402,36 @@ def test_a_body_that_stalls_gets_408_and_the_connection_closes(rserver):
     assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
     assert json.loads(payload)["error"]["code"] == "request_timeout"
 
+
+
+def test_a_stream_cut_by_shutdown_ends_with_error_and_response_failed():
+    """Two signals abort the streams at once: the client reads an `error` event, then
+    `response.failed`, and the server exits 0."""
+    server = start_server("--shutdown_timeout=60")
+    events, started = [], threading.Event()
+
+    def read() -> None:
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0,
+                           timeout=120) as client:
+            for event in client.responses.create(
+                    model=server.model, input="Say it:", max_output_tokens=400,
+                    temperature=0, stream=True, text=LONG):
+                events.append(event)
+                started.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    assert started.wait(60)
+    server.process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    server.process.send_signal(signal.SIGINT)
+    thread.join(120)
+    assert server.process.wait(60) == 0, "".join(server.log[-40:])
+    error, failed = events[-2:]
+    assert error.type == "error" and error.code == "shutting_down"
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "shutting_down"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 # ---- reasoning items -------------------------------------------------------------------
 
