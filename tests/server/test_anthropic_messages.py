@@ -140,6 +140,31 @@ def kwargs_body(server, max_tokens: int, **extra) -> dict:
             **extra}
 
 
+def test_a_final_assistant_message_is_a_prefill(server, clients):
+    """The answer goes on from the last assistant message, as chat's
+    continue_final_message."""
+    claude, gpt = clients
+    history = [*USER, {"role": "assistant", "content": "    x ="}]
+    message = claude.messages.create(model=server.model, messages=history, max_tokens=12,
+                                     extra_body=GREEDY)
+    chat = gpt.chat.completions.create(model=server.model, messages=history, max_tokens=12,
+                                       temperature=0, extra_body={
+                                           "add_generation_prompt": False,
+                                           "continue_final_message": True})
+    assert message.content[0].text == chat.choices[0].message.content
+
+
+def test_metrics_count_the_route(server, clients):
+    claude, _ = clients
+    name = "jaxinfer:http_requests_total{handler=/v1/messages,method=POST,status=%d}"
+    before = metric_values(server)
+    claude.messages.create(**_create(server, 2))
+    _post(server, {"model": server.model, "messages": USER})
+    after = metric_values(server)
+    for status in (200, 400):
+        assert after[name % status] - before.get(name % status, 0) == 1
+
+
 def test_a_stop_sequence_ends_the_text_whole_and_streamed(server, clients):
     claude, _ = clients
     full = claude.messages.create(**_create(server, 40)).content[0].text
