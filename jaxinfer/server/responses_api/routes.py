@@ -80,13 +80,12 @@ class _Run:
         self.field = structured.field(chat) or calls.field
         self.submission = Submission(
             messages=[m.plain() for m in chat.messages], params=params,
-            limit=protocol.max_tokens(chat),
-            tools=calls.tools, constraint_field=self.field,
+            limit=protocol.max_tokens(chat), tools=calls.tools, constraint_field=self.field,
             template_kwargs=tokenization.template_kwargs(None, chat.reasoning_effort),
             lora=state.adapters.get(body.model))
         self.reader: ReasoningSplitter | None = splitter(state.config, state.tokenizer,
                                                          params, calls)
-        self.body, self.state = body, state
+        self.body = body
         # as the body gave them (a call's arguments JSON text), to be read again later
         sent = [m.model_dump(exclude_none=True) for m in chat.messages]
         self.conversation = history + _new_turns(sent, body, len(history))
