@@ -165,6 +165,19 @@ def test_metrics_count_the_route(server, clients):
         assert after[name % status] - before.get(name % status, 0) == 1
 
 
+def test_output_config_format_constrains_the_text_to_its_schema(server, clients):
+    claude, _ = clients
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    message = claude.messages.create(**_create(server, 40), output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+    assert message.stop_reason == "end_turn"
+    bad = _post(server, kwargs_body(server, 4) | {"output_config": {
+        "format": {"type": "json_schema", "schema": False}}})
+    _assert_anthropic_error(bad, 400, "invalid_request_error", "output_config")
+
+
 def test_a_stop_sequence_ends_the_text_whole_and_streamed(server, clients):
     claude, _ = clients
     full = claude.messages.create(**_create(server, 40)).content[0].text

@@ -23,7 +23,8 @@ STREAM_TYPES = {"invalid_request_error": "invalid_request_error", "internal_erro
 OVERLOADED = 529  # Anthropic's status for "try again later"
 # chat's names for Anthropic's fields: a tool's schema, the stop strings
 SCHEMA = re.compile(r"tools\[(\d+)\]\.function\.parameters")
-PARAMS = {"stop": "stop_sequences"}
+PARAMS = {"stop": "stop_sequences", "response_format.json_schema": "output_config.format.schema",
+          "reasoning_effort": "output_config.effort"}
 
 
 def status(error: APIError) -> int:
@@ -42,7 +43,8 @@ def response(error: APIError) -> JSONResponse:
 
 def worded(error: APIError) -> str:
     """The message in Anthropic's field names, opening with the field it is about."""
-    message = SCHEMA.sub(r"tools.\1.input_schema", error.message)
+    message = SCHEMA.sub(r"tools.\1.input_schema", error.message).replace(
+        "response_format.json_schema", PARAMS["response_format.json_schema"])
     if error.param is None:
         return message
     param = SCHEMA.sub(r"tools.\1.input_schema", PARAMS.get(error.param, error.param))

@@ -106,6 +106,19 @@ class Thinking(Body):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class OutputFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = pydantic.Field(alias="schema")
+
+
+class OutputConfig(Body):
+    """Anthropic's structured outputs (`format`: chat's `response_format` json_schema) and
+    `effort` (chat's `reasoning_effort`, a template variable)."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class Metadata(Body):
     user_id: str | None = None  # accepted and ignored
 
@@ -130,6 +143,7 @@ class MessagesRequest(_Conversation):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(_Conversation):

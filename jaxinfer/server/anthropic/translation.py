@@ -59,6 +59,12 @@ def chat_request(body: MessagesRequest | CountTokensRequest, config: ServerConfi
              if getattr(body, name) is not None}
     if body.stop_sequences:
         chat["stop"] = body.stop_sequences
+    output = body.output_config
+    if output is not None and output.format is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": output.format.json_schema}}
+    if output is not None and output.effort is not None:
+        chat["reasoning_effort"] = output.effort
     if body.stream:  # every chunk carries the usage so far: message_start's input tokens
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     display = body.thinking.display if body.thinking else None
