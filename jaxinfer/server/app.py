@@ -14,11 +14,11 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import fastapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.engine.request import SamplingParams, prompt_logprobs_json
@@ -26,6 +26,7 @@ from jaxinfer.server import (
     adapters,
     anthropic,
     dev_routes,
+    event_streams,
     http_metrics,
     lora_routes,
     openapi,
@@ -284,59 +285,19 @@ async def _respond(request: fastapi.Request, state: ServerState, shape: _Shape,
     try:
         streams = await state.loop.submit(submissions, asyncio.Queue())
     except APIError as e:
-        raise _constraint_error(e, submissions[0].constraint_field) from None
+        raise tools.constraint_error(e, submissions[0].constraint_field) from None
     if body.stream:
         events = _events(state.loop, shape, streams, body.stream_options)
-        return _EventStream(events, on_close=lambda: _abort_unfinished(state.loop, streams))
-    watcher = asyncio.create_task(_watch_disconnect(request, streams[0].inbox))
+        return event_streams.EventStream(
+            events, on_close=lambda: event_streams.abort_unfinished(state.loop, streams))
+    watcher = asyncio.create_task(event_streams.watch_disconnect(request, streams[0].inbox))
     try:
         return JSONResponse(await _collect(shape, streams))
     except Disconnected:
         return Response(status_code=499)
     finally:
         watcher.cancel()
-        _abort_unfinished(state.loop, streams)
-
-
-def _constraint_error(error: APIError, field: str | None) -> APIError:
-    """An error about the request's constraint worded with the field it came in (the
-    engine names it by kind: `structured_outputs.json: ...`)."""
-    if field is None or error.param != field or error.code is not None:
-        return error
-    if field.startswith("tools"):
-        param, message = tools.error_field(field, error.message)
-    else:
-        param, message = field, structured.worded(error.message, field)
-    return APIError(error.status, message, param=param)
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that abort their requests however the response ends (a client
-    gone before the first event never starts the generator, whose cleanup then never
-    runs)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _watch_disconnect(request: fastapi.Request, inbox: asyncio.Queue) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    inbox.put_nowait(None)
-
-
-def _abort_unfinished(loop: EngineLoop, streams: list[Stream]) -> None:
-    for stream in streams:
-        if not stream.finished:
-            loop.abort(stream.request_id)
+        event_streams.abort_unfinished(state.loop, streams)
 
 
 def _usage(streams: list[Stream], completion_tokens: int) -> dict[str, Any]:
@@ -395,7 +356,7 @@ async def _events(loop: EngineLoop, shape: _Shape, streams: list[Stream],
     except APIError as e:
         yield _event(e.body())
     finally:
-        _abort_unfinished(loop, streams)
+        event_streams.abort_unfinished(loop, streams)
     yield "data: [DONE]\n\n"
 
 

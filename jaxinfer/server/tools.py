@@ -178,3 +178,15 @@ def prompt_token_ids(engine: Any, messages: list[dict], tools: list[dict],
 
 def _shown(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else repr(choice.model_dump())
+
+
+def constraint_error(error: APIError, field: str | None) -> APIError:
+    """An error about the request's constraint worded with the field it came in (the
+    engine names it by kind: `structured_outputs.json: ...`)."""
+    if field is None or error.param != field or error.code is not None:
+        return error
+    if field.startswith("tools"):
+        param, message = error_field(field, error.message)
+    else:
+        param, message = field, worded(error.message, field)
+    return APIError(error.status, message, param=param)

@@ -9,14 +9,14 @@ docs/serving.md#the-responses-api.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import fastapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxinfer.config import ServerConfig
-from jaxinfer.server import protocol, structured, tokenization, tools
+from jaxinfer.server import event_streams, protocol, structured, tokenization, tools
 from jaxinfer.server.engine_loop import EngineLoop, Submission
 from jaxinfer.server.pooling_loop import PoolingLoop
 from jaxinfer.server.protocol import APIError, ChatRequest
@@ -138,32 +138,21 @@ async def create(request: fastapi.Request) -> Response:
     try:
         streams = await state.loop.submit([run.submission], asyncio.Queue())
     except APIError as e:
-        raise translation.renamed(_constraint_error(e, run.field)) from None
+        raise translation.renamed(tools.constraint_error(e, run.field)) from None
     if body.stream:
         events = _events(state.loop, run, streams[0], _store(request))
-        return _EventStream(events, on_close=lambda: _abort_unfinished(state.loop, streams))
-    watcher = asyncio.create_task(_watch_disconnect(request, streams[0].inbox))
+        return event_streams.EventStream(
+            events, on_close=lambda: event_streams.abort_unfinished(state.loop, streams))
+    watcher = asyncio.create_task(event_streams.watch_disconnect(request, streams[0].inbox))
     try:
         return JSONResponse(await _collect(run, streams[0], _store(request)))
     except Disconnected:
         return Response(status_code=499)
     except APIError as e:
-        raise translation.renamed(_constraint_error(e, run.field)) from None
+        raise translation.renamed(tools.constraint_error(e, run.field)) from None
     finally:
         watcher.cancel()
-        _abort_unfinished(state.loop, streams)
-
-
-def _constraint_error(error: APIError, field: str | None) -> APIError:
-    """An engine error about the output constraint, worded with the chat field it came
-    in (renamed after to the Responses field)."""
-    if field is None or error.param != field or error.code is not None:
-        return error
-    if field.startswith("tools"):
-        param, message = tools.error_field(field, error.message)
-    else:
-        param, message = field, structured.worded(error.message, field)
-    return APIError(error.status, message, param=param)
+        event_streams.abort_unfinished(state.loop, streams)
 
 
 async def _collect(run: _Run, stream: Stream, store: ResponseStore) -> dict[str, Any]:
@@ -196,37 +185,9 @@ async def _events(loop: EngineLoop, run: _Run, stream: Stream,
         run.keep(response, store)
         yield sse(writer.event(f"response.{response['status']}", response=response))
     except APIError as e:
-        e = translation.renamed(_constraint_error(e, run.field))
+        e = translation.renamed(tools.constraint_error(e, run.field))
         yield sse(writer.event("error", code=e.code, message=e.message, param=e.param))
         error = {"code": e.code or "server_error", "message": e.message}
         yield sse(writer.event("response.failed", response=run.response("failed", error=error)))
     finally:
-        _abort_unfinished(loop, [stream])
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that abort their request however the response ends (a client
-    gone before the first event never starts the generator)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _watch_disconnect(request: fastapi.Request, inbox: asyncio.Queue) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    inbox.put_nowait(None)
-
-
-def _abort_unfinished(loop: EngineLoop, streams: list[Stream]) -> None:
-    for stream in streams:
-        if not stream.finished:
-            loop.abort(stream.request_id)
+        event_streams.abort_unfinished(loop, [stream])
