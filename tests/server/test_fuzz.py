@@ -210,7 +210,7 @@ def _route_cases() -> Iterator[Case]:
                          ("DELETE", "/v1/models")):
         yield Case(f"{method} {path}", path, b"{}", status=405, method=method)
     for path in ("/nope", "/v1", "/v1/embedding", "/v1/completion", "/v2/completions",
-                 "/v1/models/demo", "/v1/responses", "/%ff"):
+                 "/v1/models/demo", "/v1/respond", "/%ff"):
         yield Case(f"POST {path}", path, b"{}", status=404)
         yield Case(f"GET {path}", path, b"", status=404, method="GET")
 
