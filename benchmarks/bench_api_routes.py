@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from collections.abc import Callable
 import httpx2 as httpx  # the HTTP client openai 3.x is built on
 import numpy as np
 from absl import app, flags
+from server_process import stop_server, tail
 
 FLAGS = flags.FLAGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -303,10 +303,6 @@ def start_server(port: int, log: typing.IO) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log, stderr=log, env=env)
 
 
-def tail(log: typing.IO) -> str:
-    return pathlib.Path(log.name).read_bytes().decode(errors="replace")[-3000:]
-
-
 def wait_ready(root: str, process: subprocess.Popen, log: typing.IO) -> float:
     """Seconds until GET /health answers 200; raises if the server exits or times out."""
     started = time.perf_counter()
@@ -320,17 +316,6 @@ def wait_ready(root: str, process: subprocess.Popen, log: typing.IO) -> float:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"no /health after {FLAGS.startup_timeout} s:\n{tail(log)}")
-
-
-def stop_server(process: subprocess.Popen, log: typing.IO) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        code = process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        code = process.wait()
-    print(f"the server exited with {code}:\n{tail(log)}" * (code != 0), file=sys.stderr)
-    return code
 
 
 def serve_and_bench(run: Callable[[str], typing.Awaitable[dict]]) -> tuple[dict, dict]:

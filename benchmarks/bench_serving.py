@@ -36,7 +36,6 @@ import math
 import os
 import pathlib
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import numpy as np
 import openai
 from absl import app, flags
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import stop_server, tail
 
 from jaxinfer.config import EngineConfig
 
@@ -287,22 +287,6 @@ def wait_ready(root: str, process: subprocess.Popen | None, log: typing.IO | Non
         except OSError:
             time.sleep(1.0)
     raise TimeoutError(f"no /health after {FLAGS.startup_timeout} s:\n{tail(log)}")
-
-
-def tail(log: typing.IO | None) -> str:
-    """The end of the server's log, read by path (the server moves the handle's offset)."""
-    return pathlib.Path(log.name).read_bytes().decode(errors="replace")[-3000:] if log else ""
-
-
-def stop_server(process: subprocess.Popen, log: typing.IO) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        code = process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        code = process.wait()
-    print(f"the server exited with {code}:\n{tail(log)}" * (code != 0), file=sys.stderr)
-    return code
 
 
 async def bench_server(base_url: str, prompts: list[str], lengths: list[int]) -> list[dict]:

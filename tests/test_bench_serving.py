@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_serving.py"
+sys.path.insert(0, str(PATH.parent))  # its sibling modules, as when run as a script
 _spec = importlib.util.spec_from_file_location("bench_serving", PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_serving"] = bench  # dataclasses look their module up
