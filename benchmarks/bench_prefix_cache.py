@@ -25,15 +25,16 @@ from absl import app, flags
 from jaxinfer import LLM, SamplingParams, testing
 from jaxinfer.cli import audit
 
-flags.DEFINE_string("dtype", "bfloat16", "weights dtype")
 flags.DEFINE_integer("num_requests", 64, "requests in the workload")
 flags.DEFINE_integer("prefix_tokens", 1024, "tokens every prompt shares")
 flags.DEFINE_integer("suffix_tokens", 256, "distinct tokens after the prefix")
 flags.DEFINE_integer("output_tokens", 64, "tokens generated per request")
-flags.DEFINE_integer("max_num_seqs", 64, "requests in flight")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens per step")
-flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 FLAGS = flags.FLAGS
+# --dtype, --max_num_seqs, --max_num_batched_tokens and --page_size are the CLI's engine
+# flags (importing jaxinfer.cli defines them), with this workload's defaults
+for _name, _default in (("dtype", "bfloat16"), ("max_num_seqs", 64),
+                        ("max_num_batched_tokens", 512), ("page_size", 16)):
+    FLAGS.set_default(_name, _default)
 
 
 def workload() -> list[list[int]]:
