@@ -84,10 +84,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                                 config.data_parallel_size, replica, ep,
                                 config.pipeline_parallel_size)
     parts = spec_loading.prepare(root, model_config, config, max_len)
-    options = ModelOptions(expert_parallel=ep, feature_layers=parts.feature_layers,
-                           batch_invariant=config.batch_invariant, lora=config.lora_slots,
-                           pipeline_stages=config.pipeline_parallel_size,
-                           pipeline_microbatches=config.pipeline_microbatches)
+    options = engine_options(config, parts.feature_layers)
     served = sharding.served_config(model_config, config.tensor_parallel_size)
     group = prequantized_int4.group_size(root)  # an AWQ or GPTQ checkpoint's int4 groups
     memory_plan = plan_memory(served, config, max_len, checkpoint.quantized_head(root),
@@ -126,13 +123,21 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                        flops=flop_count(model_config, config), speculation=speculation)
 
 
+def engine_options(config: EngineConfig, feature_layers: tuple[int, ...] = ()
+                   ) -> ModelOptions:
+    """The options `config` runs its model with, keeping `feature_layers` for
+    speculative heads."""
+    return ModelOptions(expert_parallel=config.enable_expert_parallel,
+                        feature_layers=feature_layers, batch_invariant=config.batch_invariant,
+                        lora=config.lora_slots, pipeline_stages=config.pipeline_parallel_size,
+                        pipeline_microbatches=config.pipeline_microbatches)
+
+
 def check_options(model_config: ModelConfig, config: EngineConfig,
                   root: pathlib.Path) -> None:
     """ValueError unless the engine's options suit the model (ModelOptions.check), and
     LoRA adapters go to a generating model."""
-    ModelOptions(expert_parallel=config.enable_expert_parallel,
-                 batch_invariant=config.batch_invariant, lora=config.lora_slots,
-                 pipeline_stages=config.pipeline_parallel_size).check(model_config)
+    engine_options(config).check(model_config)
     if config.enable_lora and config.runner == "pooling":
         raise ValueError("enable_lora=True serves adapters on a generating model; "
                          f"{root} is served as a pooling model")
