@@ -126,12 +126,11 @@ def test_generate_across_two_stages_prints_what_one_process_prints(model_dir):
             p.kill()
     for i, (p, (_, stderr)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"process {i}: {stderr}"
-    # Gloo's own connection lines go to stdout too (its C++ logging): left out
-    printed = [[line for line in stdout.splitlines() if not line.startswith("[Gloo]")]
-               for stdout, _ in outputs]
-    assert printed[0] == ref.stdout.splitlines()
-    assert printed[0][0].startswith("def read(path):")
-    assert printed[1] == []
+    # Gloo's connection lines go to stdout too (its C++ logging, from several threads,
+    # cut anywhere), all written while the processes join, before the completion
+    assert ref.stdout.startswith("def read(path):")
+    assert outputs[0][0].endswith(ref.stdout)
+    assert "def read(path):" not in outputs[1][0]
 
 
 def test_processes_given_different_settings_refuse_to_start(model_dir, tmp_path):
