@@ -10,7 +10,7 @@ import json
 import pathlib
 from typing import Any
 
-from jaxinfer.config import lora, pipeline
+from jaxinfer.config import lora, offload, pipeline
 from jaxinfer.config.dtypes import (  # noqa: F401 (the names engine.py long exported)
     DTYPE_CHOICES,
     DTYPES,
@@ -211,6 +211,13 @@ class EngineConfig:
         "~/.cache/jaxinfer/xla; empty: off")
     seed: int = setting(0, "draws the seeds of requests that give none")
     enable_prefix_caching: bool = setting(True, "reuse KV pages of shared prompt prefixes")
+    kv_offloading_size: float | None = setting(
+        None, "GiB of host memory (a replica's devices together; vLLM's name and unit) "
+        "that keep the full KV pages evicted from the device pool; a prefix hit copies "
+        "them back (docs/kv_cache.md#the-host-tier); None: off")
+    kv_offloading_backend: str = setting(
+        "native", "what keeps offloaded pages (vLLM's name): native, jaxinfer's host tier",
+        ("native",))
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "models with both sliding-window and full-attention layers (Gemma 3, "
         "gpt-oss): keep every page in every layer, as for other models, instead of giving "
@@ -309,6 +316,7 @@ class EngineConfig:
         lora.check_settings(self.enable_lora, self.max_loras, self.max_lora_rank,
                             self.max_cpu_loras)
         pipeline.check_settings(self)
+        offload.check_settings(self)
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant=True runs each replica on one device; "
                              f"tensor_parallel_size={self.tensor_parallel_size} sums "

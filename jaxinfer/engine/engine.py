@@ -68,7 +68,9 @@ class Engine(RequestIntake, RolloutControls, adapters.AdapterControls):
                                expert_tokens=self.model_config.moe and self.runner.expert_tokens)
         self.scheduler = Scheduler(
             kv_groups.from_plan(self.memory_plan.page_groups, page_size=config.page_size,
-                                enable_caching=config.enable_prefix_caching),
+                                enable_caching=config.enable_prefix_caching,
+                                host_pages=self.runner.host_copies and
+                                self.runner.host_copies.num_slots),
             page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
@@ -76,6 +78,8 @@ class Engine(RequestIntake, RolloutControls, adapters.AdapterControls):
         self.metrics.page_groups = self.scheduler.pages.usage
         if config.enable_prefix_caching:
             self.metrics.prefix_cache = self._prefix_cache_counts
+        if self.runner.host_copies is not None:
+            self.metrics.kv_offload = self._kv_offload_counts
         self._rng = random.Random(config.seed)
         self._arrivals = 0
         self._requests: dict[str, list[Request]] = {}  # prompt id -> its n completions
@@ -101,6 +105,11 @@ class Engine(RequestIntake, RolloutControls, adapters.AdapterControls):
         pool = self.scheduler.pool
         return self.scheduler.cache_stats | {"evictions": pool.num_evictions,
                                              "cached_pages": pool.num_cached}
+
+    def _kv_offload_counts(self) -> dict[str, float]:
+        host, copies = self.scheduler.pool.host, self.runner.host_copies
+        return {"host_pages": host.num_slots, "host_pages_held": host.num_held,
+                "host_evictions": host.stats["evictions"], **copies.stats.as_dict()}
 
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""

@@ -23,6 +23,7 @@ from jaxinfer.config import (
     ModelConfig,
     ModelOptions,
     checkpoint_dtype,
+    offload,
     served_dtype,
 )
 from jaxinfer.config import runner as runner_choice
@@ -113,6 +114,9 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
         uses_draft_probs=parts.proposes_with_model, options=options,
         pooling=config.runner == "pooling")
     runner.adapters = adapter_slots(runner, model_config)
+    if config.kv_offloading_size is not None:
+        offload.check_page_groups(config.kv_offloading_size, len(group_pages))
+        runner.enable_host_tier(config.kv_offloading_size)
     speculation = spec and spec_loading.make_speculation(
         config, parts, runner, vocab_size=served.vocab_size, mesh=mesh,
         num_pages=memory_plan.num_pages, max_len=max_len, buckets=buckets,

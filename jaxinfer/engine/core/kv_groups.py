@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from jaxinfer.engine.core.host_tier import HostTier
 from jaxinfer.engine.core.page_pool import ROOT, TRASH_PAGE, PagePool
 from jaxinfer.engine.request import Request
 
@@ -57,8 +58,8 @@ class PageGroup:
     def release(self, ids: list[int], keep: int = 0) -> None:
         """Give back the pages from logical page `keep` on (cached ones stay cached)."""
         held = [page for page in ids[keep:] if page != TRASH_PAGE]
-        if held:
-            self.pool.free(held)
+        if held:  # last page first: a prefix's tail is evicted before its head (vLLM)
+            self.pool.free(held[::-1])
         del ids[keep:]
 
     def cache(self, ids: list[int], index: int, serial: int) -> None:
@@ -127,12 +128,14 @@ class GroupPlan(Protocol):
     num_pages: int
 
 
-def from_plan(plans: Sequence[GroupPlan], *, page_size: int, enable_caching: bool
-              ) -> list[PageGroup]:
-    """The page groups a memory plan sizes, each with a pool of its pages."""
+def from_plan(plans: Sequence[GroupPlan], *, page_size: int, enable_caching: bool,
+              host_pages: int = 0) -> list[PageGroup]:
+    """The page groups a memory plan sizes, each with a pool of its pages; the first
+    with a host tier of `host_pages` pages when > 0 (kv_offloading_size)."""
     groups = []
     for plan in plans:
-        pool = PagePool(plan.num_pages, enable_caching=enable_caching)
+        host = HostTier(host_pages) if host_pages and not groups else None
+        pool = PagePool(plan.num_pages, enable_caching=enable_caching, host=host)
         window = {} if plan.window is None else {"window": plan.window}
         groups.append(KINDS[plan.kind](pool, page_size, **window))
     return groups
@@ -203,14 +206,13 @@ class PageGroups:
             for group, held in zip(self.groups[1:], others, strict=True):
                 group.cache(held, index, parent)
 
-    def take_cached(self, request: Request) -> None:
+    def take_cached(self, request: Request) -> int:
         """Start `request` on the cached pages of its leading full pages (never the last
         token's page: its logits are needed), as far as every group holds what a query
-        after them sees."""
+        after them sees; returns how many of them the host tier restores."""
         tokens = request.all_token_ids
-        pages, serials = self.pool.match(tokens, self.page_size,
-                                         (len(tokens) - 1) // self.page_size,
-                                         request.cache_key)
+        pages, serials, restored = self.pool.take_match(
+            tokens, self.page_size, (len(tokens) - 1) // self.page_size, request.cache_key)
         count, held = len(pages), []
         while self.groups[1:]:  # each group may shorten the hit; stop when all agree
             shorter, held = count, []
@@ -221,10 +223,12 @@ class PageGroups:
                 break
             count = shorter
         request.page_ids = [pages[:count], *held]
-        for group, ids in zip(self.groups, request.page_ids, strict=True):
+        self.pool.free(pages[count:])  # taken by take_match; a host one stays restored
+        for group, ids in zip(self.groups[1:], held, strict=True):
             group.pool.share([page for page in ids if page != TRASH_PAGE])
         request.page_serials = serials[:count]
         request.num_computed_tokens = count * self.page_size
+        return sum(index < count for index in restored)
 
     # ---- counts -----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The page allocator: a fixed pool of KV page ids with reference counts, the trash page
 0, and the prefix cache (a verified hash chain over full pages, unused ones kept in an
-LRU). Plain Python. See docs/sampling.md#prefix-caching and docs/kv_cache.md.
+LRU, evicted ones kept in the host tier when there is one). Plain Python. See
+docs/sampling.md#prefix-caching and docs/kv_cache.md (#the-host-tier).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
+
+from jaxinfer.engine.core.host_tier import HostTier
 
 TRASH_PAGE = 0
 ROOT = 0  # the parent serial of a request's first page
@@ -42,7 +45,9 @@ class PagePool:
     """Hands out page ids 1..num_pages-1, takes them back, and caches full pages."""
 
     def __init__(self, num_pages: int, *, enable_caching: bool = False,
-                 hash_fn: Callable[[int, tuple[int, ...], Hashable], int] = page_hash) -> None:
+                 hash_fn: Callable[[int, tuple[int, ...], Hashable], int] = page_hash,
+                 host: HostTier | None = None) -> None:
+        """`host`: the host tier evicted cached pages go to (None: they are dropped)."""
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the trash page)")
         self.num_pages = num_pages
@@ -56,6 +61,7 @@ class PagePool:
         self._children: dict[tuple[int, int], set[int]] = {}  # (parent, first token) -> pages
         self._serials = 0
         self.num_evictions = 0
+        self.host = host if enable_caching else None
 
     @property
     def num_free(self) -> int:
@@ -84,7 +90,9 @@ class PagePool:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                self._forget(page)
+                entry = self._forget(page)
+                if self.host is not None:
+                    self.host.put(entry)
                 self.num_evictions += 1
             self._refs[page] = 1
             pages.append(page)
@@ -131,22 +139,47 @@ class PagePool:
             return self._serial()  # a collision: keep the first; this content is uncached
         if page in self._cached:
             raise ValueError(f"page {page} is already registered")
-        self._by_hash[key] = page
-        entry = CachedPage(key, page, self._serial(), parent, tokens, extra)
-        self._cached[page] = entry
-        self._children.setdefault((parent, tokens[0]), set()).add(page)
+        held = self.host and self.host.get(key)
+        serial = self._serial()
+        if held and (held.parent, held.tokens, held.extra) == (parent, tokens, extra):
+            self.host.drop(key)  # computed again: the device holds it now, as it was named
+            serial = held.serial
+        return self._add(CachedPage(key, page, serial, parent, tokens, extra))
+
+    def _add(self, entry: CachedPage) -> int:
+        self._by_hash[entry.hash] = entry.page
+        self._cached[entry.page] = entry
+        self._children.setdefault((entry.parent, entry.tokens[0]), set()).add(entry.page)
         return entry.serial
 
     def lookup(self, parent: int, tokens: Sequence[int], extra: Hashable = None
                ) -> CachedPage | None:
         """The cached page holding exactly `tokens` after `parent`, verified; or None."""
-        page = self._by_hash.get(self.hash_fn(parent, tuple(tokens), extra))
-        if page is None:
+        key = self.hash_fn(parent, tuple(tokens), extra)
+        page = self._by_hash.get(key)
+        return None if page is None else _verified(self._cached[page], parent, tokens, extra)
+
+    def lookup_host(self, parent: int, tokens: Sequence[int], extra: Hashable = None
+                    ) -> CachedPage | None:
+        """The host tier's entry holding exactly `tokens` after `parent`, verified (its
+        `page` is the device page it was evicted from); or None."""
+        if self.host is None:
             return None
-        entry = self._cached[page]
-        if (entry.parent, entry.tokens, entry.extra) != (parent, tuple(tokens), extra):
-            return None  # a hash collision
-        return entry
+        entry = self.host.get(self.hash_fn(parent, tuple(tokens), extra))
+        return None if entry is None else _verified(entry, parent, tokens, extra)
+
+    def restore(self, entry: CachedPage) -> int | None:
+        """A device page (refcount 1) that will hold the host tier's `entry`, registered
+        under its serial, its copy queued; or None (nothing taken) if none is free."""
+        pages = self.allocate(1)
+        if pages is None:
+            return None
+        if self.host.get(entry.hash) is not entry:  # the allocation evicted it
+            self.free(pages)
+            return None
+        self.host.restore(entry, pages[0])
+        self._add(dataclasses.replace(entry, page=pages[0]))
+        return pages[0]
 
     def match(self, token_ids: Sequence[int], page_size: int, max_pages: int,
               extra: Hashable = None) -> tuple[list[int], list[int]]:
@@ -162,6 +195,30 @@ class PagePool:
             serials.append(entry.serial)
             parent = entry.serial
         return pages, serials
+
+    def take_match(self, token_ids: Sequence[int], page_size: int, max_pages: int,
+                   extra: Hashable = None) -> tuple[list[int], list[int], list[int]]:
+        """`match` over both tiers, each page taken as it is found (a device page shared,
+        a host one restored into a new device page, so that no allocation evicts a page
+        the hit holds); returns the pages, their serials and the indices of those the
+        host tier restores."""
+        pages, serials, parent, restored = [], [], ROOT, []
+        for index in range(min(max_pages, len(token_ids) // page_size)):
+            tokens = token_ids[index * page_size:(index + 1) * page_size]
+            entry = self.lookup(parent, tokens, extra)
+            if entry is not None:
+                self.share([entry.page])
+                page = entry.page
+            else:
+                entry = self.lookup_host(parent, tokens, extra)
+                page = None if entry is None else self.restore(entry)
+                if page is None:
+                    break
+                restored.append(index)
+            pages.append(page)
+            serials.append(entry.serial)
+            parent = entry.serial
+        return pages, serials, restored
 
     def partial_overlap(self, parent: int, tokens: Sequence[int], extra: Hashable = None
                         ) -> int:
@@ -190,7 +247,7 @@ class PagePool:
         for page in pages:
             self._forget(page)
             self._free.append(page)
-        return len(pages)
+        return len(pages) + (self.host.clear() if self.host else 0)
 
     def forget_in_use(self) -> int:
         """Unregister the cached pages requests still hold (their KV came from weights
@@ -200,16 +257,28 @@ class PagePool:
         pages = [page for page in self._cached if self._refs[page] > 0]
         for page in pages:
             self._forget(page)
+        if self.host:
+            self.host.clear()  # computed with the old weights too
         return len(pages)
 
     def _serial(self) -> int:
         self._serials += 1
         return self._serials
 
-    def _forget(self, page: int) -> None:
+    def _forget(self, page: int) -> CachedPage:
         entry = self._cached.pop(page)
         del self._by_hash[entry.hash]
         siblings = self._children[(entry.parent, entry.tokens[0])]
         siblings.discard(page)
         if not siblings:
             del self._children[(entry.parent, entry.tokens[0])]
+        return entry
+
+
+def _verified(entry: CachedPage, parent: int, tokens: Sequence[int], extra: Hashable
+              ) -> CachedPage | None:
+    """`entry` if it holds exactly `tokens` after `parent` with `extra`, else None (a
+    hash collision)."""
+    if (entry.parent, entry.tokens, entry.extra) != (parent, tuple(tokens), extra):
+        return None
+    return entry

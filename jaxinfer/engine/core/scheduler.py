@@ -13,70 +13,16 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from jaxinfer.config import SCHEDULERS
+from jaxinfer.engine.core.host_tier import Transfer
 from jaxinfer.engine.core.kv_groups import FullAttentionPages, PageGroup, PageGroups
 from jaxinfer.engine.core.page_pool import ROOT, PagePool
+from jaxinfer.engine.core.plan import ScheduledChunk, StepPlan
 from jaxinfer.engine.request import Request, Status
 
-CACHE_STATS = ("prompt_tokens", "hit_tokens", "miss_tokens_no_shared_prefix",
-               "miss_tokens_shared_below_page")
+__all__ = ["CACHE_STATS", "ScheduledChunk", "Scheduler", "StepPlan"]
 
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """`num_tokens` tokens of one request, from position `start`, in this step.
-
-    The chunk's last `num_samples` positions are sampled, each giving the token that
-    follows it: 0 for a prefill chunk that stops short of the request's end, 1 for one
-    that reaches it. With k `draft_token_ids` (the last k of its `num_tokens`, not yet
-    the request's) it samples k + 1: each draft is checked against the sample before it;
-    the runner samples at most its static number of positions per request. Fixed when
-    scheduled: `Scheduler.update` moves the request on, not the chunk.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    num_samples: int = 0
-    draft_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.num_samples <= self.num_tokens:
-            raise ValueError(f"num_samples={self.num_samples} must be in [0, num_tokens="
-                             f"{self.num_tokens}]")
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The request's tokens the chunk computes, then its drafts (known tokens only:
-        see runner/slots.py for placeholders)."""
-        end = self.start + self.num_tokens - len(self.draft_token_ids)
-        return self.request.tokens(self.start, end) + list(self.draft_token_ids)
-
-    def accepted(self, sampled: Sequence[int]) -> int:
-        """Drafts the target agrees with: the leading drafts equal to the samples before
-        them (the samples are the target's tokens, drafts where it accepted them)."""
-        count = 0
-        for draft, token in zip(self.draft_token_ids, sampled, strict=False):
-            if draft != token:
-                break
-            count += 1
-        return count
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What one step computes. Pure data."""
-
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[Request, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def has_drafts(self) -> bool:
-        """Whether the step verifies drafts (speculative decoding)."""
-        return any(c.draft_token_ids for c in self.chunks)
+CACHE_STATS = ("prompt_tokens", "hit_tokens", "host_hit_tokens",
+               "miss_tokens_no_shared_prefix", "miss_tokens_shared_below_page")
 
 
 class Scheduler:
@@ -112,6 +58,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.cache_stats = dict.fromkeys(CACHE_STATS, 0)
         self._static_quota = 0  # static mode: requests the current batch may still admit
+        self._step_pages: set[int] = set()  # pages the step being planned registers
+        self._step_hits: set[Request] = set()  # admitted on some of those pages
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
@@ -122,6 +70,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        self._step_pages, self._step_hits = set(), set()
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         index = 0
@@ -134,17 +83,24 @@ class Scheduler:
             if not self._reserve_or_preempt(request, count, preempted):
                 continue  # `request` itself was preempted; the next one moved up
             chunks.append(_chunk(request, count))
+            self._register_pages(request)  # seen by this step's admissions (device order)
             budget -= count
             index += 1
         if self.policy == "static" and not self.running:
             self._static_quota = self.max_num_seqs  # the next batch may form
         if not preempted:
             budget = self._admit(budget, chunks)
-        for chunk in chunks:  # seen from the next step on, computed or not (device order)
-            self._register_pages(chunk.request)
-        # Single-token chunks (decodes) first: attention gathers their KV per token.
-        chunks.sort(key=lambda c: c.num_tokens > 1)
-        return StepPlan(tuple(chunks), tuple(preempted))
+        # Single-token chunks (decodes) first: attention gathers their KV per token. A
+        # chunk reading pages this step writes stays behind their writer (a pipeline's
+        # microbatches write and read in token order).
+        chunks.sort(key=lambda c: c.num_tokens > 1 or c.request in self._step_hits)
+        return StepPlan(tuple(chunks), tuple(preempted), self._transfers(chunks))
+
+    def _transfers(self, chunks: Sequence[ScheduledChunk]) -> tuple[Transfer, ...]:
+        """The host tier's queued copies, which go with a step that runs (kept queued
+        for the next one otherwise)."""
+        host = self.pool.host
+        return host.take_transfers() if host is not None and chunks else ()
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the tokens in flight bring the request to `max_tokens` or
@@ -193,8 +149,11 @@ class Scheduler:
             if not self._takes_adapter(request):
                 index += not request.finished  # a failed one left the queue
                 continue
+            restored = 0
             if self.pool.enable_caching and not request.scoring_prompt:
-                self.pages.take_cached(request)  # as vLLM: a scoring prompt runs every position
+                restored = self.pages.take_cached(request)  # a scoring prompt runs all (vLLM)
+                if self._step_pages.intersection(request.page_ids[0]):
+                    self._step_hits.add(request)
             start = request.num_computed_tokens
             count = min(_target(request) - start, budget)
             if not self.pages.reserve(request, start + count, first_query=start):
@@ -203,11 +162,13 @@ class Scheduler:
                 break
             if request.num_cached_tokens is None:
                 self._record_lookup(request)
+                self.cache_stats["host_hit_tokens"] += restored * self.page_size
             self.waiting.pop(index)
             self._static_quota -= self.policy == "static"
             request.status = Status.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             chunks.append(_chunk(request, count))
+            self._register_pages(request)
             budget -= count
         return budget
 
@@ -258,8 +219,13 @@ class Scheduler:
         stats["miss_tokens_no_shared_prefix"] += prompt - hit - shared
 
     def _register_pages(self, request: Request) -> None:
-        """Register the request's newly computed full pages in the prefix cache."""
+        """Register the request's newly computed full pages in the prefix cache (those
+        of a chunk being scheduled: requests admitted later in the step hit them, as in
+        vLLM, for a layer writes the step's K/V before it attends)."""
+        known = len(request.page_serials)
         self.pages.register(request)
+        if request.page_ids:
+            self._step_pages.update(request.page_ids[0][known:len(request.page_serials)])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -297,7 +263,9 @@ class Scheduler:
             if draft else chunk for chunk, draft in zip(plan.chunks, drafts, strict=True))
         for chunk in chunks:
             chunk.request.num_computed_tokens += len(chunk.draft_token_ids)
-        return dataclasses.replace(plan, chunks=chunks)
+        # the drafts' pages may have evicted cached ones: their offloads go first
+        return dataclasses.replace(plan, chunks=chunks,
+                                   transfers=plan.transfers + self._transfers(chunks))
 
     def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
         """Advance each chunk's request and append its sampled tokens, in order, checking

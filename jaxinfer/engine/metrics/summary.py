@@ -83,6 +83,7 @@ class Metrics:
     flop_count: FlopCount | None = None  # None: no MFU
     model_flops: int = 0  # what the steps' real tokens needed (FlopCount)
     prefix_cache: Callable[[], dict[str, int]] | None = None  # the cache's counts, read live
+    kv_offload: Callable[[], dict[str, float]] | None = None  # the host tier's, read live
     # speculative decoding's counts given the step seconds (engine/spec_decode/speculation.py)
     speculation: Callable[[float], dict[str, object]] | None = None
     # a mixture of experts' tokens routed per expert, by MoE decoder layer, read live
@@ -249,4 +250,16 @@ class Metrics:
                 "prefix_cache_miss_tokens_shared_below_page":
                     stats["miss_tokens_shared_below_page"],
                 "prefix_cache_evictions": stats["evictions"],
-                "prefix_cache_pages": stats["cached_pages"]}
+                "prefix_cache_pages": stats["cached_pages"],
+                **self._kv_offload_summary(stats)}
+
+    def _kv_offload_summary(self, stats: dict[str, int]) -> dict[str, float | int]:
+        """The host tier (kv_offloading_size): hits from it, what moved each way, the
+        host time the copies took (docs/kv_cache.md#the-host-tier)."""
+        if self.kv_offload is None:
+            return {}
+        tier = self.kv_offload()
+        return {"prefix_cache_host_hit_tokens": stats["host_hit_tokens"],
+                **{f"kv_offload_{key}": value for key, value in tier.items()},
+                "kv_offload_copy_ms_per_step": round(
+                    1000 * tier["copy_seconds"] / max(self.steps, 1), 3)}

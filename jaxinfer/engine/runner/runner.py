@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jaxinfer.config import DEFAULT_OPTIONS, ModelConfig, ModelOptions
 from jaxinfer.engine.core.buckets import Bucket, BucketSet
 from jaxinfer.engine.core.scheduler import StepPlan
-from jaxinfer.engine.runner import exported, results
+from jaxinfer.engine.runner import exported, kv_offload, results
 from jaxinfer.engine.runner import stages as stages_lib
 from jaxinfer.engine.runner.compiles import CompileCounter
 from jaxinfer.engine.runner.device import tree_bytes
@@ -152,6 +152,20 @@ class Runner:
         self.adapters = None  # LoRA adapter slots (lora.py), set by the loader
         self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
         self.last_step_bytes = 0
+        self.host_copies: kv_offload.HostCopies | None = None  # the host tier's copies
+
+    def enable_host_tier(self, size_gib: float) -> int:
+        """Keep up to `size_gib` GiB of evicted full pages in host memory, all devices
+        together (kv_offloading_size; kv_offload.py); returns how many pages that is."""
+        per_page = kv_offload.page_bytes(self.kv_cache, self.page_size)
+        slots = int(size_gib * 2**30 // per_page)
+        if slots < 1:
+            raise ValueError(f"kv_offloading_size={size_gib} GiB holds no KV page "
+                             f"({per_page} bytes a page, every layer)")
+        self.host_copies = kv_offload.HostCopies(
+            self.kv_cache, num_slots=slots, page_size=self.page_size,
+            memory_kind=kv_offload.memory_kind_for(self.mesh.devices.flat[0]))
+        return slots
 
     def _place_params(self, params: dict, kv_dtype: str) -> tuple[object, object, object]:
         """Put `params` where the step takes them, with empty LoRA adapter slots when the
@@ -217,6 +231,8 @@ class Runner:
         if self.enable_prompt_logprobs:
             jobs += [(b, True) for b in buckets if not b.decode]
         self._admission_program()
+        if self.host_copies is not None:
+            self.kv_cache = self.host_copies.warm_up(self.kv_cache)
         with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool, tqdm(
                 total=len(jobs), desc="warming up buckets", disable=not progress) as bar:
             for (bucket, scores), seconds in pool.map(self._timed_compile, jobs):
@@ -285,6 +301,8 @@ class Runner:
                                    decode=not scores and all(c.num_tokens == 1
                                                              for c in plan.chunks))
         compiled = self._compile(bucket, scores)
+        if plan.transfers:  # the host tier's copies: before the step writes or reads them
+            self.kv_cache = self.host_copies.run(self.kv_cache, plan.transfers)
         delta = self._send(plan.chunks, bucket)
         mask, mask_bytes = self.masks.build(token_masks, bucket.num_slots)
         self.last_step_bytes += mask_bytes
@@ -326,6 +344,8 @@ class Runner:
         pooled = None
         if step.pooled is not None:
             pooled = results.pooled(*(np.asarray(x) for x in step.pooled), step.chunks)
+        if self.host_copies is not None:
+            self.host_copies.flush()  # the pages gathered so far, off the device
         return StepResult(step.bucket, results.samples(np.asarray(step.packed), step.chunks),
                           prompt_scores, pooled)
 
