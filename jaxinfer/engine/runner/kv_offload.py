@@ -57,49 +57,67 @@ class CopyStats:
         return dataclasses.asdict(self) | {"copy_seconds": round(self.copy_seconds, 4)}
 
 
-class HostCopies:
-    """`num_slots` host pages of a KV cache laid out as `kv_cache` (model/attention.py:
-    layers of [P, ...] pages, quantized ones with [P, ...] scales, and the feature
-    store [P * page_size, F], all page-major)."""
+class CopyPrograms:
+    """The two jitted copies over a KV cache laid out as `kv_cache` (arrays, or
+    ShapeDtypeStructs with shardings to compile ahead of time; model/attention.py:
+    layers of [P, ...] pages, quantized ones with [P, ...] scales, the feature store
+    [P * page_size, F], all page-major): `gather(kv_cache, pages)` -> each leaf's pages,
+    split as the leaf is, in `memory_kind`; `scatter(kv_cache, rows, pages)` -> the
+    cache (donated) with them written back."""
 
-    def __init__(self, kv_cache: object, *, num_slots: int, page_size: int,
-                 memory_kind: str | None = None) -> None:
-        leaves, self._treedef = jax.tree.flatten(kv_cache)
-        self.num_slots, self.page_size = num_slots, page_size
-        self.rungs = rungs(num_slots)
-        self._views = [_page_view(x, page_size) for x in leaves]
-        self._shardings = [_batch_sharding(x, memory_kind) for x in leaves]
-        self._devices = [sorted(s.addressable_devices, key=lambda d: d.id)
-                         for s in self._shardings]
-        self.store = [[np.zeros((num_slots, *s.shard_shape((1, *view))[1:]), x.dtype)
-                       for _ in devices]
-                      for x, view, s, devices in zip(leaves, self._views, self._shardings,
-                                                     self._devices, strict=True)]
-        self.page_bytes = page_bytes(kv_cache, page_size)
-        self._gather = jax.jit(self._gather_fn, out_shardings=self._shardings)
+    def __init__(self, kv_cache: object, page_size: int, memory_kind: str | None) -> None:
+        leaves, self.treedef = jax.tree.flatten(kv_cache)
+        self.views = [_page_view(x, page_size) for x in leaves]
+        self.shardings = [_batch_sharding(x, memory_kind) for x in leaves]
+        self.gather = jax.jit(self._gather_fn, out_shardings=self.shardings)
         kv_shardings = jax.tree.map(lambda x: x.sharding, kv_cache)
-        self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,),
-                                in_shardings=(kv_shardings, self._shardings, None),
-                                out_shardings=kv_shardings)
-        self._pending: list[tuple[np.ndarray, list[jax.Array]]] = []  # (slots, pages)
-        self.stats = CopyStats()
-
-    # ---- the programs -----------------------------------------------------------------
+        self.scatter = jax.jit(self._scatter_fn, donate_argnums=(0,),
+                               in_shardings=(kv_shardings, self.shardings, None),
+                               out_shardings=kv_shardings)
 
     def _gather_fn(self, kv_cache: object, pages: jax.Array) -> list[jax.Array]:
         leaves = jax.tree.leaves(kv_cache)
-        return [x.reshape(-1, *view)[pages] for x, view in zip(leaves, self._views,
+        return [x.reshape(-1, *view)[pages] for x, view in zip(leaves, self.views,
                                                                   strict=True)]
 
     def _scatter_fn(self, kv_cache: object, rows: list[jax.Array], pages: jax.Array
                     ) -> object:
         leaves = jax.tree.leaves(kv_cache)
         out = []
-        for x, r, view, s in zip(leaves, rows, self._views, self._shardings, strict=True):
+        for x, r, view, s in zip(leaves, rows, self.views, self.shardings, strict=True):
             if s.memory_kind:  # staged in host memory: moved to the device in here
                 r = jax.device_put(r, s.with_memory_kind("device"))
             out.append(x.reshape(-1, *view).at[pages].set(r).reshape(x.shape))
-        return jax.tree.unflatten(self._treedef, out)
+        return jax.tree.unflatten(self.treedef, out)
+
+    def row_specs(self, kv_cache: object, count: int) -> list[jax.ShapeDtypeStruct]:
+        """The gathered rows of `count` pages, as ShapeDtypeStructs (for `scatter`)."""
+        return [jax.ShapeDtypeStruct((count, *view), x.dtype, sharding=s)
+                for x, view, s in zip(jax.tree.leaves(kv_cache), self.views,
+                                      self.shardings, strict=True)]
+
+
+class HostCopies:
+    """`num_slots` host pages of a KV cache laid out as `kv_cache` (CopyPrograms)."""
+
+    def __init__(self, kv_cache: object, *, num_slots: int, page_size: int,
+                 memory_kind: str | None = None) -> None:
+        leaves = jax.tree.leaves(kv_cache)
+        self.num_slots, self.page_size = num_slots, page_size
+        self.rungs = rungs(num_slots)
+        self.programs = CopyPrograms(kv_cache, page_size, memory_kind)
+        self._gather, self._scatter = self.programs.gather, self.programs.scatter
+        self._shardings = self.programs.shardings
+        self._devices = [sorted(s.addressable_devices, key=lambda d: d.id)
+                         for s in self._shardings]
+        self.store = [[np.zeros((num_slots, *s.shard_shape((1, *view))[1:]), x.dtype)
+                       for _ in devices]
+                      for x, view, s, devices in zip(leaves, self.programs.views,
+                                                     self._shardings, self._devices,
+                                                     strict=True)]
+        self.page_bytes = page_bytes(kv_cache, page_size)
+        self._pending: list[tuple[np.ndarray, list[jax.Array]]] = []  # (slots, pages)
+        self.stats = CopyStats()
 
     def warm_up(self, kv_cache: object) -> object:
         """Compile both programs for every rung (gathering and writing back page 0, the
