@@ -202,8 +202,30 @@ def _counters(snap: dict[str, Any]) -> Iterator[Metric]:
                        stats["prompt_tokens"])
         yield _counter("prefix_cache_hits", "prompt tokens the prefix cache served",
                        stats["hit_tokens"])
+    if "kv_offload_host_pages" in summary:
+        yield from _kv_offload(summary)
     if "spec_draft_tokens" in summary:
         yield from _speculation(summary)
+
+
+def _kv_offload(summary: dict[str, Any]) -> Iterator[Metric]:
+    """The prefix cache's host tier (docs/kv_cache.md#the-host-tier)."""
+    host = summary["prefix_cache_host_hit_tokens"]
+    by_tier = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_tier", "prompt tokens the "
+                                  "prefix cache served, by the tier that held them",
+                                  labels=["tier"])
+    by_tier.add_metric(["device"], summary["prefix_cache_hit_tokens"] - host)
+    by_tier.add_metric(["host"], host)
+    yield by_tier
+    moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "KV page bytes copied between "
+                                "the device pool and the host tier", labels=["direction"])
+    moved.add_metric(["to_host"], summary["kv_offload_bytes_to_host"])
+    moved.add_metric(["to_device"], summary["kv_offload_bytes_to_device"])
+    yield moved
+    yield _counter("kv_offload_copy_seconds", "host seconds spent on the host tier's copies",
+                   summary["kv_offload_copy_seconds"])
+    yield _gauge("kv_offload_host_pages_held", "pages the host tier holds",
+                 summary["kv_offload_host_pages_held"])
 
 
 def _speculation(summary: dict[str, Any]) -> Iterator[Metric]:

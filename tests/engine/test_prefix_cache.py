@@ -151,7 +151,7 @@ def test_scheduler_starts_a_request_on_its_cached_prefix():
     assert chunk.request is second and (chunk.start, chunk.num_tokens) == (8, 1)
     assert second.num_cached_tokens == 8 and second.page_ids[0][:2] == first.page_ids[0][:2]
     assert s.pool.refcount(first.page_ids[0][0]) == 2
-    assert s.cache_stats == {"prompt_tokens": 19, "hit_tokens": 8,
+    assert s.cache_stats == {"prompt_tokens": 19, "hit_tokens": 8, "host_hit_tokens": 0,
                              "miss_tokens_no_shared_prefix": 10 + 1,
                              "miss_tokens_shared_below_page": 0}
 
@@ -167,19 +167,38 @@ def test_scheduler_recomputes_the_last_prompt_token_and_counts_the_page_floor():
     assert s.cache_stats["miss_tokens_shared_below_page"] == 4
 
 
-def test_scheduler_n_siblings_wait_for_the_prompt_then_share_it():
+def test_scheduler_n_siblings_share_the_prompt_pages_in_the_step_that_computes_them():
     s = _scheduler()
     prompt = A + B + C + (30,)
     first, second = _request("p#0", prompt, 0, "p"), _request("p#1", prompt, 1, "p")
     s.add(first)
     s.add(second)
     plan = s.schedule()
-    assert [c.request for c in plan.chunks] == [first]  # the sibling waits
-    s.update(plan, [[50]])
+    assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == \
+        [(first, 0, 13), (second, 12, 1)]  # the one-token chunk stays behind its writer
+    assert second.page_ids[0][:3] == first.page_ids[0][:3]
+
+
+def test_scheduler_a_request_hits_pages_an_earlier_one_computes_in_the_same_step():
+    s = _scheduler()
+    running = _request("d", (40, 41, 42), 0)
+    s.add(running)
+    s.update(s.schedule(), [[50]])  # now decoding: a one-token chunk each step
+    first, second = _request("a", A + B + C + (13,), 1), _request("b", A + B + (20,), 2)
+    s.add(first)
+    s.add(second)
     plan = s.schedule()
     assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == \
-        [(first, 13, 1), (second, 12, 1)]
-    assert second.page_ids[0][:3] == first.page_ids[0][:3]
+        [(running, 3, 1), (first, 0, 13), (second, 8, 1)]
+    assert second.num_cached_tokens == 8 and second.page_ids[0][:2] == first.page_ids[0][:2]
+    assert s.cache_stats["hit_tokens"] == 8
+    s.update(plan, [[51], [52], [53]])
+    late = _request("c", A + (21,), 3)  # the next step: a plain hit
+    s.add(late)
+    plan = s.schedule()
+    assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == \
+        [(running, 4, 1), (first, 13, 1), (second, 9, 1), (late, 4, 1)]
+    assert late.num_cached_tokens == 4
 
 
 SMALL = dict(page_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,

@@ -108,7 +108,8 @@ def test_preemption_frees_latest_lowest_priority_and_recomputes():
     assert [r.request_id for r in plan.preempted] == ["b"]
     assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("a", 8, 1)]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.page_ids == []
-    assert b.output_token_ids == [2, 4] and a.page_ids == [[1, 2, 3]]
+    # b's pages went back tail first, so its last page is the one evicted
+    assert b.output_token_ids == [2, 4] and a.page_ids == [[1, 2, 4]]
     s.update(plan, [[5]])
     s.finish(a, "abort")
     plan = s.schedule()

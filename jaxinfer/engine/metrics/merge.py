@@ -16,7 +16,7 @@ KEPT = ("async_scheduling", "memory_bandwidth_gb_per_s", "peak_flops_source", "b
 BY_BUSY = ("roofline_fraction",)
 RATES = ("prompt_tokens_per_s", "generated_tokens_per_s", "bytes_read_per_s_gb",
          "achieved_tflops", "peak_tflops", "mean_pages_in_use", "warmup_seconds",
-         "grammar_mask_seconds")
+         "grammar_mask_seconds", "kv_offload_copy_seconds")
 LATENCY_FIELDS = ("queue", "ttft", "itl", "e2e")
 
 

@@ -172,8 +172,7 @@ class HostCopies:
                    sharding: jax.sharding.NamedSharding, devices: list) -> jax.Array:
         shards = [jax.device_put(rows[slots], _memory(sharding, device))
                   for rows, device in zip(store, devices, strict=True)]
-        shape = (len(slots), *sharding.shard_shape((1, *store[0].shape[1:]))[1:])
-        shape = _global_shape(sharding, shape)
+        shape = _global_shape(sharding, (len(slots), *store[0].shape[1:]))
         return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
     def flush(self, wait: bool = False) -> None:
