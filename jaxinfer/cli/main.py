@@ -84,7 +84,9 @@ COMMANDS = {
                     flags=("model", "device", "tensor_parallel_size", "data_parallel_size",
                            "pipeline_parallel_size", "pipeline_microbatches", "memory_gb",
                            "bandwidth_gb_per_s", "price_per_hour", *_PLAN_FLAGS,
-                           "speculative_config", "format"),
+                           "speculative_config", "enable_prefix_caching",
+                           "kv_offloading_size", "kv_offloading_backend",
+                           "disable_hybrid_kv_cache_manager", "format"),
                     defaults=PLAN_DEFAULTS),
     "audit": Command(run=audit, summary="prompt overlap of a JSONL file: the prefill a "
                      "prefix cache would save; loads no weights",

@@ -268,6 +268,7 @@ def plan() -> None:
     report = {"model": str(FLAGS.model or DEFAULT_MODEL), "dtype": settings.dtype,
               "quantization": settings.quantization,
               "data_parallel_size": dp, **result.summary(price_per_hour=price),
+              **_host_tier(result, settings, acc),
               "device": accelerators.describe(acc) if acc else None}
     if acc is not None:
         chosen = next((s for s in splits if (s.tensor_parallel_size, s.data_parallel_size,
@@ -275,6 +276,17 @@ def plan() -> None:
                       None) or layout.evaluate(cfg, acc, tp, dp, pp, microbatches, **kwargs)
         report["layout"] = layout.report(splits, chosen, acc, result.max_model_len)
     report_lib.write(report, sys.stdout, FLAGS.format)
+
+
+def _host_tier(result: object, settings: EngineConfig,
+               acc: accelerators.Accelerator | None) -> dict[str, object]:
+    """The host tier --kv_offloading_size keeps (sizing/host_tier.py), if given."""
+    if settings.kv_offloading_size is None:
+        return {}
+    from jaxinfer.sizing import host_tier
+
+    return {"host_tier": host_tier.report(result, settings.kv_offloading_size,
+                                          acc.chip if acc else None)}
 
 
 def _encoder_config() -> object | None:
@@ -292,6 +304,11 @@ def _plan_encoder(dtype: str, acc: accelerators.Accelerator | None) -> None:
     from jaxinfer.pooling.plan import encoder_plan
 
     settings = engine_config()
+    if settings.kv_offloading_size is not None:  # EngineConfig refuses a pooling runner
+        try:
+            dataclasses.replace(settings, runner="pooling")
+        except ValueError as e:
+            raise app.UsageError(f"--{e}") from None
     memory = int(FLAGS.memory_gb * 1e9) if FLAGS.memory_gb is not None else (
         int(acc.chip.usable_hbm_bytes * settings.gpu_memory_utilization) if acc else None)
     report = {"model": str(FLAGS.model), **encoder_plan(

@@ -36,6 +36,12 @@ class Chip:
     interconnect_source: str
     collective_latency_s: float
     hop_latency_s: float
+    # The chip's link to its host's memory, bytes/s one direction, as published and
+    # where: what the host tier's copies take (kv_offloading_size, sizing/host_tier.py);
+    # `host_link_note` says so where the figure is assumed.
+    host_link_bytes_per_s: float
+    host_link_source: str
+    host_link_note: str = ""
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -44,6 +50,8 @@ class Chip:
                      "hbm_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.host_link_bytes_per_s <= 0:
+            raise ValueError(f"{self.host_link_bytes_per_s=} must be > 0")
         if self.interconnect_bytes_per_s <= 0:
             raise ValueError(f"{self.interconnect_bytes_per_s=} must be > 0")
         if self.collective_latency_s < 0 or self.hop_latency_s < 0:
@@ -78,23 +86,37 @@ GPU_NETWORK_SOURCE = "https://cloud.google.com/compute/docs/gpus/gpu-network-ban
 # Assumed: no fixed cost and 1 us a ring step, the ICI link latency ASTRA-sim's TPU
 # validation used ("as per TPU research team"; astra-sim.github.io, TPU-v3 validation).
 TPU_HOP_LATENCY_S = 1e-6
+# A GPU's host link is PCIe x16: NVIDIA's datasheets give it both ways together (H100
+# and H200 SXM "PCIe Gen5: 128GB/s", A100 "PCIe Gen4: 64GB/s", L4 "PCIe Gen4 x16
+# 64GB/s"); one direction is half.
+H100_DATASHEET = ("https://resources.nvidia.com/en-us-tensor-core/"
+                  "nvidia-tensor-core-gpu-datasheet")
+PCIE_GEN5_X16 = 64e9
+PCIE_GEN4_X16 = 32e9
+# Google publishes no chip-to-host figure for v5e, v6e or v5p (their pages give HBM and
+# ICI only): assumed PCIe Gen4 x16, 32 GB/s each way, an assumption the report names.
+TPU_HOST_LINK_NOTE = ("not published for TPUs: assumed PCIe Gen4 x16, 32 GB/s each way "
+                      "(16 GT/s x 16 lanes)")
 
 
 def _gpu(generation: str, gib: int, bytes_per_s: float, bf16: float, int8: float,
          source: str, link_bytes_per_s: float, link_source: str,
-         hop_latency_s: float = 0.6e-6) -> Chip:
+         host_link: tuple[float, str], hop_latency_s: float = 0.6e-6) -> Chip:
     return Chip(generation=generation, platform="gpu", hbm_bytes=gib * GIB,
                 usable_hbm_bytes=int(gib * GIB * JAX_GPU_MEMORY_FRACTION), bf16_flops=bf16,
                 int8_ops=int8, hbm_bytes_per_s=bytes_per_s, source=source,
                 interconnect_bytes_per_s=link_bytes_per_s, interconnect_source=link_source,
-                collective_latency_s=NCCL_RING_LATENCY_S, hop_latency_s=hop_latency_s)
+                collective_latency_s=NCCL_RING_LATENCY_S, hop_latency_s=hop_latency_s,
+                host_link_bytes_per_s=host_link[0], host_link_source=host_link[1])
 
 
 def _tpu(generation: str, ici_bytes_per_s: float, **figures: object) -> Chip:
     url = f"https://cloud.google.com/tpu/docs/{generation}"
     return Chip(generation=generation, platform="tpu", source=url,
                 interconnect_bytes_per_s=ici_bytes_per_s, interconnect_source=url,
-                collective_latency_s=0.0, hop_latency_s=TPU_HOP_LATENCY_S, **figures)
+                collective_latency_s=0.0, hop_latency_s=TPU_HOP_LATENCY_S,
+                host_link_bytes_per_s=PCIE_GEN4_X16, host_link_source=url,
+                host_link_note=TPU_HOST_LINK_NOTE, **figures)
 
 
 CHIPS = {
@@ -116,24 +138,28 @@ CHIPS = {
     # dense (the datasheet's 1,979 / 3,958 are with 2:4 sparsity); NVLink 900 GB/s.
     "h100-80gb": _gpu("h100-80gb", 80, 3.35e12, 989e12, 1979e12,
                       "https://www.nvidia.com/en-us/data-center/h100/", 900e9,
-                      "https://www.nvidia.com/en-us/data-center/h100/"),
+                      "https://www.nvidia.com/en-us/data-center/h100/",
+                      (PCIE_GEN5_X16, H100_DATASHEET)),
     # A100 SXM4 40GB (A2 Standard): 1,555 GB/s HBM2; 312 TFLOP/s bf16 and 624 TOPS int8
     # dense (624 / 1,248 with sparsity); NVLink 600 GB/s.
     "a100-40gb": _gpu("a100-40gb", 40, 1.555e12, 312e12, 624e12, A100_DATASHEET, 600e9,
-                      A100_DATASHEET),
+                      A100_DATASHEET, (PCIE_GEN4_X16, A100_DATASHEET)),
     # A100 SXM4 80GB (A2 Ultra): 2,039 GB/s HBM2e; the same peaks and NVLink as the 40GB.
     "a100-80gb": _gpu("a100-80gb", 80, 2.039e12, 312e12, 624e12, A100_DATASHEET, 600e9,
-                      A100_DATASHEET),
+                      A100_DATASHEET, (PCIE_GEN4_X16, A100_DATASHEET)),
     # L4 (G2): 24 GB GDDR6 at 300 GB/s; 121 TFLOP/s bf16 and 242.5 TOPS int8 dense
     # (242 / 485 with sparsity). No NVLink: PCIe Gen4 x16, 64 GB/s.
     "l4": _gpu("l4", 24, 300e9, 121e12, 242.5e12, "https://www.nvidia.com/en-us/data-center/l4/",
-               64e9, "https://www.nvidia.com/en-us/data-center/l4/", hop_latency_s=1.0e-6),
+               64e9, "https://www.nvidia.com/en-us/data-center/l4/",
+               (PCIE_GEN4_X16, "https://www.nvidia.com/en-us/data-center/l4/"),
+               hop_latency_s=1.0e-6),
     # H200 SXM: 141 GB HBM3e at 4.8 TB/s; the H100's tensor cores, 989 TFLOP/s bf16 and
     # 1,979 TOPS int8 dense (1,979 / 3,958 with sparsity); NVLink 900 GB/s. Counted in
     # GiB as the others.
     "h200": _gpu("h200", 141, 4.8e12, 989e12, 1979e12,
                  "https://www.nvidia.com/en-us/data-center/h200/", 900e9,
-                 "https://www.nvidia.com/en-us/data-center/h200/"),
+                 "https://www.nvidia.com/en-us/data-center/h200/",
+                 (PCIE_GEN5_X16, "https://www.nvidia.com/en-us/data-center/h200/")),
 }
 # JAX's `device_kind` -> chip. Exact names only: a part of another form factor (H100
 # PCIe or NVL, A100 PCIe) has other peaks and is left to the measured fallback.
@@ -305,6 +331,7 @@ def describe(acc: Accelerator) -> dict[str, object]:
             "collective_latency_s": chip.collective_latency_s,
             "hop_latency_s": chip.hop_latency_s,
             "interconnect_source": chip.interconnect_source,
+            "device_host_link_bytes_per_s": chip.host_link_bytes_per_s,
             "hosts": acc.hosts, "host_chips": acc.host_chips or acc.chips,
             "network_bytes_per_s": acc.network_bytes_per_s,
             "network_source": acc.network_source or None}
