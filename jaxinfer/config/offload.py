@@ -26,6 +26,10 @@ def check_settings(config: Any) -> None:
         "pipeline_parallel_size": (config.pipeline_parallel_size > 1,
                                    "pages stored by pipeline stage are not offloaded"),
         "runner": (config.runner == "pooling", "a pooling model keeps no prefix cache"),
+        "speculative_config": (
+            config.speculative_config is not None
+            and config.speculative_config.method != "ngram",
+            "a draft model's or heads' own KV pages are not offloaded; n-gram works"),
     }
     for name, (bad, why) in refused.items():
         if bad:

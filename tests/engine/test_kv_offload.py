@@ -6,6 +6,7 @@ pool that holds everything. Same-step hits: tests/engine/test_prefix_cache.py.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -46,14 +47,14 @@ def test_an_evicted_page_goes_to_the_host_and_a_hit_brings_it_back_under_its_ser
     assert pool.match(list(A + B), 4, 2) == ([p1], s[:1])  # the device holds only A
     pool.free([3, p2])
     pages, serials, restored = pool.take_match(list(A + B + C), 4, 3)
-    assert serials == s and restored == [1] and pool.host.num_held == 0
+    assert serials == s and restored == [1] and pool.host.num_held == 1  # kept there too
     [transfer] = pool.host.take_transfers()
     assert transfer == Transfer(RESTORE, pages[1], 0)  # into a device page, from slot 0
     assert pool.refcount(pages[0]) == pool.refcount(pages[1]) == 1
     assert pool.lookup(s[0], B).page == pages[1]  # registered again, same serial
 
 
-def test_the_host_tier_evicts_its_least_recent_and_reuses_restored_slots_after_the_step():
+def test_the_host_tier_evicts_its_least_recent_and_never_a_slot_a_queued_restore_reads():
     host = HostTier(2)
     pool = PagePool(8, enable_caching=True, host=host)
     pages = _cache(pool, [A, B, C])
@@ -61,14 +62,18 @@ def test_the_host_tier_evicts_its_least_recent_and_reuses_restored_slots_after_t
     assert host.num_held == 2 and host.stats["evictions"] == 1
     assert [(t.page, t.slot) for t in host.take_transfers()] == [
         (pages[2], 0), (pages[1], 1), (pages[0], 0)]
-    assert pool.lookup_host(ROOT, A) is not None and pool.lookup_host(ROOT, D) is None
+    assert pool.lookup_host(ROOT, A) is not None and pool.lookup_host(ROOT, C) is None
     pool.free([1, 2])
-    entry = pool.lookup_host(ROOT, A)
-    page = pool.restore(entry)
-    assert host.take_transfers() == (Transfer(RESTORE, page, 0),)  # slot 0 free from now
+    page = pool.restore(pool.lookup_host(ROOT, A))
     pool.free([page])
-    assert pool.allocate(2)[1] == page  # evicted again: its offload reuses slot 0
-    assert host.take_transfers() == (Transfer(OFFLOAD, page, 0),)
+    assert pool.allocate(2)[1] == page  # evicted again: the host holds it, nothing copied
+    assert host.stats["copies_saved"] == 1
+    assert host.take_transfers() == (Transfer(RESTORE, page, 0),)
+    host.restore(pool.lookup_host(ROOT, A), 5)  # slot 0 read by a queued restore
+    host.put(dataclasses.replace(pool.lookup_host(ROOT, A), hash=123, tokens=D))
+    assert [(t.kind, t.slot) for t in host.take_transfers()] == [(RESTORE, 0), (OFFLOAD, 1)]
+    assert host.get(123) is not None and pool.lookup_host(pool.lookup_host(
+        ROOT, A).serial, B) is None  # B's slot went to the newcomer, A's stayed
 
 
 def test_a_page_computed_again_takes_the_host_entrys_serial_so_its_children_chain():
@@ -78,7 +83,7 @@ def test_a_page_computed_again_takes_the_host_entrys_serial_so_its_children_chai
     pool.allocate(2)  # both evicted to the host
     pool.free([1, 2])
     (page,) = pool.allocate(1)
-    assert pool.register(page, ROOT, A) == serial_a and pool.host.num_held == 1
+    assert pool.register(page, ROOT, A) == serial_a and pool.host.num_held == 2
     assert pool.lookup_host(serial_a, B) is not None  # B still chains to A
 
 
@@ -186,7 +191,10 @@ def test_offload_keeps_greedy_tokens_and_serves_evicted_prefixes(hf_model_dirs,
     (dict(kv_offloading_size="8"), "kv_offloading_size"),
     (dict(kv_offloading_size=1, enable_prefix_caching=False), "enable_prefix_caching"),
     (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "kv_offloading_backend"),
-    (dict(kv_offloading_size=1, pipeline_parallel_size=2), "pipeline_parallel_size")])
+    (dict(kv_offloading_size=1, pipeline_parallel_size=2), "pipeline_parallel_size"),
+    (dict(kv_offloading_size=1, speculative_config={
+        "method": "draft_model", "model": "/draft", "num_speculative_tokens": 2}),
+     "speculative_config")])
 def test_bad_offload_settings_are_refused_naming_the_field(settings, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**settings)

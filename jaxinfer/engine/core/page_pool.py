@@ -142,8 +142,8 @@ class PagePool:
         held = self.host and self.host.get(key)
         serial = self._serial()
         if held and (held.parent, held.tokens, held.extra) == (parent, tokens, extra):
-            self.host.drop(key)  # computed again: the device holds it now, as it was named
-            serial = held.serial
+            serial = held.serial  # computed again: named as the host's copy, so that its
+            # children there chain to it
         return self._add(CachedPage(key, page, serial, parent, tokens, extra))
 
     def _add(self, entry: CachedPage) -> int:
@@ -174,7 +174,7 @@ class PagePool:
         pages = self.allocate(1)
         if pages is None:
             return None
-        if self.host.get(entry.hash) is not entry:  # the allocation evicted it
+        if self.host.get(entry.hash) is None:  # the allocation evicted it
             self.free(pages)
             return None
         self.host.restore(entry, pages[0])
