@@ -137,8 +137,8 @@ class HostCopies:
         for offloads, restores in phases(transfers):
             for batch in _batches(offloads, self.rungs[-1]):
                 self._offload(kv_cache, batch)
-            if restores:
-                self.flush(wait=True)
+            if restores:  # waits only for a gather whose pages a restore reads
+                self.flush(wait=True, slots={t.slot for t in restores})
             for batch in _batches(restores, self.rungs[-1]):
                 kv_cache = self._restore(kv_cache, batch)
         self.stats.copy_seconds += time.perf_counter() - began
@@ -175,20 +175,27 @@ class HostCopies:
         shape = _global_shape(sharding, (len(slots), *store[0].shape[1:]))
         return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
-    def flush(self, wait: bool = False) -> None:
-        """Move gathered pages into the host store: all of them (`wait`), or those
-        whose gather has finished."""
+    def flush(self, wait: bool = False, slots: typing.Collection[int] | None = None
+              ) -> None:
+        """Move gathered pages into the host store, oldest first (a slot may be written
+        twice): the batches whose gather has finished; with `wait`, every batch up to
+        the last that writes one of `slots` (default: all), waiting for them."""
         began = time.perf_counter()
-        kept = []
-        for slots, pages in self._pending:
-            if not wait and not all(p.is_ready() for p in pages):
-                kept.append((slots, pages))
-                continue
+        count = 0
+        if wait:
+            for index, (written, _) in enumerate(self._pending):
+                if slots is None or not set(slots).isdisjoint(written.tolist()):
+                    count = index + 1
+        else:
+            while count < len(self._pending) and all(
+                    p.is_ready() for p in self._pending[count][1]):
+                count += 1
+        for written, pages in self._pending[:count]:
             for store, batch, devices in zip(self.store, pages, self._devices, strict=True):
                 by_device = {s.device: s.data for s in batch.addressable_shards}
                 for rows, device in zip(store, devices, strict=True):
-                    rows[slots] = np.asarray(by_device[device])[:len(slots)]
-        self._pending = kept
+                    rows[written] = np.asarray(by_device[device])[:len(written)]
+        self._pending = self._pending[count:]
         self.stats.copy_seconds += time.perf_counter() - began
 
     def read(self, slot: int) -> list[list[np.ndarray]]:
