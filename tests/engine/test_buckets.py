@@ -23,10 +23,18 @@ def test_decode_buckets_respect_min_tokens():
 def test_mixed_buckets_climb_tokens_with_every_slot():
     buckets = BucketSet(max_num_batched_tokens=512, max_num_seqs=64)
     mixed = [b for b in buckets.all() if not b.decode]
-    assert mixed == [Bucket(t, 64) for t in (16, 32, 64, 128, 256, 512)]
-    assert buckets.pick(300, 5) == Bucket(512, 64)
+    assert mixed == [Bucket(t, 64) for t in (16, 32, 64, 128, 256, 320, 384, 448, 512)]
+    assert buckets.pick(300, 5) == Bucket(320, 64)
+    assert buckets.pick(385, 33) == Bucket(448, 64)
     assert buckets.pick(17, 3) == Bucket(32, 64)
-    assert len(buckets.all()) == 7 + 6  # the old (tokens x slots) ladder had 39
+    assert len(buckets.all()) == 7 + 9  # the old (tokens x slots) ladder had 39
+
+
+def test_mixed_padding_above_256_stays_under_a_quarter_of_the_step():
+    tokens = BucketSet(max_num_batched_tokens=512, max_num_seqs=32).tokens
+    for num_tokens in range(257, 513):
+        padded = next(t for t in tokens if t >= num_tokens)
+        assert padded - num_tokens < 64 and padded / num_tokens <= 1.25
 
 
 def test_pick_refuses_what_no_bucket_holds():

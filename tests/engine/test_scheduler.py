@@ -214,8 +214,12 @@ def test_abort_waiting_and_running():
 
 
 def test_token_and_slot_ladders():
-    assert token_ladder(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    # powers of two to 256, every 64 tokens to 512, every 512 after
+    assert token_ladder(512) == [16, 32, 64, 128, 256, 320, 384, 448, 512]
+    assert token_ladder(2048) == [16, 32, 64, 128, 256, 320, 384, 448, 512, 1024, 1536, 2048]
     assert token_ladder(100) == [16, 32, 64, 100]
+    assert token_ladder(300) == [16, 32, 64, 128, 256, 300]
+    assert token_ladder(1000) == [16, 32, 64, 128, 256, 320, 384, 448, 512, 1000]
     assert slot_ladder(48) == [1, 2, 4, 8, 16, 32, 48]
 
 

@@ -10,6 +10,7 @@ import bisect
 import dataclasses
 
 MIN_TOKENS = 16
+FINE_FROM, FINE_STEP = 256, 64  # from FINE_FROM to LINEAR_FROM, rungs every FINE_STEP
 LINEAR_FROM = 512  # past this, token rungs grow linearly by this step
 
 
@@ -22,10 +23,15 @@ class Bucket:
 
 
 def token_ladder(max_num_batched_tokens: int) -> list[int]:
+    """Mixed steps' token rungs: powers of two up to FINE_FROM, every FINE_STEP up to
+    LINEAR_FROM, every LINEAR_FROM after, and the budget (docs/architecture.md#buckets)."""
     rungs, size = [], MIN_TOKENS
     while size < max_num_batched_tokens:
         rungs.append(size)
-        size = size * 2 if size < LINEAR_FROM else size + LINEAR_FROM
+        if size < FINE_FROM:
+            size *= 2
+        else:
+            size += FINE_STEP if size < LINEAR_FROM else LINEAR_FROM
     return rungs + [max_num_batched_tokens]
 
 
