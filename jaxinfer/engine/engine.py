@@ -109,7 +109,9 @@ class Engine(RequestIntake, RolloutControls, adapters.AdapterControls):
     def _kv_offload_counts(self) -> dict[str, float]:
         host, copies = self.scheduler.pool.host, self.runner.host_copies
         return {"host_pages": host.num_slots, "host_pages_held": host.num_held,
-                "host_evictions": host.stats["evictions"], **copies.stats.as_dict()}
+                "host_evictions": host.stats["evictions"],
+                "copies_saved": host.stats["copies_saved"],  # evicted again, held already
+                "pages_dropped": host.stats["dropped"], **copies.stats.as_dict()}
 
     def warm_up(self) -> None:
         """Compile every bucket now, so that serving never compiles."""
