@@ -89,11 +89,11 @@ def prefill_vs_audit(rows: dict[str, dict], audit: dict, arm: str) -> dict:
            "cached_tokens_missed": missed}
     if missed > 0:
         out["why"] = (
-            "audit replays prompts one at a time, each seeing every earlier prompt's pages; "
-            "the engine registers a step's pages after admitting its requests "
-            "(jaxinfer/engine/core/scheduler.py, Scheduler.schedule: _admit before "
-            "_register_pages), so requests admitted in the same step as the first one that "
-            "carries the preamble compute it again")
+            "audit replays prompts one at a time through a cache that never evicts; the "
+            "engine's pool evicts cached pages (prefix_cache_evictions), so text two "
+            "documents share far apart in the input is computed again: "
+            "--kv_offloading_size keeps those pages in host memory "
+            "(docs/kv_cache.md#the-host-tier)")
     return out
 
 
