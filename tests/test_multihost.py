@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -107,6 +108,29 @@ def test_two_processes_write_what_one_process_writes(model_dir, tmp_path, layout
     assert outs[0].read_text().splitlines() == want  # tokens, text, in the same order
     assert not outs[1].exists()  # only process 0 writes
     assert '"done": 4' in results[0][1] and '"done"' not in results[1][1]
+
+
+def test_two_processes_keep_their_host_tiers_in_step(model_dir, tmp_path):
+    """Four 3-page preambles asked twice, round-robin, through a pool of 11 pages (two
+    requests in flight take 8): the repeats hit pages restored from each process's own
+    host tier (its devices' shards), and the outputs are one process's."""
+    preambles = [f"# module {i}: " + "abcdefgh"[i] * 36 for i in range(4)]
+    records = [{"id": f"p{p}q{q}", "prompt": preamble + f" q{q}", "max_tokens": 4,
+                "temperature": 0.0} for q in range(2) for p, preamble in enumerate(preambles)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", records)
+    offload = ["--dtype=float32", f"--kv_cache_memory_bytes={12 * 16 * 2048}",
+               "--kv_offloading_size=0.01"]  # 2,048 K/V bytes a token over the 8 devices
+    ref = subprocess.run(_batch(model_dir, inp, tmp_path / "ref.jsonl", *offload),
+                         cwd=ROOT, env=_env(8), capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert ref.returncode == 0, ref.stderr
+    outs = [tmp_path / f"out{i}.jsonl" for i in range(2)]
+    results = _finish(_start_pair([_batch(model_dir, inp, out, *offload) for out in outs]))
+    for i, (code, stderr) in enumerate(results):
+        assert code == 0, f"process {i}: {stderr}"
+    assert outs[0].read_text() == (tmp_path / "ref.jsonl").read_text()
+    hits = re.findall(r'"prefix_cache_host_hit_tokens": (\d+)', results[0][1] + ref.stderr)
+    assert len(hits) == 2 and hits[0] == hits[1] and int(hits[0]) >= 4 * 16
 
 
 def test_generate_across_two_stages_prints_what_one_process_prints(model_dir):

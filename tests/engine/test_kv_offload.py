@@ -21,6 +21,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner.kv_offload import HostCopies, rungs
 from jaxinfer.model import sharding
 from jaxinfer.model.attention import init_kv_cache, kv_cache_shardings
+from jaxinfer.server import prometheus
 
 A, B, C, D = (1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12), (13, 14, 15, 16)
 
@@ -184,6 +185,18 @@ def test_offload_keeps_greedy_tokens_and_serves_evicted_prefixes(hf_model_dirs,
         offload["kv_offload_pages_to_host"] * runs["offload"].runner.host_copies.page_bytes)
     assert all(s["compiles_after_warmup"] == 0 for s in summary.values())
     assert "kv_offload_host_pages" not in summary["plain"]
+    text = prometheus.exposition(prometheus.snapshot(runs["offload"]), "m").decode()
+    assert _sample(text, "prefix_cache_hits_by_tier_total", 'tier="host"') == (
+        offload["prefix_cache_host_hit_tokens"])
+    assert _sample(text, "kv_offload_bytes_total", 'direction="to_device"') == (
+        offload["kv_offload_bytes_to_device"])
+
+
+def _sample(text, family, label):
+    """The value of the exposition's `jaxinfer:<family>` line that has `label`."""
+    [line] = [line for line in text.splitlines()
+              if line.startswith(f"jaxinfer:{family}{{") and label in line]
+    return float(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.parametrize("settings,field", [
@@ -198,3 +211,26 @@ def test_offload_keeps_greedy_tokens_and_serves_evicted_prefixes(hf_model_dirs,
 def test_bad_offload_settings_are_refused_naming_the_field(settings, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**settings)
+
+
+def test_each_replica_offloads_its_own_shards_under_data_and_tensor_parallelism(
+        hf_model_dirs):
+    """DP 2 x TP 2: each replica's tier keeps its two devices' halves of a page; the
+    tokens are one device's with a pool that holds everything."""
+    from jaxinfer import LLM
+
+    prompts = _workload()
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(
+        hf_model_dirs["llama"], **SMALL, kv_cache_memory_bytes=200 * PAGE_BYTES).generate(
+        prompts, greedy, use_tqdm=False)]
+    llm = LLM(hf_model_dirs["llama"], **SMALL, data_parallel_size=2, tensor_parallel_size=2,
+              kv_cache_memory_bytes=20 * PAGE_BYTES, kv_offloading_size=64 * PAGE_BYTES / 2**30)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    metrics = llm.metrics()
+    assert all(r["prefix_cache_host_hit_tokens"] > 0 for r in metrics["replicas"])
+    assert metrics["compiles_after_warmup"] == 0
+    for replica in llm.engine.replicas:
+        copies = replica.runner.host_copies
+        assert [len(per_device) for per_device in copies.store] == [2] * len(copies.store)
