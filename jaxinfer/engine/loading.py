@@ -100,11 +100,7 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                                                    quantization_mode=config.quantization)
     params = _quantized(params, served, root, config, mesh, options)
     spec = config.speculative_config
-    buckets = BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
-                        max_num_seqs=config.max_num_seqs,
-                        min_tokens=runner_lib.min_step_tokens(config.dtype,
-                                                              config.quantization),
-                        verify_positions=spec.num_speculative_tokens + 1 if spec else 0)
+    buckets = step_buckets(config)
     runner = runner_lib.Runner(
         served, params, mesh=mesh, num_pages=group_pages, page_size=config.page_size,
         group_windows=tuple(group.window for group in memory_plan.page_groups),
@@ -125,6 +121,15 @@ def load(model_dir: str | os.PathLike, config: EngineConfig, *, replica: int = 0
                        eos_token_ids=eos_token_ids, default_params=defaults,
                        max_model_len=max_len, memory_plan=memory_plan, runner=runner,
                        flops=flop_count(model_config, config), speculation=speculation)
+
+
+def step_buckets(config: EngineConfig) -> BucketSet:
+    """The padding ladders the runner compiles (engine/core/buckets.py)."""
+    spec = config.speculative_config
+    return BucketSet(max_num_batched_tokens=config.max_num_batched_tokens,
+                     max_num_seqs=config.max_num_seqs,
+                     min_tokens=runner_lib.min_step_tokens(config.dtype, config.quantization),
+                     verify_positions=spec.num_speculative_tokens + 1 if spec else 0)
 
 
 def engine_options(config: EngineConfig, feature_layers: tuple[int, ...] = ()

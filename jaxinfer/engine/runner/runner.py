@@ -146,9 +146,6 @@ class Runner:
         self.enable_prompt_logprobs = enable_prompt_logprobs
         self.uses_draft_probs = uses_draft_probs  # verify steps take the draft's q (draft model)
         self._jit_programs(cfg, page_size, param_shardings, kv_shardings, whole)
-        self._compiled: dict[tuple[Bucket, bool], typing.Callable] = {}  # (bucket, scores)
-        self._admit_compiled: typing.Callable | None = None
-        self._lower_lock = threading.Lock()
         self.adapters = None  # LoRA adapter slots (lora.py), set by the loader
         self.bytes_sent = 0  # host-to-device bytes of every step's inputs so far
         self.last_step_bytes = 0
@@ -193,7 +190,8 @@ class Runner:
                       kv_shardings: object, whole: object) -> None:
         """The jitted programs: the step (decode-only and mixed), its scoring and verify
         variants and admission; inputs are params, KV cache, batch state, the
-        step's delta and its token mask (token_masks.py); KV cache and state donated."""
+        step's delta and its token mask (token_masks.py); KV cache and state donated.
+        Each is compiled on first use (or at warm-up) and kept."""
         ins = (param_shardings, kv_shardings, whole, whole, whole)
         outs = (kv_shardings, whole, whole)
         common = dict(page_size=page_size, attention=self.attention, options=self.options)
@@ -212,6 +210,9 @@ class Runner:
                                out_shardings=outs, donate_argnums=(1, 2))
         self._admit = jax.jit(batch_state.admit, in_shardings=(whole, whole),
                               out_shardings=whole, donate_argnums=(0,))
+        self._compiled: dict[tuple[Bucket, bool], typing.Callable] = {}  # (bucket, scores)
+        self._admit_compiled: typing.Callable | None = None
+        self._lower_lock = threading.Lock()  # tracing is not thread-safe
 
     @property
     def weight_bytes(self) -> int:
